@@ -1,0 +1,94 @@
+"""Page-chain keys and chunk keys: the one key derivation used by router and workers.
+
+Invariants:
+- A page key names the exact token ids of a full page *and* everything before it:
+  ``key_i = SHA-256(key_{i-1} || namespace || token ids of page i)``. Two pages
+  share a key only if the whole token prefix up to their end is identical under the
+  same namespace, so reusing the page's KV is exact.
+- Keys are deterministic across processes and machines (SHA-256 over fixed-width
+  little-endian token ids; never Python ``hash()``).
+- Only full pages get keys; a trailing partial page is always recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+PageKey = bytes  # 32-byte SHA-256 digest
+
+_KEY_VERSION = b"chunkserve-pagekey-v1"
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Model id + tenant salt. The salt comes from the server (the caller's API key),
+    never from the client, so two tenants never share keys for identical text."""
+
+    model_id: str
+    tenant_salt: str = ""
+
+    @property
+    def digest(self) -> bytes:
+        h = hashlib.sha256(_KEY_VERSION)
+        for part in (self.model_id, self.tenant_salt):
+            encoded = part.encode()
+            h.update(struct.pack("<I", len(encoded)))
+            h.update(encoded)
+        return h.digest()
+
+
+def root_key(namespace: Namespace) -> PageKey:
+    """The parent key of a sequence's first page."""
+    return hashlib.sha256(b"root" + namespace.digest).digest()
+
+
+def page_key(parent: PageKey, namespace_digest: bytes, page_tokens: Sequence[int]) -> PageKey:
+    """Key of one full page given its parent's key."""
+    if any(t < 0 or t >= 2**32 for t in page_tokens):
+        raise ValueError("token ids must be in [0, 2**32)")
+    h = hashlib.sha256(parent)
+    h.update(namespace_digest)
+    h.update(struct.pack(f"<{len(page_tokens)}I", *page_tokens))
+    return h.digest()
+
+
+def page_keys(
+    token_ids: Sequence[int],
+    page_size: int,
+    namespace: Namespace,
+    parent: PageKey | None = None,
+) -> list[PageKey]:
+    """Keys of every full page of ``token_ids`` (the trailing partial page has none)."""
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    key = root_key(namespace) if parent is None else parent
+    digest = namespace.digest
+    keys: list[PageKey] = []
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        key = page_key(key, digest, token_ids[start : start + page_size])
+        keys.append(key)
+    return keys
+
+
+def chunk_keys(
+    chunk_lengths: Sequence[int], keys: Sequence[PageKey], page_size: int
+) -> list[PageKey | None]:
+    """Chunk key of each chunk: the page key at the chunk's last full page.
+
+    ``chunk_lengths`` are token counts of consecutive chunks; ``keys`` the page keys
+    of their concatenation. A worker "holds" a chunk when it holds that page (and so,
+    by the chain, every page before it). A chunk that ends before the first full page
+    has no key (``None``).
+    """
+    out: list[PageKey | None] = []
+    end = 0
+    for length in chunk_lengths:
+        if length < 0:
+            raise ValueError("chunk lengths must be >= 0")
+        end += length
+        full_pages = min(end // page_size, len(keys))
+        out.append(keys[full_pages - 1] if full_pages > 0 else None)
+    return out
