@@ -16,6 +16,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 PageKey = bytes  # 32-byte SHA-256 digest
 
@@ -30,7 +31,7 @@ class Namespace:
     model_id: str
     tenant_salt: str = ""
 
-    @property
+    @cached_property
     def digest(self) -> bytes:
         h = hashlib.sha256(_KEY_VERSION)
         for part in (self.model_id, self.tenant_salt):

@@ -1,0 +1,142 @@
+"""Turn requests into chunks with the canonical tokenization.
+
+A chat message is one chunk; a message whose content is a list of text parts gives
+one chunk per part (the message's template header goes with its first part, the
+footer with its last); the generation prompt is a chunk of its own. Each chunk is
+tokenized on its own and the results are concatenated, so a chunk's tokens never
+depend on what follows it — the same document yields the same tokens wherever it
+appears. This tokenization is used with reuse on and off alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+_PART_SENTINEL = "\u2063CHUNKSERVE-PART\u2063"
+
+
+class ChatTokenizer(Protocol):
+    """What chunking needs of a tokenizer (a Hugging Face tokenizer fits)."""
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Chunk:
+    role: str  # system | user | assistant | tool | context | query | generation
+    token_ids: tuple[int, ...]
+
+
+Message = Mapping[str, Any]
+
+
+def validate_messages(messages: Sequence[Message]) -> None:
+    if not messages:
+        raise ValueError("messages must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
+        if not isinstance(m["role"], str) or not m["role"]:
+            raise ValueError(f"messages[{i}].role must be a non-empty string")
+        content = m["content"]
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list) or not content:
+            raise ValueError(f"messages[{i}].content must be a string or a non-empty list of parts")
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                raise ValueError(
+                    f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': ...}}"
+                )
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{i}].content[{j}].text must be a string")
+
+
+def chunk_prompt(tokenizer: ChatTokenizer, prompt: str) -> list[Chunk]:
+    """A plain string prompt is one chunk."""
+    if not prompt:
+        raise ValueError("prompt is empty")
+    return [Chunk("query", tuple(tokenizer.encode(prompt)))]
+
+
+def chunk_conversation(
+    tokenizer: ChatTokenizer, messages: Sequence[Message], add_generation_prompt: bool = True
+) -> list[Chunk]:
+    validate_messages(messages)
+    texts = _render_per_chunk(tokenizer, messages, add_generation_prompt)
+    return [
+        Chunk(role, tuple(tokenizer.encode(text, add_special_tokens=False)))
+        for role, text in texts
+        if text
+    ]
+
+
+def _render(tokenizer: ChatTokenizer, messages: Sequence[Message], generation: bool) -> str:
+    if not messages and not generation:
+        return ""
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=generation
+    )
+
+
+def _render_per_chunk(
+    tokenizer: ChatTokenizer, messages: Sequence[Message], add_generation_prompt: bool
+) -> list[tuple[str, str]]:
+    """(role, text) per chunk, such that the texts concatenate to the full rendering.
+
+    Relies on the template rendering a conversation's prefix as a prefix of its text
+    (true of ChatML and Llama 3 templates); when a template breaks that, the whole
+    conversation becomes one chunk, which is still exact, just less shareable.
+    """
+    flat = [_flatten(m) for m in messages]
+    full = _render(tokenizer, flat, add_generation_prompt)
+    out: list[tuple[str, str]] = []
+    previous = ""
+    for k, message in enumerate(messages):
+        rendered = _render(tokenizer, flat[: k + 1], False)
+        if not rendered.startswith(previous):
+            return [("conversation", full)]
+        piece = rendered[len(previous) :]
+        parts = _split_parts(tokenizer, flat[:k], message, previous, piece)
+        if parts is None:
+            return [("conversation", full)]
+        out += [(message["role"], text) for text in parts]
+        previous = rendered
+    if not full.startswith(previous):
+        return [("conversation", full)]
+    out.append(("generation", full[len(previous) :]))
+    return out
+
+
+def _flatten(message: Message) -> dict[str, Any]:
+    content = message["content"]
+    if isinstance(content, list):
+        content = "".join(part["text"] for part in content)
+    return {**message, "content": content}
+
+
+def _split_parts(
+    tokenizer: ChatTokenizer,
+    history: list[dict[str, Any]],
+    message: Message,
+    previous: str,
+    piece: str,
+) -> list[str] | None:
+    """Texts of a message's chunks: itself, or one per content part."""
+    content = message["content"]
+    if isinstance(content, str) or len(content) == 1:
+        return [piece]
+    probe = _render(tokenizer, [*history, {**message, "content": _PART_SENTINEL}], False)
+    if not probe.startswith(previous) or probe.count(_PART_SENTINEL) != 1:
+        return None
+    header, footer = probe[len(previous) :].split(_PART_SENTINEL)
+    texts = [part["text"] for part in content]
+    texts[0] = header + texts[0]
+    texts[-1] = texts[-1] + footer
+    if "".join(texts) != piece:
+        return None
+    return texts

@@ -1,0 +1,104 @@
+"""The attention backend interface.
+
+KV cache layout (one tensor per layer, FlashInfer's paged NHD layout with K and V
+interleaved per page): ``[num_pages, 2, page_size, num_kv_heads, head_dim]``.
+Index 0 of dim 1 holds keys, 1 holds values. A token at position ``p`` of a
+sequence lives in page ``page_table[p // page_size]`` at offset ``p % page_size``.
+
+A forward step covers a flattened batch of sequences; each contributes its new
+tokens (a prefill chunk, or one decode token) and attends causally over its whole
+KV (cached prefix + new tokens). ``BatchLayout`` describes that once per step;
+``AttentionBackend.plan`` turns it into backend metadata that every layer reuses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """One step's batch shape. All tensors are int32 on the CPU.
+
+    Invariants: ``qo_indptr[-1]`` is the number of new tokens T; for sequence i,
+    ``kv_lens[i] >= qo_indptr[i+1] - qo_indptr[i]`` (new tokens are the last ones of
+    its KV); ``kv_page_indptr`` indexes ``kv_page_indices`` with exactly
+    ``ceil(kv_lens[i] / page_size)`` pages per sequence.
+    """
+
+    qo_indptr: torch.Tensor  # [B + 1]
+    kv_page_indptr: torch.Tensor  # [B + 1]
+    kv_page_indices: torch.Tensor  # [total pages]
+    kv_last_page_len: torch.Tensor  # [B], in 1..page_size
+    kv_lens: torch.Tensor  # [B]
+    slot_mapping: torch.Tensor  # [T], page * page_size + offset of each new token
+    page_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.kv_lens.numel()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.qo_indptr[-1])
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence contributes exactly one new token."""
+        return self.num_tokens == self.batch_size
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+
+class AttentionMetadata(Protocol):
+    """Backend-specific, built once per step by ``plan``; read-only afterwards."""
+
+
+class AttentionBackend(Protocol):
+    """Paged attention over a flattened batch.
+
+    ``plan`` is called once per step; ``forward`` once per layer with the same
+    metadata. ``forward`` first writes the new tokens' K/V into ``kv_cache`` at
+    ``slot_mapping`` (the only mutation), then returns attention outputs of the new
+    tokens' queries over each sequence's full KV, causally.
+    """
+
+    name: str
+
+    def plan(self, layout: BatchLayout) -> AttentionMetadata: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_pages, 2, page_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor: ...  # [T, num_heads, head_dim]
+
+
+def write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter new K/V into the paged cache (shared by backends)."""
+    num_pages, _, page_size = kv_cache.shape[:3]
+    flat = kv_cache.view(num_pages, 2, page_size, -1)
+    pages = slot_mapping // page_size
+    offsets = slot_mapping % page_size
+    flat[pages, 0, offsets] = k.reshape(k.shape[0], -1).to(kv_cache.dtype)
+    flat[pages, 1, offsets] = v.reshape(v.shape[0], -1).to(kv_cache.dtype)

@@ -1,0 +1,80 @@
+"""Reference attention backend in plain torch; runs on any device.
+
+Correctness reference for the FlashInfer backend and the CPU path: it gathers each
+sequence's pages and runs masked softmax attention per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.attention.base import AttentionShape, BatchLayout, write_kv
+
+
+@dataclass(frozen=True)
+class TorchSequencePlan:
+    q_start: int
+    q_end: int
+    kv_pages: torch.Tensor  # [kv_len] page of each KV position, on the cache's device
+    kv_offsets: torch.Tensor  # [kv_len] offset within the page
+    mask: torch.Tensor  # [q_len, kv_len] bool, True where attention is allowed
+
+
+@dataclass(frozen=True)
+class TorchMetadata:
+    slot_mapping: torch.Tensor
+    sequences: tuple[TorchSequencePlan, ...]
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(self, shape: AttentionShape) -> None:
+        self.shape = shape
+
+    def plan(self, layout: BatchLayout) -> TorchMetadata:
+        device = self.shape.device
+        page_size = layout.page_size
+        offsets = torch.arange(page_size, dtype=torch.int64)
+        plans = []
+        for i in range(layout.batch_size):
+            q_start, q_end = int(layout.qo_indptr[i]), int(layout.qo_indptr[i + 1])
+            kv_len = int(layout.kv_lens[i])
+            pages = layout.kv_page_indices[
+                int(layout.kv_page_indptr[i]) : int(layout.kv_page_indptr[i + 1])
+            ].long()
+            kv_pages = pages.repeat_interleave(page_size)[:kv_len]
+            kv_offsets = offsets.repeat(pages.numel())[:kv_len]
+            q_pos = torch.arange(kv_len - (q_end - q_start), kv_len)
+            mask = torch.arange(kv_len)[None, :] <= q_pos[:, None]
+            plans.append(
+                TorchSequencePlan(
+                    q_start, q_end, kv_pages.to(device), kv_offsets.to(device), mask.to(device)
+                )
+            )
+        return TorchMetadata(layout.slot_mapping.to(device).long(), tuple(plans))
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TorchMetadata,
+    ) -> torch.Tensor:
+        write_kv(kv_cache, k, v, metadata.slot_mapping)
+        out = torch.empty_like(q)
+        group = self.shape.num_heads // self.shape.num_kv_heads
+        for seq in metadata.sequences:
+            qs = q[seq.q_start : seq.q_end].transpose(0, 1)  # [H, n, D]
+            ks = kv_cache[seq.kv_pages, 0, seq.kv_offsets].transpose(0, 1)  # [Hkv, L, D]
+            vs = kv_cache[seq.kv_pages, 1, seq.kv_offsets].transpose(0, 1)
+            ks = ks.repeat_interleave(group, dim=0)
+            vs = vs.repeat_interleave(group, dim=0)
+            scores = (qs.float() @ ks.float().transpose(1, 2)) * self.shape.scale
+            scores = scores.masked_fill(~seq.mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[seq.q_start : seq.q_end] = (probs @ vs.float()).to(q.dtype).transpose(0, 1)
+        return out

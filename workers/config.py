@@ -1,0 +1,52 @@
+"""Engine configuration (frozen; validated on construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    device: str | None = None  # None: cuda if available, else cpu
+    dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
+    page_size: int = 16
+    num_pages: int | None = None  # None: sized from memory (see kv_cache_memory)
+    gpu_memory_utilization: float = 0.85  # share of GPU memory for weights + KV
+    cpu_kv_cache_bytes: int = 256 * 2**20
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None: the model's, capped at the pool's capacity
+    enable_reuse: bool = True
+    attention_backend: str | None = None  # None: flashinfer on cuda, torch elsewhere
+    model_id: str | None = None  # name in the key namespace; None: the directory's name
+    tenant_salt: str = ""
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+
+    def resolved_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype is None:
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if self.dtype not in names:
+            raise ValueError(f"dtype must be one of {sorted(names)}, got {self.dtype!r}")
+        return names[self.dtype]

@@ -1,0 +1,215 @@
+"""The engine: owns the model runner, KV pool and scheduler; advances all requests
+one step at a time. Single-threaded: callers serialize access."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from chunkstore.hashing import Namespace
+from workers.attention import make_backend
+from workers.attention.base import AttentionShape
+from workers.checkpoint import checkpoint_fingerprint, load_tokenizer
+from workers.config import EngineConfig
+from workers.detokenizer import detokenize_step
+from workers.kv_pool import KVPool
+from workers.model_runner import ModelRunner
+from workers.models.config import ModelConfig
+from workers.models.loader import load_model
+from workers.request import Sequence
+from workers.sampler import sample
+from workers.sampling_params import SamplingParams
+from workers.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model_dir)
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype()
+        self.tokenizer = load_tokenizer(config.model_dir)
+        model = load_model(config.model_dir, self.model_config, self.dtype, self.device)
+        num_pages = config.num_pages or self._auto_num_pages()
+        self.pool = KVPool(num_pages, config.page_size)
+        mc = self.model_config
+        shape = AttentionShape(
+            mc.num_heads, mc.num_kv_heads, mc.head_dim, config.page_size, self.dtype, self.device
+        )
+        backend = make_backend(config.attention_backend, shape)
+        self.runner = ModelRunner(model, backend, num_pages, config.page_size)
+        # Invariant: a lone sequence always fits in the pool, so preemption terminates.
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, num_pages * config.page_size
+        )
+        self.scheduler = Scheduler(
+            self.pool,
+            SchedulerLimits(
+                config.max_num_seqs, config.max_num_batched_tokens, config.enable_reuse
+            ),
+        )
+        self.model_id = config.model_id or Path(config.model_dir).resolve().name
+        self.namespace_model = f"{self.model_id}@{checkpoint_fingerprint(config.model_dir)}"
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self._eos_token_ids = frozenset(eos)
+        self._sequences: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+
+    # -- requests --------------------------------------------------------------
+    def namespace(self, tenant_salt: str | None = None) -> Namespace:
+        salt = self.config.tenant_salt if tenant_salt is None else tenant_salt
+        return Namespace(self.namespace_model, salt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tenant_salt: str | None = None,
+    ) -> None:
+        self._validate(request_id, prompt_token_ids)
+        seq = Sequence(
+            request_id=request_id,
+            arrival=next(self._arrivals),
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            namespace=self.namespace(tenant_salt),
+        )
+        if params.seed is not None and not params.greedy:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        self._sequences[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._sequences.pop(request_id, None)
+        if seq is None or seq.is_finished:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- stepping --------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        logits = self.runner.run(batch)
+        self._publish_pages(batch)
+        sampling = [item for item in batch if item.samples]
+        tokens = sample(
+            logits,
+            [item.seq.params for item in sampling],
+            [item.seq.generator for item in sampling],
+        )
+        outputs = []
+        for item in batch:
+            item.seq.num_computed = item.end
+        for item, token in zip(sampling, tokens, strict=True):
+            outputs.append(self._append_token(item.seq, token))
+        return outputs
+
+    def _publish_pages(self, batch: list[ScheduledSeq]) -> None:
+        if not self.config.enable_reuse:
+            return
+        page_size = self.pool.page_size
+        for item in batch:
+            seq = item.seq
+            keys = seq.keys_for_full_pages(page_size, item.end)
+            for index in range(item.start // page_size, item.end // page_size):
+                self.pool.publish(seq.page_ids[index], keys[index], seq.page_tokens(index, page_size))
+
+    def _append_token(self, seq: Sequence, token: int) -> StepOutput:
+        params = seq.params
+        seq.token_ids.append(token)
+        seq.text += detokenize_step(self.tokenizer, seq)
+        reason = self._finish_reason(seq, token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            del self._sequences[seq.request_id]
+        holdback = 0 if reason else max((len(s) - 1 for s in params.stop), default=0)
+        new_text = seq.text[seq.emitted_chars : max(seq.emitted_chars, len(seq.text) - holdback)]
+        seq.emitted_chars += len(new_text)
+        return StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=(token,),
+            new_text=new_text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+        )
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and token in self._eos_token_ids:
+            return "stop"
+        if params.stop and self._cut_at_stop_string(seq):
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _cut_at_stop_string(seq: Sequence) -> bool:
+        """Cut ``seq.text`` before the first stop string in it; True if one was found."""
+        positions = [p for s in seq.params.stop if (p := seq.text.find(s)) >= 0]
+        if not positions:
+            return False
+        seq.text = seq.text[: min(positions)]
+        return True
+
+    # -- helpers ---------------------------------------------------------------
+    def _validate(self, request_id: str, prompt: list[int]) -> None:
+        if request_id in self._sequences:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+            )
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens but this model serves at most "
+                f"{self.max_model_len - 1} prompt tokens (context length {self.max_model_len}); "
+                "shorten the prompt"
+            )
+
+    def _auto_num_pages(self) -> int:
+        per_page = ModelRunner.bytes_per_page(self.model_config, self.config.page_size, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserve = total * (1 - self.config.gpu_memory_utilization)
+            budget = free - reserve - 2**30  # room for activations
+        else:
+            budget = self.config.cpu_kv_cache_bytes
+        num_pages = int(budget // per_page)
+        if num_pages < 2:
+            raise ValueError(
+                "not enough memory for the KV cache: lower the model size or set num_pages"
+            )
+        return num_pages

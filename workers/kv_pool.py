@@ -1,0 +1,151 @@
+"""Page bookkeeping for the paged KV cache (the tensors live in the model runner).
+
+Every page is in exactly one of three states:
+- *free*: no key, ref count 0 — in ``_free``;
+- *cached*: keyed, ref count 0 — in ``_lru`` (evictable, least recently used first);
+- *in use*: ref count > 0, keyed or not. Pages of a running request are never evicted.
+
+A key names a full page's tokens and everything before them (see
+``chunkstore.hashing``); at most one page holds a given key. Key changes are queued
+as ``CacheEvent``s for the chunk directory.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from chunkstore.events import CacheEvent, EventKind
+from chunkstore.hashing import PageKey
+
+
+@dataclass
+class _Page:
+    ref_count: int = 0
+    key: PageKey | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+class KVPool:
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError("num_pages and page_size must be >= 1")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._pages = [_Page() for _ in range(num_pages)]
+        self._free: deque[int] = deque(range(num_pages))
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._by_key: dict[PageKey, int] = {}
+        self._events: list[CacheEvent] = []
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def num_available(self) -> int:
+        """Pages that ``allocate`` can hand out (free + evictable cached)."""
+        return len(self._free) + len(self._lru)
+
+    def ref_count(self, page_id: int) -> int:
+        return self._pages[page_id].ref_count
+
+    def match_prefix(
+        self, keys: Sequence[PageKey], token_pages: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """Pages holding the longest prefix of ``keys``, with token ids verified.
+
+        Takes no references: call ``acquire`` on the result before anything can evict.
+        """
+        hits: list[int] = []
+        for key, tokens in zip(keys, token_pages, strict=False):
+            page_id = self._by_key.get(key)
+            if page_id is None or self._pages[page_id].token_ids != tuple(tokens):
+                break
+            hits.append(page_id)
+        return hits
+
+    def cached_keys(self) -> list[PageKey]:
+        """Every key this pool holds (a snapshot for the directory)."""
+        return list(self._by_key)
+
+    # -- mutations -----------------------------------------------------------
+    def acquire(self, page_ids: Sequence[int]) -> None:
+        for page_id in page_ids:
+            page = self._pages[page_id]
+            if page.ref_count == 0:
+                self._lru.pop(page_id, None)
+            page.ref_count += 1
+
+    def allocate(self, count: int) -> list[int] | None:
+        """``count`` fresh pages with ref count 1, evicting least recently used cached
+        pages as needed; ``None`` (and no change) if there are not enough."""
+        if count > self.num_available:
+            return None
+        taken: list[int] = []
+        evicted: list[PageKey] = []
+        for _ in range(count):
+            if self._free:
+                page_id = self._free.popleft()
+            else:
+                page_id, _ = self._lru.popitem(last=False)
+                evicted.append(self._unkey(page_id))
+            self._pages[page_id].ref_count = 1
+            taken.append(page_id)
+        if evicted:
+            self._events.append(CacheEvent(EventKind.REMOVED, tuple(evicted)))
+        return taken
+
+    def release(self, page_ids: Sequence[int]) -> None:
+        """Drop one reference from each page. Released pages are freed in reverse so
+        a sequence's tail pages are evicted before its head (heads are shared more)."""
+        for page_id in reversed(page_ids):
+            page = self._pages[page_id]
+            if page.ref_count <= 0:
+                raise ValueError(f"page {page_id} released more often than acquired")
+            page.ref_count -= 1
+            if page.ref_count == 0:
+                if page.key is None:
+                    self._free.append(page_id)
+                else:
+                    self._lru[page_id] = None
+
+    def publish(self, page_id: int, key: PageKey, token_ids: Sequence[int]) -> bool:
+        """Record that in-use ``page_id`` now holds the full page named ``key``.
+
+        Returns False (page stays unkeyed) when another page already holds the key,
+        e.g. two requests computed the same prefix in one step.
+        """
+        page = self._pages[page_id]
+        if page.ref_count == 0:
+            raise ValueError(f"page {page_id} must be in use to be published")
+        if len(token_ids) != self.page_size:
+            raise ValueError("only full pages can be published")
+        if key in self._by_key or page.key is not None:
+            return False
+        page.key = key
+        page.token_ids = tuple(token_ids)
+        self._by_key[key] = page_id
+        self._events.append(CacheEvent(EventKind.STORED, (key,)))
+        return True
+
+    def clear(self) -> None:
+        """Forget every key. Pages in use stay allocated but become unshareable."""
+        for page_id in list(self._lru):
+            self._unkey(page_id)
+            self._free.append(page_id)
+        self._lru.clear()
+        for page_id in list(self._by_key.values()):
+            self._unkey(page_id)
+        self._events.append(CacheEvent(EventKind.CLEARED))
+
+    def drain_events(self) -> list[CacheEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def _unkey(self, page_id: int) -> PageKey:
+        page = self._pages[page_id]
+        key = page.key
+        assert key is not None
+        del self._by_key[key]
+        page.key = None
+        page.token_ids = ()
+        return key

@@ -1,0 +1,106 @@
+"""Runs the model on one scheduled batch: builds inputs and attention metadata once
+per step, runs the forward pass, returns logits of the sequences that sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.attention.base import AttentionBackend, BatchLayout
+from workers.models.decoder import DecoderModel
+from workers.scheduler import ScheduledSeq
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    layout: BatchLayout
+    logits_indices: torch.Tensor  # [S] rows of the last token of each sampling sequence
+
+
+def build_inputs(batch: list[ScheduledSeq], page_size: int) -> StepInputs:
+    """Flatten a batch (CPU tensors). Pure function of the batch; no device work."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    qo_indptr = [0]
+    page_indptr = [0]
+    page_indices: list[int] = []
+    last_page_len: list[int] = []
+    kv_lens: list[int] = []
+    logits_indices: list[int] = []
+    for item in batch:
+        seq = item.seq
+        input_ids += seq.token_ids[item.start : item.end]
+        for pos in range(item.start, item.end):
+            positions.append(pos)
+            slots.append(seq.page_ids[pos // page_size] * page_size + pos % page_size)
+        qo_indptr.append(len(input_ids))
+        num_pages = -(-item.end // page_size)
+        page_indices += seq.page_ids[:num_pages]
+        page_indptr.append(len(page_indices))
+        last_page_len.append(item.end - (num_pages - 1) * page_size)
+        kv_lens.append(item.end)
+        if item.samples:
+            logits_indices.append(len(input_ids) - 1)
+
+    def i32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32)
+
+    layout = BatchLayout(
+        qo_indptr=i32(qo_indptr),
+        kv_page_indptr=i32(page_indptr),
+        kv_page_indices=i32(page_indices),
+        kv_last_page_len=i32(last_page_len),
+        kv_lens=i32(kv_lens),
+        slot_mapping=i32(slots),
+        page_size=page_size,
+    )
+    return StepInputs(
+        torch.tensor(input_ids, dtype=torch.long),
+        torch.tensor(positions, dtype=torch.long),
+        layout,
+        torch.tensor(logits_indices, dtype=torch.long),
+    )
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: DecoderModel,
+        backend: AttentionBackend,
+        num_pages: int,
+        page_size: int,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.page_size = page_size
+        config = model.config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        shape = (num_pages, 2, page_size, config.num_kv_heads, config.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(config.num_layers)
+        ]
+
+    @staticmethod
+    def bytes_per_page(config, page_size: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return config.num_layers * 2 * page_size * config.num_kv_heads * config.head_dim * element
+
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        """Logits [S, vocab] (float32) for the sequences in ``batch`` that sample."""
+        inputs = build_inputs(batch, self.page_size)
+        metadata = self.backend.plan(inputs.layout)
+        hidden = self.model(
+            inputs.input_ids.to(self.device, non_blocking=True),
+            inputs.positions.to(self.device, non_blocking=True),
+            self.kv_caches,
+            self.backend,
+            metadata,
+        )
+        return self.model.compute_logits(hidden[inputs.logits_indices.to(self.device)])

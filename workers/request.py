@@ -1,0 +1,82 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from chunkstore.hashing import Namespace, PageKey, page_key, root_key
+from workers.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """Invariants: ``num_computed <= len(token_ids)``; tokens ``[0, num_computed)``
+    have their KV in ``page_ids``; ``page_keys[i]`` is the chain key of page i and
+    exists only for full computed pages."""
+
+    request_id: str
+    arrival: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    namespace: Namespace
+    token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    page_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens served from cache, set on admission
+    page_keys: list[PageKey] = field(default_factory=list)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    text: str = ""
+    emitted_chars: int = 0  # prefix of ``text`` already returned to the caller
+    # incremental detokenization window
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        self.prefix_offset = self.read_offset = len(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def page_tokens(self, index: int, page_size: int) -> list[int]:
+        return self.token_ids[index * page_size : (index + 1) * page_size]
+
+    def keys_for_full_pages(self, page_size: int, upto_tokens: int) -> list[PageKey]:
+        """Extend ``page_keys`` to cover every full page within the first
+        ``upto_tokens`` tokens, and return them."""
+        full = min(upto_tokens, len(self.token_ids)) // page_size
+        digest = self.namespace.digest
+        while len(self.page_keys) < full:
+            parent = self.page_keys[-1] if self.page_keys else root_key(self.namespace)
+            tokens = self.page_tokens(len(self.page_keys), page_size)
+            self.page_keys.append(page_key(parent, digest, tokens))
+        return self.page_keys[:full]

@@ -1,0 +1,49 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from workers.sampling_params import SamplingParams
+
+
+def sample(
+    logits: torch.Tensor,  # [S, vocab], float32
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """One token per row. Greedy rows take the argmax; others sample from the
+    temperature-scaled distribution restricted by top-k and top-p. A row with a
+    generator draws only from it, so a seeded request is reproducible whatever it is
+    batched with."""
+    tokens = logits.argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
+        for j, i in enumerate(sampled_rows):
+            tokens[i] = torch.multinomial(probs[j].cpu(), 1, generator=generators[i])[0]
+    return tokens.tolist()
+
+
+def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits / temps[:, None]
+    top_ks = [p.top_k for p in params]
+    if any(top_ks):
+        vocab = logits.shape[-1]
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    top_ps = torch.tensor([p.top_p for p in params], device=logits.device)
+    if bool((top_ps < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # keep a token while the mass before it is below top_p (the top token always)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= top_ps[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(dim=-1)
