@@ -10,12 +10,12 @@ Events of one worker are applied in order; order across workers does not matter.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from chunkstore.hashing import PageKey
 
 
-class EventKind(str, Enum):
+class EventKind(StrEnum):
     STORED = "stored"
     REMOVED = "removed"
     CLEARED = "cleared"

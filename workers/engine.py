@@ -136,7 +136,9 @@ class Engine:
             seq = item.seq
             keys = seq.keys_for_full_pages(page_size, item.end)
             for index in range(item.start // page_size, item.end // page_size):
-                self.pool.publish(seq.page_ids[index], keys[index], seq.page_tokens(index, page_size))
+                self.pool.publish(
+                    seq.page_ids[index], keys[index], seq.page_tokens(index, page_size)
+                )
 
     def _append_token(self, seq: Sequence, token: int) -> StepOutput:
         params = seq.params
@@ -189,9 +191,7 @@ class Engine:
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(
-                f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
-            )
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         if len(prompt) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt)} tokens but this model serves at most "

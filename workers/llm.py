@@ -37,7 +37,9 @@ class LLM:
     comparisons); every other keyword is an ``EngineConfig`` field."""
 
     def __init__(self, model_dir: str, device: str | None = None, dtype: str | None = None, **kw):
-        self.engine = Engine(EngineConfig(model_dir=str(model_dir), device=device, dtype=dtype, **kw))
+        self.engine = Engine(
+            EngineConfig(model_dir=str(model_dir), device=device, dtype=dtype, **kw)
+        )
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
@@ -127,4 +129,3 @@ def _per_prompt(
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts")
     return list(params)
-

@@ -42,7 +42,9 @@ class RotaryEmbedding(nn.Module):
             "inv_freq", inverse_frequencies(head_dim, theta, scaling), persistent=False
         )
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables for ``positions`` [T] -> two [T, head_dim] tensors."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -38,7 +38,12 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config says so (moving the
+        model between devices unties parameters, so call this again after)."""
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(

@@ -33,6 +33,7 @@ def load_model(
     with torch.device("meta"):
         model = DecoderModel(config)
     model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
     # Buffers are not in the checkpoint: rebuild them on the real device.
     model.rotary.inv_freq = inverse_frequencies(
         config.head_dim, config.rope_theta, config.rope_scaling
@@ -69,7 +70,11 @@ def _iter_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
-        except (OSError, RuntimeError, SafetensorError) as e:  # how safetensors reports a corrupt file
+        except (
+            OSError,
+            RuntimeError,
+            SafetensorError,
+        ) as e:  # how safetensors reports a corrupt file
             raise ValueError(f"cannot read {str(path)!r}: {e}") from e
 
 

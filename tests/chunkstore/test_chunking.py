@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from chunkstore.chunking import chunk_conversation, chunk_prompt
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def tokenizer(request, model_factory):
+    return AutoTokenizer.from_pretrained(model_factory(request.param))
+
+
+def _flat(chunks):
+    return [t for c in chunks for t in c.token_ids]
+
+
+def test_one_chunk_per_message_plus_generation_prompt(tokenizer):
+    messages = [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": "Hello there."},
+    ]
+    chunks = chunk_conversation(tokenizer, messages)
+    assert [c.role for c in chunks] == ["system", "user", "generation"]
+    text = tokenizer.decode(_flat(chunks))
+    assert text == tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_chunk_tokens_do_not_depend_on_what_follows(tokenizer):
+    doc = {"role": "user", "content": "The river runs past the old mill."}
+    a = chunk_conversation(tokenizer, [{"role": "system", "content": "S"}, doc])
+    b = chunk_conversation(
+        tokenizer, [{"role": "system", "content": "S"}, doc, {"role": "user", "content": "More"}]
+    )
+    assert a[1] == b[1]
+
+
+def test_text_parts_give_one_chunk_each(tokenizer):
+    parts = [{"type": "text", "text": t} for t in ("Doc one. ", "Doc two. ", "Question?")]
+    messages = [{"role": "system", "content": "Sys"}, {"role": "user", "content": parts}]
+    chunks = chunk_conversation(tokenizer, messages)
+    assert [c.role for c in chunks] == ["system", "user", "user", "user", "generation"]
+    text = tokenizer.decode(_flat(chunks))
+    assert text == tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    # a part keeps its tokens when the parts around it change
+    other = [parts[1], {"type": "text", "text": "Another question?"}]
+    swapped = chunk_conversation(tokenizer, [messages[0], {"role": "user", "content": other}])
+    middle = chunk_conversation(
+        tokenizer, [messages[0], {"role": "user", "content": [parts[0], parts[1], parts[2]]}]
+    )
+    assert middle[2].token_ids == tuple(tokenizer.encode("Doc two. ", add_special_tokens=False))
+    assert swapped[1].token_ids[-len(middle[2].token_ids) :] == middle[2].token_ids
+
+
+@pytest.mark.parametrize(
+    "messages,message",
+    [
+        ([], "non-empty list"),
+        ([{"role": "user"}], "'role' and 'content'"),
+        ([{"role": "", "content": "x"}], "role must be a non-empty string"),
+        ([{"role": "user", "content": []}], "string or a non-empty list"),
+        ([{"role": "user", "content": [{"type": "image"}]}], "'type': 'text'"),
+        ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "text must be a string"),
+    ],
+)
+def test_bad_messages(tokenizer, messages, message):
+    with pytest.raises(ValueError, match=message):
+        chunk_conversation(tokenizer, messages)
+
+
+def test_plain_prompt_is_one_chunk(tokenizer):
+    (chunk,) = chunk_prompt(tokenizer, "hello world")
+    assert tokenizer.decode(chunk.token_ids) == "hello world"
+    with pytest.raises(ValueError, match="empty"):
+        chunk_prompt(tokenizer, "")
