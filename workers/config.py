@@ -21,6 +21,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's, capped at the pool's capacity
     enable_reuse: bool = True
     attention_backend: str | None = None  # None: flashinfer on cuda, torch elsewhere
+    enable_cascade: bool = True  # cascade decode where the cost model says it pays
+    enable_cuda_graphs: bool = True  # CUDA graphs for plain decode steps (flashinfer only)
     model_id: str | None = None  # name in the key namespace; None: the directory's name
     tenant_salt: str = ""
 

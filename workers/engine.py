@@ -20,7 +20,7 @@ from workers.model_runner import ModelRunner
 from workers.models.config import ModelConfig
 from workers.models.loader import load_model
 from workers.request import Sequence
-from workers.sampler import sample
+from workers.sampler import sample, top_logprobs
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 
@@ -36,11 +36,17 @@ class StepOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    # (chosen token, logprob), then the top alternatives; None unless requested
+    logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, stream_text: bool = False) -> None:
+        """``stream_text``: produce text deltas every step (for streaming clients);
+        otherwise text comes with the final output only (and where stop strings
+        need it)."""
         self.config = config
+        self.stream_text = stream_text
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
@@ -52,11 +58,19 @@ class Engine:
         shape = AttentionShape(
             mc.num_heads, mc.num_kv_heads, mc.head_dim, config.page_size, self.dtype, self.device
         )
-        backend = make_backend(config.attention_backend, shape)
-        self.runner = ModelRunner(model, backend, num_pages, config.page_size)
+        backend = make_backend(config.attention_backend, shape, config.enable_cascade)
         # Invariant: a lone sequence always fits in the pool, so preemption terminates.
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, num_pages * config.page_size
+        )
+        self.runner = ModelRunner(
+            model,
+            backend,
+            num_pages,
+            config.page_size,
+            self.max_model_len,
+            config.max_num_seqs,
+            config.enable_cuda_graphs,
         )
         self.scheduler = Scheduler(
             self.pool,
@@ -121,12 +135,13 @@ class Engine:
             [item.seq.params for item in sampling],
             [item.seq.generator for item in sampling],
         )
-        outputs = []
+        logprobs = top_logprobs(logits, tokens, [item.seq.params for item in sampling])
         for item in batch:
             item.seq.num_computed = item.end
-        for item, token in zip(sampling, tokens, strict=True):
-            outputs.append(self._append_token(item.seq, token))
-        return outputs
+        return [
+            self._append_token(item.seq, token, lp)
+            for item, token, lp in zip(sampling, tokens, logprobs, strict=True)
+        ]
 
     def _publish_pages(self, batch: list[ScheduledSeq]) -> None:
         if not self.config.enable_reuse:
@@ -140,12 +155,18 @@ class Engine:
                     seq.page_ids[index], keys[index], seq.page_tokens(index, page_size)
                 )
 
-    def _append_token(self, seq: Sequence, token: int) -> StepOutput:
+    def _append_token(
+        self, seq: Sequence, token: int, logprobs: tuple[tuple[int, float], ...] | None
+    ) -> StepOutput:
         params = seq.params
         seq.token_ids.append(token)
-        seq.text += detokenize_step(self.tokenizer, seq)
+        incremental = self.stream_text or bool(params.stop)
+        if incremental:
+            seq.text += detokenize_step(self.tokenizer, seq)
         reason = self._finish_reason(seq, token)
         if reason is not None:
+            if not incremental:  # decode once at the end: cheaper than per step
+                seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             self.scheduler.finish(seq, reason)
             del self._sequences[seq.request_id]
         holdback = 0 if reason else max((len(s) - 1 for s in params.stop), default=0)
@@ -159,6 +180,7 @@ class Engine:
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens or 0,
+            logprobs=logprobs,
         )
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

@@ -22,6 +22,8 @@ class RequestOutput:
     text: str
     finish_reason: str
     num_cached_tokens: int  # prompt tokens served from the KV cache
+    # per generated token: (token, logprob) then the top alternatives (if requested)
+    logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 @dataclass
@@ -30,6 +32,7 @@ class _Collected:
     text: str = ""
     finish_reason: str = ""
     num_cached_tokens: int = 0
+    logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
 
 
 class LLM:
@@ -97,6 +100,8 @@ class LLM:
                 entry.token_ids += out.new_token_ids
                 entry.text += out.new_text
                 entry.num_cached_tokens = out.num_cached_tokens
+                if out.logprobs is not None:
+                    entry.logprobs.append(out.logprobs)
                 if out.finished:
                     entry.finish_reason = out.finish_reason
                     pending.discard(out.request_id)
@@ -108,6 +113,7 @@ class LLM:
                 text=collected[rid].text,
                 finish_reason=collected[rid].finish_reason,
                 num_cached_tokens=collected[rid].num_cached_tokens,
+                logprobs=tuple(collected[rid].logprobs),
             )
             for rid, tokens in zip(ids, token_lists, strict=True)
         ]

@@ -67,12 +67,18 @@ def build_inputs(batch: list[ScheduledSeq], page_size: int) -> StepInputs:
 
 
 class ModelRunner:
+    """Owns the KV tensors: ``num_pages`` pool pages plus one scratch page (index
+    ``num_pages``) that padded CUDA-graph rows read and write."""
+
     def __init__(
         self,
         model: DecoderModel,
         backend: AttentionBackend,
         num_pages: int,
         page_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        enable_cuda_graphs: bool,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -80,11 +86,23 @@ class ModelRunner:
         config = model.config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        shape = (num_pages, 2, page_size, config.num_kv_heads, config.head_dim)
+        shape = (num_pages + 1, 2, page_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device)
             for _ in range(config.num_layers)
         ]
+        self.graphs = None
+        if enable_cuda_graphs and self.device.type == "cuda" and backend.name == "flashinfer":
+            from workers.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(
+                model,
+                backend,
+                self.kv_caches,
+                scratch_page=num_pages,
+                max_batch_size=max_num_seqs,
+                max_pages_per_seq=-(-max_model_len // page_size),
+            )
 
     @staticmethod
     def bytes_per_page(config, page_size: int, dtype: torch.dtype) -> int:
@@ -95,6 +113,12 @@ class ModelRunner:
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Logits [S, vocab] (float32) for the sequences in ``batch`` that sample."""
         inputs = build_inputs(batch, self.page_size)
+        if self._use_graph(inputs.layout):
+            return self.graphs.run(
+                inputs.input_ids.to(self.device, non_blocking=True),
+                inputs.positions.to(self.device, non_blocking=True),
+                inputs.layout,
+            )[inputs.logits_indices.to(self.device)]
         metadata = self.backend.plan(inputs.layout)
         hidden = self.model(
             inputs.input_ids.to(self.device, non_blocking=True),
@@ -104,3 +128,11 @@ class ModelRunner:
             metadata,
         )
         return self.model.compute_logits(hidden[inputs.logits_indices.to(self.device)])
+
+    def _use_graph(self, layout: BatchLayout) -> bool:
+        return (
+            self.graphs is not None
+            and layout.is_decode
+            and layout.batch_size <= self.graphs.max_batch_size()
+            and not self.backend.wants_cascade(layout)
+        )

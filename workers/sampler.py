@@ -47,3 +47,28 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(dim=-1)
+
+
+def top_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], params: Sequence[SamplingParams]
+) -> list[tuple[tuple[int, float], ...] | None]:
+    """Per row: the chosen token's log-probability followed by the ``params.logprobs``
+    most likely (token, log-probability) pairs, from the unscaled distribution; None
+    for rows that asked for none."""
+    wanted = [i for i, p in enumerate(params) if p.logprobs]
+    out: list[tuple[tuple[int, float], ...] | None] = [None] * len(params)
+    if not wanted:
+        return out
+    rows = torch.tensor(wanted, device=logits.device)
+    logp = torch.log_softmax(logits[rows].float(), dim=-1)
+    k = max(params[i].logprobs for i in wanted)
+    top_values, top_ids = logp.topk(k, dim=-1)
+    chosen = logp.gather(
+        1, torch.tensor([tokens[i] for i in wanted], device=logits.device)[:, None]
+    )
+    top_values, top_ids, chosen = top_values.tolist(), top_ids.tolist(), chosen[:, 0].tolist()
+    for j, i in enumerate(wanted):
+        n = params[i].logprobs
+        pairs = tuple(zip(top_ids[j][:n], top_values[j][:n], strict=True))
+        out[i] = ((tokens[i], chosen[j]), *pairs)
+    return out

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 class SamplingParams:
     """temperature 0 means greedy. ``seed`` makes sampling reproducible per request.
 
+    ``logprobs`` > 0 returns, per generated token, its log-probability and the top
+    ``logprobs`` alternatives (from the distribution before temperature).
+
     Generation stops at the first of: ``max_tokens`` new tokens, an EOS token (unless
     ``ignore_eos``), a token in ``stop_token_ids``, a string in ``stop`` (the text is
     cut before it), or the model's context length.
@@ -22,6 +25,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int = 0  # return this many top log-probabilities per generated token
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -39,6 +43,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

@@ -79,3 +79,21 @@ def test_eos_stops_unless_ignored(llm, model_factory):
     out = eos_llm.generate([PROMPT], SamplingParams(max_tokens=30, temperature=0))[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == base.token_ids[: base.token_ids.index(eos) + 1]
+
+
+def test_logprobs_match_reference_distribution(llm, hf_reference, tiny_qwen3):
+    import torch
+
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0, logprobs=3))[0]
+    assert len(out.logprobs) == len(out.token_ids) == 3
+    ref = hf_reference(tiny_qwen3)
+    with torch.no_grad():
+        logits = ref(torch.tensor([PROMPT + list(out.token_ids)])).logits[0].float()
+    for step, entry in enumerate(out.logprobs):
+        expected = torch.log_softmax(logits[len(PROMPT) - 1 + step], dim=-1)
+        (chosen, chosen_lp), *top = entry
+        assert chosen == out.token_ids[step] == top[0][0]  # greedy picks the top token
+        assert abs(chosen_lp - expected[chosen].item()) < 1e-4
+        assert [t for t, _ in top] == expected.topk(3).indices.tolist()
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=21)

@@ -13,7 +13,9 @@ def default_backend_name(device_type: str) -> str:
     return "torch"
 
 
-def make_backend(name: str | None, shape: AttentionShape) -> AttentionBackend:
+def make_backend(
+    name: str | None, shape: AttentionShape, enable_cascade: bool = True
+) -> AttentionBackend:
     name = name or default_backend_name(shape.device.type)
     if name == "torch":
         from workers.attention.torch_backend import TorchAttentionBackend
@@ -24,5 +26,5 @@ def make_backend(name: str | None, shape: AttentionShape) -> AttentionBackend:
             raise ValueError("the flashinfer attention backend needs a CUDA device")
         from workers.attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend(shape)
+        return FlashInferBackend(shape, enable_cascade=enable_cascade)
     raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'flashinfer'")

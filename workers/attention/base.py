@@ -80,6 +80,10 @@ class AttentionBackend(Protocol):
 
     name: str
 
+    def wants_cascade(self, layout: BatchLayout) -> bool:
+        """Whether ``plan`` would run this decode batch as cascade attention."""
+        ...
+
     def plan(self, layout: BatchLayout) -> AttentionMetadata: ...
 
     def forward(

@@ -34,6 +34,9 @@ class TorchAttentionBackend:
     def __init__(self, shape: AttentionShape) -> None:
         self.shape = shape
 
+    def wants_cascade(self, layout: BatchLayout) -> bool:
+        return False
+
     def plan(self, layout: BatchLayout) -> TorchMetadata:
         device = self.shape.device
         page_size = layout.page_size

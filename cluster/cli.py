@@ -1,0 +1,105 @@
+"""The ``chunkserve`` command line.
+
+Each subcommand is a pair: ``_add_<name>(subparsers)`` declares its arguments and sets
+``handler`` to ``_run_<name>(args) -> int``. Handlers import what they need themselves,
+so one subcommand never pays for another's imports.
+
+Exit codes: 0 success, 2 bad input (a one-line message on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse has already printed usage and the message
+        return EXIT_OK if exit_.code is None else int(exit_.code)
+    try:
+        return args.handler(args)
+    except ValueError as error:
+        print(f"chunkserve {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="chunkserve",
+        description="Serve LLMs on Ray, reusing the KV cache of prompt chunks.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_make_model(subparsers)
+    return parser
+
+
+def _add_make_model(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "make-model",
+        help="write a random-weight checkpoint in the Hugging Face layout",
+        description="Write a random-weight checkpoint (config, safetensors, tokenizer, "
+        "chat template) that transformers and chunkserve both load.",
+    )
+    p.add_argument("dir", help="output directory (created; must be empty unless --overwrite)")
+    p.add_argument("--preset", default="tiny", help="shapes, e.g. tiny or qwen3-0.6b")
+    p.add_argument("--family", default="qwen3", help="qwen3 (ChatML) or llama (Llama 3)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        action="append",
+        type=_parse_assignment,
+        default=[],
+        help="override a config field; VALUE is JSON where it parses, else a string "
+        "(repeatable, e.g. --set num_hidden_layers=3 --set tie_word_embeddings=true)",
+    )
+    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the preset's)")
+    p.add_argument(
+        "--shard-size-mb",
+        type=float,
+        help="largest safetensors file before the weights are sharded (default 2048)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty directory")
+    p.set_defaults(handler=_run_make_model)
+
+
+def _parse_assignment(text: str) -> tuple[str, object]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
+def _run_make_model(args: argparse.Namespace) -> int:
+    from workers.models.make_model import make_model
+
+    optional = {"dtype": args.dtype, "shard_size_mb": args.shard_size_mb}
+    out = make_model(
+        args.dir,
+        preset=args.preset,
+        family=args.family,
+        seed=args.seed,
+        overrides=dict(args.overrides),
+        overwrite=args.overwrite,
+        **{k: v for k, v in optional.items() if v is not None},
+    )
+    print(f"wrote {args.preset} {args.family} checkpoint (seed {args.seed}) to {out}:")
+    for path in sorted(p for p in out.iterdir() if p.is_file()):
+        print(f"  {path.name:<40} {path.stat().st_size:>14,} bytes")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

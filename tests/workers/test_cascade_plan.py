@@ -1,0 +1,82 @@
+"""The cascade grouping and cost model (pure Python; the GPU test checks the math)."""
+
+from __future__ import annotations
+
+import torch
+
+from workers.attention.base import BatchLayout
+from workers.attention.cascade_plan import plan_cascade
+
+PAGE = 16
+
+
+def _decode_layout(page_lists: list[list[int]], last_lens: list[int]) -> BatchLayout:
+    indptr = [0]
+    for pages in page_lists:
+        indptr.append(indptr[-1] + len(pages))
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    kv_lens = [(len(p) - 1) * PAGE + n for p, n in zip(page_lists, last_lens, strict=True)]
+    slots = [p[-1] * PAGE + n - 1 for p, n in zip(page_lists, last_lens, strict=True)]
+    return BatchLayout(
+        i32(list(range(len(page_lists) + 1))),
+        i32(indptr),
+        i32([x for p in page_lists for x in p]),
+        i32(last_lens),
+        i32(kv_lens),
+        i32(slots),
+        PAGE,
+    )
+
+
+def _pages_per_row(plan, rows):
+    """Reassemble each cascaded row's page list from the levels."""
+    out = {r: [] for r in rows}
+    position = {r: i for i, r in enumerate(rows)}
+    for level in plan.levels:
+        qo = level.qo_indptr.tolist()
+        indptr = level.kv_page_indptr.tolist()
+        indices = level.kv_page_indices.tolist()
+        for entry in range(len(qo) - 1):
+            for pos in range(qo[entry], qo[entry + 1]):
+                row = rows[pos]
+                out[row] += indices[indptr[entry] : indptr[entry + 1]]
+    assert set(position) == set(out)
+    return out
+
+
+def test_groups_shared_prefix_and_keeps_every_page():
+    system = list(range(100, 110))
+    docs_a, docs_b = list(range(200, 206)), list(range(300, 306))
+    page_lists = []
+    for i in range(8):
+        docs = docs_a if i % 2 else docs_b
+        page_lists.append(system + docs + [400 + 2 * i, 401 + 2 * i])
+    page_lists.append([500, 501, 502])  # a loner
+    layout = _decode_layout(page_lists, [3] * 9)
+    plan = plan_cascade(layout, max_levels=3, min_saved_tokens=0)
+    assert plan is not None and len(plan.levels) == 3
+    rows = plan.rows.tolist()
+    assert sorted(rows) == list(range(8)) and plan.flat_rows.tolist() == [8]
+    reassembled = _pages_per_row(plan, rows)
+    for r in rows:
+        assert reassembled[r] == page_lists[r]
+    # shared: system by 8 (7 saved) + each doc set by 4 (3 saved twice)
+    assert plan.saved_tokens == (7 * 10 + 2 * 3 * 6) * PAGE
+    # the last level holds only each row's own pages; last page length preserved
+    assert plan.levels[-1].kv_last_page_len.tolist() == [3] * 8
+
+
+def test_two_levels_when_nothing_more_is_shared():
+    page_lists = [[1, 2, 3, 10 + i] for i in range(4)]
+    plan = plan_cascade(_decode_layout(page_lists, [5] * 4), min_saved_tokens=0)
+    assert plan is not None and len(plan.levels) == 2
+    assert plan.levels[0].kv_page_indices.tolist() == [1, 2, 3]
+
+
+def test_cost_model_declines_small_sharing_and_prefill():
+    page_lists = [list(range(16)) + [100 + i] for i in range(8)]  # batch 8, prefix 256
+    assert plan_cascade(_decode_layout(page_lists, [1] * 8)) is None
+    big = [list(range(256)) + [1000 + i] for i in range(64)]  # batch 64, prefix 4K
+    assert plan_cascade(_decode_layout(big, [1] * 64)) is not None
+    no_sharing = [[i * 10, i * 10 + 1] for i in range(64)]
+    assert plan_cascade(_decode_layout(no_sharing, [1] * 64), min_saved_tokens=0) is None

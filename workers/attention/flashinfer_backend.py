@@ -1,0 +1,171 @@
+"""FlashInfer attention on CUDA: paged prefill (cached prefix + new tokens), paged
+decode, and cascade decode for requests that share leading pages.
+
+Plans are built once per step (``plan``) and reused by every layer (``forward``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import flashinfer
+import torch
+
+from workers.attention.base import AttentionShape, BatchLayout, write_kv
+from workers.attention.cascade_plan import DEFAULT_MIN_SAVED_TOKENS, CascadePlan, plan_cascade
+
+WORKSPACE_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class FlashInferMetadata:
+    slot_mapping: torch.Tensor  # [T] int64 on the device
+    wrapper: object  # the planned prefill or decode wrapper (flat rows)
+    cascade: object | None = None  # planned MultiLevelCascadeAttentionWrapper
+    cascade_rows: torch.Tensor | None = None
+    flat_rows: torch.Tensor | None = None
+
+
+class FlashInferBackend:
+    name = "flashinfer"
+
+    def __init__(
+        self,
+        shape: AttentionShape,
+        enable_cascade: bool = True,
+        min_saved_tokens: int = DEFAULT_MIN_SAVED_TOKENS,
+    ) -> None:
+        self.shape = shape
+        self.enable_cascade = enable_cascade
+        self.min_saved_tokens = min_saved_tokens
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=shape.device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+        )
+        self._cascades: dict[int, flashinfer.MultiLevelCascadeAttentionWrapper] = {}
+        self.last_plan_kind = ""  # "prefill" | "decode" | "cascade" (for tests, benchmarks)
+
+    @property
+    def use_tensor_cores(self) -> bool:
+        return self.shape.num_heads // self.shape.num_kv_heads >= 4
+
+    def wants_cascade(self, layout: BatchLayout) -> bool:
+        return self._cascade_plan(layout) is not None
+
+    def _cascade_plan(self, layout: BatchLayout) -> CascadePlan | None:
+        if not self.enable_cascade:
+            return None
+        return plan_cascade(layout, min_saved_tokens=self.min_saved_tokens)
+
+    def plan(self, layout: BatchLayout) -> FlashInferMetadata:
+        slots = layout.slot_mapping.to(self.shape.device, non_blocking=True).long()
+        if not layout.is_decode:
+            self._plan_prefill(layout)
+            self.last_plan_kind = "prefill"
+            return FlashInferMetadata(slots, self.prefill)
+        cascade = self._cascade_plan(layout)
+        if cascade is None:
+            self._plan_decode(layout)
+            self.last_plan_kind = "decode"
+            return FlashInferMetadata(slots, self.decode)
+        self.last_plan_kind = "cascade"
+        return self._plan_cascade(layout, cascade, slots)
+
+    def forward(self, q, k, v, kv_cache, metadata: FlashInferMetadata) -> torch.Tensor:
+        write_kv(kv_cache, k, v, metadata.slot_mapping)
+        if metadata.cascade is None:
+            return metadata.wrapper.run(q, kv_cache)
+        out = torch.empty_like(q)
+        out[metadata.cascade_rows] = metadata.cascade.run(q[metadata.cascade_rows], kv_cache)
+        if metadata.flat_rows.numel():
+            out[metadata.flat_rows] = metadata.wrapper.run(q[metadata.flat_rows], kv_cache)
+        return out
+
+    # -- planning --------------------------------------------------------------
+    def _common(self) -> dict:
+        s = self.shape
+        return {"q_data_type": s.dtype, "kv_data_type": s.dtype}
+
+    def _plan_prefill(self, layout: BatchLayout) -> None:
+        s = self.shape
+        self.prefill.plan(
+            layout.qo_indptr,
+            layout.kv_page_indptr,
+            layout.kv_page_indices.to(s.device, non_blocking=True),
+            layout.kv_last_page_len,
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            s.page_size,
+            causal=True,
+            **self._common(),
+        )
+
+    def _plan_decode(self, layout: BatchLayout, wrapper=None) -> None:
+        s = self.shape
+        (wrapper or self.decode).plan(
+            layout.kv_page_indptr,
+            layout.kv_page_indices.to(s.device, non_blocking=True),
+            layout.kv_last_page_len,
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            s.page_size,
+            **self._common(),
+        )
+
+    def _plan_cascade(
+        self, layout: BatchLayout, cascade: CascadePlan, slots: torch.Tensor
+    ) -> FlashInferMetadata:
+        s = self.shape
+        num_levels = len(cascade.levels)
+        wrapper = self._cascades.get(num_levels)
+        if wrapper is None:
+            wrapper = flashinfer.MultiLevelCascadeAttentionWrapper(
+                num_levels, self.workspace, "NHD"
+            )
+            self._cascades[num_levels] = wrapper
+        wrapper.plan(
+            [lv.qo_indptr for lv in cascade.levels],
+            [lv.kv_page_indptr for lv in cascade.levels],
+            [lv.kv_page_indices.to(s.device) for lv in cascade.levels],
+            [lv.kv_last_page_len for lv in cascade.levels],
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            s.page_size,
+            causal=True,
+            **self._common(),
+        )
+        flat_rows = cascade.flat_rows
+        if flat_rows.numel():
+            self._plan_decode(_select_rows(layout, flat_rows.tolist()))
+        device = s.device
+        return FlashInferMetadata(
+            slots,
+            self.decode,
+            cascade=wrapper,
+            cascade_rows=cascade.rows.to(device).long(),
+            flat_rows=flat_rows.to(device).long(),
+        )
+
+
+def _select_rows(layout: BatchLayout, rows: list[int]) -> BatchLayout:
+    """The decode layout of a subset of the batch's requests."""
+    indptr = layout.kv_page_indptr.tolist()
+    indices = layout.kv_page_indices
+    new_indices = [indices[indptr[r] : indptr[r + 1]] for r in rows]
+    counts = [indptr[r + 1] - indptr[r] for r in rows]
+    new_indptr = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    new_indptr[1:] = torch.tensor(counts, dtype=torch.int32).cumsum(0)
+    index = torch.tensor(rows, dtype=torch.long)
+    return BatchLayout(
+        qo_indptr=torch.arange(len(rows) + 1, dtype=torch.int32),
+        kv_page_indptr=new_indptr,
+        kv_page_indices=torch.cat(new_indices),
+        kv_last_page_len=layout.kv_last_page_len[index],
+        kv_lens=layout.kv_lens[index],
+        slot_mapping=layout.slot_mapping[index],
+        page_size=layout.page_size,
+    )
