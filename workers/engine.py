@@ -108,7 +108,7 @@ class Engine:
             namespace=self.namespace(tenant_salt),
         )
         if params.seed is not None and not params.greedy:
-            seq.generator = torch.Generator().manual_seed(params.seed)
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
 
@@ -149,7 +149,7 @@ class Engine:
         page_size = self.pool.page_size
         for item in batch:
             seq = item.seq
-            keys = seq.keys_for_full_pages(page_size, item.end)
+            keys = seq.extend_page_keys(page_size, item.end)
             for index in range(item.start // page_size, item.end // page_size):
                 self.pool.publish(
                     seq.page_ids[index], keys[index], seq.page_tokens(index, page_size)

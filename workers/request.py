@@ -70,13 +70,13 @@ class Sequence:
     def page_tokens(self, index: int, page_size: int) -> list[int]:
         return self.token_ids[index * page_size : (index + 1) * page_size]
 
-    def keys_for_full_pages(self, page_size: int, upto_tokens: int) -> list[PageKey]:
+    def extend_page_keys(self, page_size: int, upto_tokens: int) -> list[PageKey]:
         """Extend ``page_keys`` to cover every full page within the first
-        ``upto_tokens`` tokens, and return them."""
+        ``upto_tokens`` tokens; returns ``page_keys`` itself (may cover more)."""
         full = min(upto_tokens, len(self.token_ids)) // page_size
         digest = self.namespace.digest
         while len(self.page_keys) < full:
             parent = self.page_keys[-1] if self.page_keys else root_key(self.namespace)
             tokens = self.page_tokens(len(self.page_keys), page_size)
             self.page_keys.append(page_key(parent, digest, tokens))
-        return self.page_keys[:full]
+        return self.page_keys

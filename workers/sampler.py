@@ -23,8 +23,13 @@ def sample(
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=logits.device)
         probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws a token with
+        # probability p, for all rows at once on the logits' device.
+        noise = torch.empty_like(probs).exponential_()
         for j, i in enumerate(sampled_rows):
-            tokens[i] = torch.multinomial(probs[j].cpu(), 1, generator=generators[i])[0]
+            if generators[i] is not None:
+                noise[j].exponential_(generator=generators[i])
+        tokens[rows] = (probs / noise).argmax(dim=-1)
     return tokens.tolist()
 
 

@@ -96,7 +96,7 @@ class Scheduler:
         if self.limits.enable_reuse:
             # Keep at least one token to compute: its logits produce the next token.
             usable = (len(seq.token_ids) - 1) // page_size * page_size
-            keys = seq.keys_for_full_pages(page_size, usable)
+            keys = seq.extend_page_keys(page_size, usable)[: usable // page_size]
             token_pages = [seq.page_tokens(i, page_size) for i in range(len(keys))]
             matched = self.pool.match_prefix(keys, token_pages)
             self.pool.acquire(matched)

@@ -1,0 +1,89 @@
+"""Cascade decode: full decode-step time (model runner: inputs, plan, forward) with a
+shared prefix, cascade vs flat, plus a small shape where the cost model should decline
+cascade and cost nothing.
+
+    python bench/cascade.py [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import bench_model, device_line, median_time, print_table  # noqa: E402
+from chunkstore.hashing import Namespace  # noqa: E402
+from workers import LLM, SamplingParams  # noqa: E402
+from workers.request import Sequence  # noqa: E402
+from workers.scheduler import ScheduledSeq  # noqa: E402
+
+PAGE = 16
+SHAPES = [(64, 4096), (64, 16384), (256, 4096), (256, 16384)]
+DECLINED = (8, 256)
+
+
+def decode_batch(batch: int, prefix: int, rng: random.Random) -> list[ScheduledSeq]:
+    """``batch`` requests sharing ``prefix`` tokens of pages, each with 128-512 own
+    tokens; page ids laid out directly (KV contents are random: timing only)."""
+    prefix_pages = list(range(prefix // PAGE))
+    next_page = len(prefix_pages)
+    items = []
+    for i in range(batch):
+        own = rng.randint(128, 512)
+        own_pages = list(range(next_page, next_page + -(-own // PAGE)))
+        next_page += len(own_pages)
+        kv_len = prefix + own
+        seq = Sequence(f"c{i}", i, [1] * kv_len, SamplingParams(), Namespace("bench"))
+        seq.page_ids = prefix_pages + own_pages
+        seq.num_computed = kv_len - 1
+        items.append(ScheduledSeq(seq, kv_len - 1, 1))
+    return items
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model")
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    llm = LLM(bench_model(args.model), num_pages=10240, max_num_seqs=256)
+    runner = llm.engine.runner
+    backend = runner.backend
+    for cache in runner.kv_caches:
+        cache.normal_()
+    rng = random.Random(0)
+    rows = []
+
+    def step_ms(items, cascade: bool) -> tuple[float, str]:
+        backend.enable_cascade = cascade
+        ms = 1000 * median_time(lambda: runner.run(items), args.iters)
+        kind = "graph" if runner._use_graph(_layout(items)) else backend.last_plan_kind
+        return ms, kind
+
+    def _layout(items):
+        from workers.model_runner import build_inputs
+
+        return build_inputs(items, PAGE).layout
+
+    for batch, prefix in SHAPES:
+        items = decode_batch(batch, prefix, rng)
+        flat_ms, _ = step_ms(items, cascade=False)
+        cascade_ms, kind = step_ms(items, cascade=True)
+        rows.append([batch, prefix, flat_ms, cascade_ms, kind, flat_ms / cascade_ms])
+    batch, prefix = DECLINED
+    items = decode_batch(batch, prefix, rng)
+    flat_ms, _ = step_ms(items, cascade=False)
+    auto_ms, kind = step_ms(items, cascade=True)
+    rows.append([batch, prefix, flat_ms, auto_ms, f"{kind} (declined)", flat_ms / auto_ms])
+    print(f"device: {device_line()}")
+    print_table(
+        "Decode step with a shared prefix (own tokens 128-512): flat vs cascade",
+        ["batch", "shared prefix", "flat ms", "cascade-enabled ms", "path taken", "speed-up"],
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Shared helpers for the GPU benchmarks: device roofline measurements, timing,
+tables, and the benchmark model."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def measure_bandwidth(size_bytes: int = 2 * 2**30, iters: int = 10) -> float:
+    """Device memory bandwidth in bytes/s from a large device-to-device copy (each
+    copy reads and writes ``size_bytes``)."""
+    src = torch.empty(size_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(cuda_time(lambda: dst.copy_(src)) for _ in range(iters))
+    return 2 * size_bytes / best
+
+
+def measure_matmul_rate(n: int = 8192, iters: int = 10) -> float:
+    """bf16 dense matmul FLOP/s."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    a @ b
+    best = min(cuda_time(lambda: a @ b) for _ in range(iters))
+    return 2 * n**3 / best
+
+
+def cuda_time(fn: Callable[[], object]) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def median_time(fn: Callable[[], object], iters: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    return statistics.median(cuda_time(fn) for _ in range(iters))
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen = set()
+    total = 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
+
+
+def bench_model(path: str | None) -> Path:
+    """The checkpoint to benchmark: ``path`` or a qwen3-0.6b-shaped random one."""
+    if path:
+        return Path(path)
+    from workers.models.make_model import make_model
+
+    out = Path("/tmp/chunkserve-bench/qwen3-0.6b")
+    if not (out / "config.json").exists():
+        make_model(out, preset="qwen3-0.6b", family="qwen3", seed=0, overwrite=True)
+    return out
+
+
+def print_table(title: str, headers: list[str], rows: list[list[object]]) -> None:
+    cells = [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print(f"\n### {title}\n")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in cells:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |")
+
+
+def device_line() -> str:
+    props = torch.cuda.get_device_properties(0)
+    import flashinfer
+
+    return (
+        f"{props.name}, {props.total_memory / 2**30:.0f} GiB; torch {torch.__version__}, "
+        f"CUDA {torch.version.cuda}, flashinfer {flashinfer.__version__}"
+    )
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def load_transformers_model(path: Path | str, dtype: torch.dtype = torch.bfloat16):
+    """The transformers reference on the GPU (4.x calls the dtype argument torch_dtype)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except TypeError:
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype)
+    return model.cuda().eval()

@@ -1,0 +1,109 @@
+"""Latency: decode time per step at batch 1, 64 and 256 (context 512) against the
+roofline floor, and prefill tokens/s for 1K and 8K prompts.
+
+    python bench/latency.py [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (  # noqa: E402
+    bench_model,
+    device_line,
+    kv_bytes_per_token,
+    measure_bandwidth,
+    measure_matmul_rate,
+    print_table,
+    weight_bytes,
+)
+from workers import LLM, SamplingParams  # noqa: E402
+
+CONTEXT = 512
+DECODE_STEPS = 64
+
+
+def decode_step_ms(llm: LLM, batch: int) -> float:
+    """Median wall time of an engine step once ``batch`` requests all decode."""
+    engine = llm.engine
+    rng = random.Random(batch)
+    params = SamplingParams(max_tokens=DECODE_STEPS + 8, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"lat-{batch}-{i}", rng.choices(range(10, 1000), k=CONTEXT), params)
+    while any(s.num_computed < s.num_prompt_tokens for s in engine.scheduler.running) or (
+        engine.scheduler.waiting
+    ):
+        engine.step()
+    times = []
+    for _ in range(DECODE_STEPS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    while engine.has_unfinished():
+        engine.step()
+    times.sort()
+    return 1000 * times[len(times) // 2]
+
+
+def prefill_tokens_per_s(llm: LLM, length: int) -> float:
+    rng = random.Random(length)
+    prompt = rng.choices(range(10, 1000), k=length)
+    params = SamplingParams(max_tokens=1, temperature=0)
+    llm.generate_tokens([rng.choices(range(10, 1000), k=length)], params)  # warm up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate_tokens([prompt], params)
+    torch.cuda.synchronize()
+    return length / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model")
+    args = ap.parse_args()
+    model_dir = bench_model(args.model)
+    bandwidth, flops = measure_bandwidth(), measure_matmul_rate()
+    llm = LLM(model_dir, enable_reuse=False, max_num_seqs=256, max_num_batched_tokens=16384)
+    weights = weight_bytes(llm.engine.runner.model)
+    kv = kv_bytes_per_token(llm.engine.model_config)
+    rows = []
+    for batch in (1, 64, 256):
+        measured = decode_step_ms(llm, batch)
+        floor = 1000 * max(
+            (weights + batch * (CONTEXT + DECODE_STEPS // 2) * kv) / bandwidth,
+            weights * batch / flops,
+        )
+        rows.append([batch, measured, floor, measured / floor, batch * 1000 / measured])
+    print(f"device: {device_line()}")
+    print(
+        f"measured: bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s"
+    )
+    print_table(
+        f"Decode step (context {CONTEXT}, CUDA graphs, wall clock incl. scheduling)",
+        ["batch", "ms/step", "floor ms", "x floor", "tok/s"],
+        rows,
+    )
+    prefill_rows = []
+    for length in (1024, 8192):
+        tps = prefill_tokens_per_s(llm, length)
+        floor_tps = flops / weights  # 2 * params FLOPs per token
+        prefill_rows.append([length, tps, floor_tps, tps / floor_tps])
+    print_table(
+        "Prefill (one prompt, time to first token)",
+        ["prompt tokens", "tokens/s", "floor tokens/s (matmul)", "share of floor"],
+        prefill_rows,
+    )
+
+
+if __name__ == "__main__":
+    main()

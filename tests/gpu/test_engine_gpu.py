@@ -1,0 +1,137 @@
+"""The engine on a qwen3-0.6b-shaped random checkpoint, bf16, FlashInfer: reuse and
+cascade agree with plain runs and with transformers within bf16 noise."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from workers import LLM, SamplingParams
+
+NEAR_TIE = 0.25  # nats between the top two tokens: below this, bf16 noise may flip them
+
+
+def _record(name: str, value) -> None:
+    out = os.environ.get("CHUNKSERVE_RESULTS_DIR")
+    if out:
+        with open(os.path.join(out, "gpu_tests.jsonl"), "a") as f:
+            f.write(json.dumps({"test": name, **value}) + "\n")
+
+
+def _prompts(n: int, system_len: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = rng.choices(range(10, 1000), k=system_len)
+    return [system + rng.choices(range(10, 1000), k=rng.randint(8, 64)) for _ in range(n)]
+
+
+def _first_logprobs(llm: LLM, prompt: list[int]) -> dict[int, float]:
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=20))[0]
+    return dict(out.logprobs[0][1:])
+
+
+def _rel(a: dict[int, float], b: dict[int, float]) -> float:
+    ids = list(a)
+    x = torch.tensor([a[i] for i in ids])
+    y = torch.tensor([b.get(i, float("nan")) for i in ids])
+    return ((x - y).norm() / x.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def engines(qwen3_06b):
+    reuse = LLM(qwen3_06b, page_size=16, num_pages=8192)
+    plain = LLM(qwen3_06b, page_size=16, num_pages=8192, enable_reuse=False, enable_cascade=False)
+    return reuse, plain
+
+
+def test_first_token_logits_reuse_and_transformers(engines, qwen3_06b):
+    from bench.common import load_transformers_model
+
+    reuse, plain = engines
+    prompts = _prompts(4, 700, seed=1)
+    ref = load_transformers_model(qwen3_06b)
+    worst = {"reuse_vs_plain": 0.0, "ours_vs_transformers": 0.0}
+    for prompt in prompts:
+        _first_logprobs(reuse, prompt)  # warm the cache
+        warm = _first_logprobs(reuse, prompt)
+        cold = _first_logprobs(plain, prompt)
+        with torch.no_grad():
+            logits = ref(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
+        hf = dict(enumerate(torch.log_softmax(logits, -1).cpu().tolist()))
+        worst["reuse_vs_plain"] = max(worst["reuse_vs_plain"], _rel(cold, warm))
+        worst["ours_vs_transformers"] = max(worst["ours_vs_transformers"], _rel(cold, hf))
+    _record("first_token_logprobs_rel_error", worst)
+    assert worst["reuse_vs_plain"] <= 2e-2
+    assert worst["ours_vs_transformers"] <= 2e-2
+
+
+def test_greedy_agreement_reuse_cascade_vs_plain(engines):
+    reuse, plain = engines
+    prompts = _prompts(64, 1024, seed=2)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2)
+    reuse.generate([prompts[0]], params)  # cache the shared system prompt
+    backend = reuse.engine.runner.backend
+    kinds = []
+    original_plan = backend.plan
+
+    def spy(layout):
+        meta = original_plan(layout)
+        kinds.append(backend.last_plan_kind)
+        return meta
+
+    backend.plan = spy
+    try:
+        got = reuse.generate(prompts, params)
+    finally:
+        backend.plan = original_plan
+    want = plain.generate(prompts, params)
+    same = sum(a.token_ids == b.token_ids for a, b in zip(got, want, strict=True))
+    divergences = []
+    for a, b in zip(got, want, strict=True):
+        if a.token_ids == b.token_ids:
+            continue
+        step = next(
+            i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y
+        )
+        (_, _), (_, lp1), (_, lp2) = b.logprobs[step]
+        divergences.append({"step": step, "top2_gap": lp1 - lp2})
+    result = {
+        "prompts": len(prompts),
+        "identical": same,
+        "agreement_rate": same / len(prompts),
+        "cascade_steps": kinds.count("cascade"),
+        "divergences": divergences,
+    }
+    _record("greedy_agreement", result)
+    assert kinds.count("cascade") > 0, "the shared 1K prefix should have used cascade decode"
+    assert all(d["top2_gap"] < NEAR_TIE for d in divergences), divergences
+
+
+def test_cuda_graph_decode_matches_eager(qwen3_06b, engines):
+    _, plain = engines
+    eager = LLM(
+        qwen3_06b,
+        page_size=16,
+        num_pages=4096,
+        enable_reuse=False,
+        enable_cascade=False,
+        enable_cuda_graphs=False,
+    )
+    assert plain.engine.runner.graphs is not None and eager.engine.runner.graphs is None
+    prompts = _prompts(16, 200, seed=3)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2)
+    a = plain.generate(prompts, params)
+    b = eager.generate(prompts, params)
+    same = sum(x.token_ids == y.token_ids for x, y in zip(a, b, strict=True))
+    gaps = []
+    for x, y in zip(a, b, strict=True):
+        if x.token_ids != y.token_ids:
+            step = next(
+                i for i, (p, q) in enumerate(zip(x.token_ids, y.token_ids, strict=False)) if p != q
+            )
+            gaps.append(y.logprobs[step][1][1] - y.logprobs[step][2][1])
+    _record("cuda_graph_vs_eager", {"prompts": 16, "identical": same, "gaps": gaps})
+    assert all(g < NEAR_TIE for g in gaps)
