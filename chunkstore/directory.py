@@ -1,0 +1,213 @@
+"""The chunk directory protocol: which live worker holds which page keys.
+
+A directory records, per worker, the set of page keys its KV pool holds, fed by
+the worker's cache events (``chunkstore.events``), and answers the router's
+question "how many leading chunks of this request does each worker hold?".
+
+Mutation semantics (every implementation follows them exactly):
+
+- A worker's record is ``(epoch, last_seq, keys, lease)``. Only the record of
+  the worker's newest epoch exists: a call carrying a newer epoch voids the
+  record of the older one (its keys are forgotten) before anything else. A call
+  carrying an older epoch than the recorded one is dropped (``STALE_EPOCH``).
+- ``publish`` applies one batch of events in order, only if ``seq`` is exactly
+  ``last_seq + 1`` of the worker's current epoch (the first batch of an epoch
+  carries seq 0). Otherwise (a gap, or an epoch the directory knows nothing of
+  mid-stream) the batch is not applied, the worker's keys are voided (they are
+  no longer known to be right) and the result asks for a snapshot.
+- ``publish_snapshot`` replaces the worker's keys with exactly the given ones and
+  restarts its stream at ``seq``: the next batch must carry ``seq + 1``.
+- ``publish``, ``publish_snapshot`` and ``heartbeat`` each renew the worker's
+  lease to ``now + lease_ttl`` (anything that reaches the directory proves the
+  worker alive). ``heartbeat`` asks for a snapshot when the directory has no
+  stream for the worker's epoch (new worker, new epoch, lost state, or a gap).
+- A worker is *live* while its lease is fresh. ``lookup`` counts live workers
+  only; a worker's keys are garbage-collected at most one lease TTL after its
+  lease expired, so entries never outlive their worker's lease by more than one
+  TTL.
+- ``remove_worker`` forgets the worker entirely (record, keys, lease).
+- Failures to reach the backing store never raise: ``lookup`` returns
+  ``LookupResult(available=False)`` (no information; route by load), mutations
+  return ``PublishStatus.UNAVAILABLE`` (the publisher retries; whether the call
+  was applied is unknown, and the sequence check resolves it).
+- Contract violations (malformed arguments) raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from chunkstore.events import CacheEvent, EventKind
+from chunkstore.hashing import PageKey
+
+PAGE_KEY_BYTES = 32
+MAX_EPOCH = 2**53  # epochs and seqs must be exact in a Lua number (a double)
+MAX_LOOKUP_KEYS = 4096  # one Lua call unpacks them all; far above any real request
+DEFAULT_LEASE_TTL_S = 5.0
+
+
+class PublishStatus(StrEnum):
+    APPLIED = "applied"
+    NEEDS_SNAPSHOT = "needs_snapshot"  # gap or unknown stream: re-send a snapshot
+    STALE_EPOCH = "stale_epoch"  # a newer epoch of this worker exists: call dropped
+    UNAVAILABLE = "unavailable"  # store unreachable: unknown whether applied
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    status: PublishStatus
+
+    @property
+    def applied(self) -> bool:
+        return self.status is PublishStatus.APPLIED
+
+    @property
+    def needs_snapshot(self) -> bool:
+        return self.status is PublishStatus.NEEDS_SNAPSHOT
+
+    @property
+    def available(self) -> bool:
+        return self.status is not PublishStatus.UNAVAILABLE
+
+
+APPLIED = PublishResult(PublishStatus.APPLIED)
+NEEDS_SNAPSHOT = PublishResult(PublishStatus.NEEDS_SNAPSHOT)
+STALE_EPOCH = PublishResult(PublishStatus.STALE_EPOCH)
+UNAVAILABLE = PublishResult(PublishStatus.UNAVAILABLE)
+
+
+@dataclass(frozen=True)
+class WorkerHolding:
+    """A live worker holds the request's first ``chunks`` keys consecutively."""
+
+    worker_id: str
+    chunks: int  # >= 1
+    tokens: int  # token_ends[chunks - 1]
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """``available=False`` means "no information" (not "nobody holds anything")."""
+
+    available: bool
+    holdings: tuple[WorkerHolding, ...] = ()  # most chunks first, then by worker id
+
+    def holding(self, worker_id: str) -> WorkerHolding | None:
+        return next((h for h in self.holdings if h.worker_id == worker_id), None)
+
+
+NO_INFORMATION = LookupResult(available=False)
+
+
+@dataclass(frozen=True)
+class DirectoryStats:
+    available: bool
+    entries: int | None  # (live worker, key) pairs recorded; None when unavailable
+    live_workers: int | None  # None when unavailable
+    lookups: int  # by this directory object
+    hits: int  # lookups where some live worker held the first key
+    failures: int  # calls that could not reach the store
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+class ChunkDirectory(Protocol):
+    """Chunk key -> live workers holding it. See the module docstring for semantics."""
+
+    def publish(
+        self, worker_id: str, epoch: int, seq: int, events: Sequence[CacheEvent]
+    ) -> PublishResult: ...
+
+    def publish_snapshot(
+        self, worker_id: str, epoch: int, seq: int, keys: Sequence[PageKey]
+    ) -> PublishResult: ...
+
+    def heartbeat(self, worker_id: str, epoch: int) -> PublishResult: ...
+
+    def lookup(self, keys: Sequence[PageKey], token_ends: Sequence[int]) -> LookupResult: ...
+
+    def remove_worker(self, worker_id: str) -> None: ...
+
+    def stats(self) -> DirectoryStats: ...
+
+    def close(self) -> None: ...
+
+
+def check_worker(worker_id: str, epoch: int) -> None:
+    if not isinstance(worker_id, str) or not worker_id:
+        raise ValueError(f"worker_id must be a non-empty str, got {worker_id!r}")
+    _check_counter("epoch", epoch)
+
+
+def check_stream(worker_id: str, epoch: int, seq: int) -> None:
+    check_worker(worker_id, epoch)
+    _check_counter("seq", seq)
+
+
+def _check_counter(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_EPOCH:
+        raise ValueError(
+            f"{name} must be an int in [0, 2**53), got {value!r}; "
+            "use a counter or milliseconds, not nanoseconds"
+        )
+
+
+def check_keys(keys: Sequence[PageKey]) -> None:
+    for key in keys:
+        if not isinstance(key, bytes) or len(key) != PAGE_KEY_BYTES:
+            raise ValueError(
+                f"page keys must be {PAGE_KEY_BYTES}-byte digests from chunkstore.hashing, "
+                f"got {key!r:.60}; drop chunks whose key is None before calling"
+            )
+
+
+def check_events(events: Sequence[CacheEvent]) -> None:
+    for event in events:
+        if not isinstance(event, CacheEvent) or not isinstance(event.kind, EventKind):
+            raise ValueError(f"events must be CacheEvent objects, got {event!r:.80}")
+        check_keys(event.keys)
+
+
+def check_lookup(keys: Sequence[PageKey], token_ends: Sequence[int]) -> None:
+    if len(keys) > MAX_LOOKUP_KEYS:
+        raise ValueError(
+            f"a lookup takes at most {MAX_LOOKUP_KEYS} chunk keys, got {len(keys)}; "
+            "merge small chunks or look up a leading part"
+        )
+    check_keys(keys)
+    if len(keys) != len(token_ends):
+        raise ValueError(
+            f"token_ends must give one count per key: {len(keys)} keys, "
+            f"{len(token_ends)} token_ends"
+        )
+    previous = 0
+    for end in token_ends:
+        if not isinstance(end, int) or end < previous:
+            raise ValueError(f"token_ends must be non-decreasing ints >= 0, got {token_ends!r}")
+        previous = end
+
+
+def leading_run(held: Iterable[bool]) -> int:
+    """How many leading entries of ``held`` are true (stops at the first false)."""
+    n = 0
+    for flag in held:
+        if not flag:
+            break
+        n += 1
+    return n
+
+
+def lookup_result(runs: Mapping[str, int], token_ends: Sequence[int]) -> LookupResult:
+    """Build a result from worker -> leading run (runs of 0 are dropped)."""
+    holdings = [
+        WorkerHolding(worker_id=w, chunks=n, tokens=token_ends[n - 1])
+        for w, n in runs.items()
+        if n > 0
+    ]
+    holdings.sort(key=lambda h: (-h.chunks, h.worker_id))
+    return LookupResult(available=True, holdings=tuple(holdings))

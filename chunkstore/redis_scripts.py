@@ -1,0 +1,185 @@
+"""Lua scripts of the Redis chunk directory (one script = one atomic round trip).
+
+Key layout under a prefix ``P`` (every key holds hashes, ids or counts only):
+
+- ``P:live``            sorted set: worker id -> lease expiry (server ms)
+- ``P:w:<worker>``      msgpack ``[epoch, last_seq]`` (``last_seq`` -1: fresh, -2: broken)
+- ``P:s:<worker>``      set of the worker's 32-byte page keys (current epoch only)
+- ``P:stage:<worker>:<id>``  set being filled by a snapshot, renamed onto ``P:s:<worker>``
+
+Invariants:
+- ``P:s:<worker>`` always belongs to the epoch in ``P:w:<worker>``: an epoch change
+  unlinks it in the same script that records the new epoch.
+- A lease in ``P:live`` is always for the epoch in ``P:w:<worker>`` (a stale epoch
+  never renews it), so a lookup needs only the lease and the set.
+- Every worker key expires one lease TTL after the worker's lease (PXAT / PEXPIREAT
+  set in the same script that renews the lease), and ``P:live`` drops members
+  whose lease ended more than one TTL ago: entries never outlive a lease by more
+  than one TTL.
+- Times come from the server's clock (``TIME``), so clients' clocks never matter.
+
+Arguments are passed in ARGV (prefix and worker first) and keys are built in Lua:
+fine on a standalone Redis or a primary with replicas, not on Redis Cluster.
+"""
+
+from __future__ import annotations
+
+STATUS_APPLIED = 0
+STATUS_NEEDS_SNAPSHOT = 1
+STATUS_STALE_EPOCH = 2
+
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# ARGV: prefix, worker, epoch, ttl_ms, ...
+_WORKER = (
+    _NOW
+    + """
+local prefix, worker = ARGV[1], ARGV[2]
+local epoch, ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
+local live_key = prefix .. 'live'
+local state_key = prefix .. 'w:' .. worker
+local set_key = prefix .. 's:' .. worker
+local FRESH, BROKEN = -1, -2
+
+-- The worker's last seq under `epoch`, voiding an older epoch; nil if `epoch` is stale.
+local function open_stream()
+  local raw = redis.call('GET', state_key)
+  if raw then
+    local state = cmsgpack.unpack(raw)
+    if state[1] > epoch then return nil end
+    if state[1] == epoch then return state[2] end
+  end
+  redis.call('UNLINK', set_key)
+  return FRESH
+end
+
+-- Record the stream position and renew the lease; all worker keys expire one TTL later.
+local function commit(last_seq)
+  local lease = now + ttl
+  redis.call('SET', state_key, cmsgpack.pack({epoch, last_seq}), 'PXAT', lease + ttl)
+  redis.call('PEXPIREAT', set_key, lease + ttl)
+  redis.call('ZADD', live_key, lease, worker)
+  redis.call('ZREMRANGEBYSCORE', live_key, '-inf', now - ttl)
+  redis.call('PEXPIREAT', live_key, lease + ttl)
+end
+"""
+)
+
+# ARGV: prefix, worker, epoch, ttl_ms, seq, msgpack [[kind, [key, ...]], ...]
+# kind: 0 stored, 1 removed, 2 cleared.
+PUBLISH = (
+    _WORKER
+    + """
+local seq = tonumber(ARGV[5])
+local last = open_stream()
+if last == nil then return 2 end
+if seq ~= last + 1 then
+  -- a gap (BROKEN + 1 never matches): the recorded keys are no longer known to be right
+  redis.call('UNLINK', set_key)
+  commit(BROKEN)
+  return 1
+end
+for _, event in ipairs(cmsgpack.unpack(ARGV[6])) do
+  local kind, keys = event[1], event[2]
+  if kind == 2 then
+    redis.call('UNLINK', set_key)
+  else
+    local command = (kind == 0) and 'SADD' or 'SREM'
+    for i = 1, #keys, 1000 do
+      redis.call(command, set_key, unpack(keys, i, math.min(i + 999, #keys)))
+    end
+  end
+end
+commit(seq)
+return 0
+"""
+)
+
+# ARGV: prefix, worker, epoch, ttl_ms, seq, stage key
+COMMIT_SNAPSHOT = (
+    _WORKER
+    + """
+local seq, stage = tonumber(ARGV[5]), ARGV[6]
+if open_stream() == nil then
+  redis.call('UNLINK', stage)
+  return 2
+end
+redis.call('UNLINK', set_key)
+if redis.call('EXISTS', stage) == 1 then redis.call('RENAME', stage, set_key) end
+commit(seq)
+return 0
+"""
+)
+
+# ARGV: prefix, worker, epoch, ttl_ms
+HEARTBEAT = (
+    _WORKER
+    + """
+local last = open_stream()
+if last == nil then return 2 end
+commit(last)
+if last < 0 then return 1 end
+return 0
+"""
+)
+
+# KEYS: stage key. ARGV: ttl_ms, key, ... (the stage expires unless committed)
+STAGE_ADD = """
+redis.call('SADD', KEYS[1], unpack(ARGV, 2))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 0
+"""
+
+# ARGV: prefix, key, ... -> msgpack [worker, leading run, ...] over live workers holding
+# the first key (one bulk string: far cheaper for the client to parse than an array).
+# Most workers hold a short run (a shared system prompt, then nothing), so the first
+# two keys are probed one by one; a worker holding both gets the rest in one call.
+LOOKUP = (
+    _NOW
+    + """
+local prefix, nkeys = ARGV[1], #ARGV - 1
+local workers = redis.call('ZRANGEBYSCORE', prefix .. 'live', string.format('(%d', now), '+inf')
+local out = {}
+for _, worker in ipairs(workers) do
+  local set_key = prefix .. 's:' .. worker
+  local n = 0
+  while n < math.min(2, nkeys) and redis.call('SISMEMBER', set_key, ARGV[n + 2]) == 1 do
+    n = n + 1
+  end
+  if n == 2 and nkeys > 2 then
+    local held = redis.call('SMISMEMBER', set_key, unpack(ARGV, 4))
+    while n < nkeys and held[n - 1] == 1 do n = n + 1 end
+  end
+  if n > 0 then
+    out[#out + 1] = worker
+    out[#out + 1] = n
+  end
+end
+return cmsgpack.pack(out)
+"""
+)
+
+# ARGV: prefix -> {live workers, entries of live workers}
+STATS = (
+    _NOW
+    + """
+local prefix = ARGV[1]
+local workers = redis.call('ZRANGEBYSCORE', prefix .. 'live', string.format('(%d', now), '+inf')
+local entries = 0
+for _, worker in ipairs(workers) do
+  entries = entries + redis.call('SCARD', prefix .. 's:' .. worker)
+end
+return {#workers, entries}
+"""
+)
+
+# ARGV: prefix, worker
+REMOVE_WORKER = """
+local prefix, worker = ARGV[1], ARGV[2]
+redis.call('UNLINK', prefix .. 'w:' .. worker, prefix .. 's:' .. worker)
+redis.call('ZREM', prefix .. 'live', worker)
+return 0
+"""

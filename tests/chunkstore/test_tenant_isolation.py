@@ -1,0 +1,42 @@
+"""Identical text under two tenants gives different keys; B's lookups never see A's chunks."""
+
+from __future__ import annotations
+
+from chunkstore.hashing import Namespace, chunk_keys, page_keys
+
+PAGE = 4
+SYSTEM = list(b"You are a helpful assistant. ")
+DOCUMENT = list(b"The quarterly figures are attached below.")
+CHUNK_LENGTHS = [len(SYSTEM), len(DOCUMENT)]
+
+
+def request_keys(namespace: Namespace) -> tuple[list[bytes], list[int]]:
+    tokens = SYSTEM + DOCUMENT
+    pages = page_keys(tokens, PAGE, namespace)
+    keys = chunk_keys(CHUNK_LENGTHS, pages, PAGE)
+    assert None not in keys
+    return keys, [len(SYSTEM), len(tokens)]
+
+
+def test_identical_tokens_under_two_tenants_give_disjoint_keys():
+    tokens = SYSTEM + DOCUMENT
+    a = page_keys(tokens, PAGE, Namespace("model", tenant_salt="tenant-a"))
+    b = page_keys(tokens, PAGE, Namespace("model", tenant_salt="tenant-b"))
+    assert len(a) == len(b) > 0
+    assert not set(a) & set(b)
+
+
+def test_lookup_under_tenant_b_never_reports_tenant_a(make_directory):
+    directory = make_directory()
+    tenant_a = Namespace("model", tenant_salt="tenant-a")
+    tenant_b = Namespace("model", tenant_salt="tenant-b")
+    tokens = SYSTEM + DOCUMENT
+    directory.publish_snapshot("worker-a", 1, 0, page_keys(tokens, PAGE, tenant_a))
+    keys_a, ends = request_keys(tenant_a)
+    keys_b, _ = request_keys(tenant_b)
+    assert directory.lookup(keys_a, ends).holding("worker-a").chunks == 2
+    result_b = directory.lookup(keys_b, ends)
+    assert result_b.available and result_b.holdings == ()
+    # once tenant B's own request is cached, B sees only B's worker
+    directory.publish_snapshot("worker-b", 1, 0, page_keys(tokens, PAGE, tenant_b))
+    assert [h.worker_id for h in directory.lookup(keys_b, ends).holdings] == ["worker-b"]
