@@ -119,7 +119,8 @@ def main() -> None:
     bandwidth, flops = measure_bandwidth(), measure_matmul_rate()
     ours_s, produced, profile, llm = run_ours(model_dir, requests)
     floor = floor_seconds(llm, requests, bandwidth, flops)
-    del llm
+    profile.print()
+    del llm, profile  # free the KV cache before the peer loads
     torch.cuda.empty_cache()
     peer_requests = requests[: args.peer_requests]
     peer_s, peer_tokens = run_peer(model_dir, peer_requests, args.peer_batch)

@@ -62,4 +62,9 @@ class DecoderModel(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits. On CUDA the bf16 matmul writes float32 directly, so logits
+        keep float32 resolution (bf16 logits tie every 0.125 around |x|~16, which makes
+        greedy choices flip on noise) at the cost of a bf16 matmul."""
+        if hidden.is_cuda and hidden.dtype != torch.float32:
+            return torch.mm(hidden, self.lm_head.weight.t(), out_dtype=torch.float32)
         return self.lm_head(hidden).float()
