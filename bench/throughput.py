@@ -156,7 +156,6 @@ def main() -> None:
         f"\nours / floor = {ours_tps / floor_tps:.1%}; ours / transformers = "
         f"{ours_tps / peer_tps:.1f}x"
     )
-    profile.print()
 
 
 if __name__ == "__main__":
