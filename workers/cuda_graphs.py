@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import flashinfer
 import torch
 
-from workers.attention.base import BatchLayout
+from workers.attention.base import BatchLayout, kv_write_rows
 from workers.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata
 from workers.models.decoder import DecoderModel
 
@@ -28,7 +28,7 @@ class _Graph:
     wrapper: flashinfer.BatchDecodeWithPagedKVCacheWrapper
     input_ids: torch.Tensor
     positions: torch.Tensor
-    slots: torch.Tensor
+    kv_rows: torch.Tensor  # [2 * batch_size], see kv_write_rows
     logits: torch.Tensor
 
 
@@ -67,12 +67,12 @@ class DecodeGraphs:
         pad = g.batch_size - n
         g.input_ids[:n].copy_(input_ids, non_blocking=True)
         g.positions[:n].copy_(positions, non_blocking=True)
-        g.slots[:n].copy_(layout.slot_mapping, non_blocking=True)
         if pad:
             g.input_ids[n:].zero_()
             g.positions[n:].zero_()
-            g.slots[n:].fill_(self.scratch_page * self.page_size)
-        self._plan(g.wrapper, _padded(layout, pad, self.scratch_page))
+        padded = _padded(layout, pad, self.scratch_page)
+        g.kv_rows.copy_(kv_write_rows(padded.slot_mapping, self.page_size), non_blocking=True)
+        self._plan(g.wrapper, padded)
         g.graph.replay()
         return g.logits[:n]
 
@@ -105,12 +105,10 @@ class DecodeGraphs:
         )
         input_ids = torch.zeros(size, dtype=torch.long, device=device)
         positions = torch.zeros(size, dtype=torch.long, device=device)
-        slots = torch.full(
-            (size,), self.scratch_page * self.page_size, dtype=torch.long, device=device
-        )
         empty = _padded(_empty_layout(self.page_size), size, self.scratch_page)
+        kv_rows = kv_write_rows(empty.slot_mapping, self.page_size).to(device)
         self._plan(wrapper, empty)
-        metadata = FlashInferMetadata(slots, wrapper)
+        metadata = FlashInferMetadata(kv_rows, wrapper)
 
         def forward() -> torch.Tensor:
             hidden = self.model(input_ids, positions, self.kv_caches, self.backend, metadata)
@@ -126,7 +124,7 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             logits = forward()
         torch.cuda.synchronize()
-        return _Graph(size, graph, wrapper, input_ids, positions, slots, logits)
+        return _Graph(size, graph, wrapper, input_ids, positions, kv_rows, logits)
 
 
 def _empty_layout(page_size: int) -> BatchLayout:

@@ -12,7 +12,10 @@ import torch
 
 from workers import LLM, SamplingParams
 
-NEAR_TIE = 0.25  # nats between the top two tokens: below this, bf16 noise may flip them
+# Noise between two bf16 computation paths (logit std of their difference), measured by
+# the first test; a greedy divergence is a near-tie when the top-2 gap lies within
+# 4 standard deviations of the gap noise (sqrt(2) x that).
+NOISE = {"logit_std": 0.1}
 
 
 def _record(name: str, value) -> None:
@@ -28,18 +31,6 @@ def _prompts(n: int, system_len: int, seed: int) -> list[list[int]]:
     return [system + rng.choices(range(10, 1000), k=rng.randint(8, 64)) for _ in range(n)]
 
 
-def _first_logprobs(llm: LLM, prompt: list[int]) -> dict[int, float]:
-    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=20))[0]
-    return dict(out.logprobs[0][1:])
-
-
-def _rel(a: dict[int, float], b: dict[int, float]) -> float:
-    ids = list(a)
-    x = torch.tensor([a[i] for i in ids])
-    y = torch.tensor([b.get(i, float("nan")) for i in ids])
-    return ((x - y).norm() / x.norm()).item()
-
-
 @pytest.fixture(scope="module")
 def engines(qwen3_06b):
     reuse = LLM(qwen3_06b, page_size=16, num_pages=8192)
@@ -47,8 +38,14 @@ def engines(qwen3_06b):
     return reuse, plain
 
 
-def _last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    """Full-vocabulary logits at the prompt's last position, through our model runner."""
+def _near_tie_threshold() -> float:
+    return 4 * 2**0.5 * NOISE["logit_std"]
+
+
+def _last_logits(llm: LLM, prompt: list[int], chunks: tuple[int, ...] = ()) -> torch.Tensor:
+    """Full-vocabulary logits at the prompt's last position, through our model runner;
+    ``chunks`` splits the prefill (later chunks read earlier ones from the paged cache,
+    the path a cache hit takes)."""
     from chunkstore.hashing import Namespace
     from workers.model_runner import build_inputs
     from workers.request import Sequence
@@ -58,17 +55,21 @@ def _last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     page = engine.pool.page_size
     seq = Sequence("probe", 0, prompt, SamplingParams(), Namespace("probe"))
     seq.page_ids = engine.pool.allocate(-(-len(prompt) // page))
+    sizes = list(chunks) + [len(prompt) - sum(chunks)]
     try:
+        start = 0
         with torch.inference_mode():
-            inputs = build_inputs([ScheduledSeq(seq, 0, len(prompt))], page)
-            meta = engine.runner.backend.plan(inputs.layout)
-            hidden = engine.runner.model(
-                inputs.input_ids.cuda(),
-                inputs.positions.cuda(),
-                engine.runner.kv_caches,
-                engine.runner.backend,
-                meta,
-            )
+            for size in sizes:
+                inputs = build_inputs([ScheduledSeq(seq, start, size)], page)
+                meta = engine.runner.backend.plan(inputs.layout)
+                hidden = engine.runner.model(
+                    inputs.input_ids.cuda(),
+                    inputs.positions.cuda(),
+                    engine.runner.kv_caches,
+                    engine.runner.backend,
+                    meta,
+                )
+                start += size
             return engine.runner.model.compute_logits(hidden[-1:])[0].float()
     finally:
         engine.pool.release(seq.page_ids)
@@ -79,13 +80,15 @@ def _rel_full(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_first_token_logits_reuse_and_transformers(engines, qwen3_06b):
-    """Reuse on vs off within bf16 noise; our bf16 logits against a float32 oracle
-    (transformers in float32) no further off than transformers' own bf16 run."""
+    """A cached prefix (prefill in two chunks, the second reading the first from the
+    paged cache) agrees with one-shot prefill within bf16 noise, and our bf16 logits
+    are no further from a float32 oracle (transformers, float32) than transformers'
+    own bf16 run."""
     from bench.common import load_transformers_model
 
     reuse, plain = engines
     prompts = _prompts(4, 700, seed=1)
-    worst = {"reuse_vs_plain": 0.0, "ours_bf16_vs_fp32": 0.0, "transformers_bf16_vs_fp32": 0.0}
+    worst = {"cached_vs_oneshot": 0.0, "ours_bf16_vs_fp32": 0.0, "transformers_bf16_vs_fp32": 0.0}
     references = []
     for dtype in (torch.float32, torch.bfloat16):
         model = load_transformers_model(qwen3_06b, dtype)
@@ -94,18 +97,24 @@ def test_first_token_logits_reuse_and_transformers(engines, qwen3_06b):
                 [model(torch.tensor([p], device="cuda")).logits[0, -1].float() for p in prompts]
             )
         del model
+    diffs = []
     for prompt, fp32, hf_bf16 in zip(prompts, *references, strict=True):
-        _first_logprobs(reuse, prompt)  # warm the cache
-        warm = _first_logprobs(reuse, prompt)
-        cold = _first_logprobs(plain, prompt)
-        ours = _last_logits(plain, prompt)
-        worst["reuse_vs_plain"] = max(worst["reuse_vs_plain"], _rel(cold, warm))
-        worst["ours_bf16_vs_fp32"] = max(worst["ours_bf16_vs_fp32"], _rel_full(ours, fp32))
+        oneshot = _last_logits(plain, prompt)
+        cached = _last_logits(plain, prompt, chunks=(len(prompt) // 16 * 16 - 16,))
+        diffs.append(cached - oneshot)
+        worst["cached_vs_oneshot"] = max(worst["cached_vs_oneshot"], _rel_full(cached, oneshot))
+        worst["ours_bf16_vs_fp32"] = max(worst["ours_bf16_vs_fp32"], _rel_full(oneshot, fp32))
         worst["transformers_bf16_vs_fp32"] = max(
             worst["transformers_bf16_vs_fp32"], _rel_full(hf_bf16, fp32)
         )
+        # the engine's own cache-hit path reports the reuse
+        reuse.generate([prompt], SamplingParams(max_tokens=1))
+        again = reuse.generate([prompt], SamplingParams(max_tokens=1))[0]
+        assert again.num_cached_tokens == (len(prompt) - 1) // 16 * 16
+    NOISE["logit_std"] = torch.cat(diffs).std().item()
+    worst["logit_noise_std"] = NOISE["logit_std"]
     _record("first_token_logits_rel_error", worst)
-    assert worst["reuse_vs_plain"] <= 2e-2
+    assert worst["cached_vs_oneshot"] <= 2 * worst["ours_bf16_vs_fp32"]
     assert worst["ours_bf16_vs_fp32"] <= max(2e-2, 1.5 * worst["transformers_bf16_vs_fp32"])
 
 
@@ -144,11 +153,12 @@ def test_greedy_agreement_reuse_cascade_vs_plain(engines):
         "identical": same,
         "agreement_rate": same / len(prompts),
         "cascade_steps": kinds.count("cascade"),
+        "near_tie_threshold": _near_tie_threshold(),
         "divergences": divergences,
     }
     _record("greedy_agreement", result)
     assert kinds.count("cascade") > 0, "the shared 1K prefix should have used cascade decode"
-    assert all(d["top2_gap"] < NEAR_TIE for d in divergences), divergences
+    assert all(d["top2_gap"] < _near_tie_threshold() for d in divergences), divergences
 
 
 def test_cuda_graph_decode_matches_eager(qwen3_06b, engines):
@@ -175,4 +185,4 @@ def test_cuda_graph_decode_matches_eager(qwen3_06b, engines):
             )
             gaps.append(y.logprobs[step][1][1] - y.logprobs[step][2][1])
     _record("cuda_graph_vs_eager", {"prompts": 16, "identical": same, "gaps": gaps})
-    assert all(g < NEAR_TIE for g in gaps)
+    assert all(g < _near_tie_threshold() for g in gaps)

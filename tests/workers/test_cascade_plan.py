@@ -80,3 +80,59 @@ def test_cost_model_declines_small_sharing_and_prefill():
     assert plan_cascade(_decode_layout(big, [1] * 64)) is not None
     no_sharing = [[i * 10, i * 10 + 1] for i in range(64)]
     assert plan_cascade(_decode_layout(no_sharing, [1] * 64), min_saved_tokens=0) is None
+
+
+def _brute_force_saved(page_lists):
+    """Reference: group rows by first page, share the common prefix of pages[:-1],
+    then subgroups by the next page."""
+    from collections import defaultdict
+
+    def common(lists):
+        n = 0
+        while all(len(x) > n for x in lists) and len({x[n] for x in lists}) == 1:
+            n += 1
+        return n
+
+    by_first = defaultdict(list)
+    for r, p in enumerate(page_lists):
+        if len(p) >= 2:
+            by_first[p[0]].append(r)
+    saved0 = saved1 = 0
+    for rows in (g for g in by_first.values() if len(g) >= 2):
+        n0 = common([page_lists[r][:-1] for r in rows])
+        saved0 += (len(rows) - 1) * n0
+        by_next = defaultdict(list)
+        for r in rows:
+            rest = page_lists[r][n0:-1]
+            by_next[rest[0] if rest else ("alone", r)].append(r)
+        for sub in by_next.values():
+            if len(sub) >= 2:
+                saved1 += (len(sub) - 1) * common([page_lists[r][n0:-1] for r in sub])
+    return saved0, saved1
+
+
+def test_randomized_against_brute_force():
+    import random
+
+    rng = random.Random(5)
+    for _ in range(200):
+        prefixes = [[rng.randrange(1000) for _ in range(rng.randint(1, 6))] for _ in range(3)]
+        docs = [[rng.randrange(1000, 2000) for _ in range(rng.randint(0, 4))] for _ in range(3)]
+        page_lists, next_page = [], 5000
+        for _ in range(rng.randint(2, 12)):
+            own = list(range(next_page, next_page + rng.randint(1, 4)))
+            next_page += len(own)
+            page_lists.append(rng.choice(prefixes) + rng.choice(docs) + own)
+        layout = _decode_layout(page_lists, [rng.randint(1, PAGE) for _ in page_lists])
+        plan = plan_cascade(layout, max_levels=3, min_saved_tokens=0)
+        saved0, saved1 = _brute_force_saved(page_lists)
+        if saved0 + saved1 == 0:
+            assert plan is None or plan.saved_tokens == 0
+            continue
+        assert plan is not None and plan.saved_tokens == (saved0 + saved1) * PAGE
+        rows = plan.rows.tolist()
+        reassembled = _pages_per_row(plan, rows)
+        for r in rows:
+            assert reassembled[r] == page_lists[r]
+        assert sorted(rows + plan.flat_rows.tolist()) == list(range(len(page_lists)))
+        assert len(plan.levels) == (3 if saved1 else 2)

@@ -96,13 +96,17 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...  # [T, num_heads, head_dim]
 
 
-def write_kv(
-    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Scatter new K/V into the paged cache (shared by backends)."""
-    num_pages, _, page_size = kv_cache.shape[:3]
-    flat = kv_cache.view(num_pages, 2, page_size, -1)
-    pages = slot_mapping // page_size
-    offsets = slot_mapping % page_size
-    flat[pages, 0, offsets] = k.reshape(k.shape[0], -1).to(kv_cache.dtype)
-    flat[pages, 1, offsets] = v.reshape(v.shape[0], -1).to(kv_cache.dtype)
+def kv_write_rows(slot_mapping: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Rows of ``kv_cache.view(-1, kv_heads * head_dim)`` that the new tokens' keys,
+    then values, go to: ``[2T]`` int64 (computed once per step, on the CPU)."""
+    slots = slot_mapping.long()
+    key_rows = (slots // page_size) * (2 * page_size) + slots % page_size
+    return torch.cat((key_rows, key_rows + page_size))
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
+    """Scatter new K/V into the paged cache at ``kv_write_rows`` (one kernel)."""
+    tokens = k.shape[0]
+    flat = kv_cache.view(-1, kv_cache.shape[-2] * kv_cache.shape[-1])
+    new = torch.cat((k.reshape(tokens, -1), v.reshape(tokens, -1))).to(kv_cache.dtype)
+    flat.index_copy_(0, rows, new)

@@ -5,12 +5,12 @@ pages once per group instead of once per request. Levels: the group's shared pre
 → (optionally) a subgroup's further shared pages → each request's own pages. The
 merge of levels by log-sum-exp is exact.
 
-Pure Python over CPU tensors, so it is tested without a GPU.
+Vectorized over a padded [batch, pages] table on the CPU (planning runs every decode
+step, so it must cost far less than the step), and tested without a GPU.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -41,125 +41,162 @@ class CascadePlan:
     saved_tokens: int
 
 
+@dataclass(frozen=True)
+class _Grouping:
+    """Rows (sorted so each group is contiguous), their group id, and the number of
+    leading pages each group shares (identical for all members)."""
+
+    rows: torch.Tensor
+    group: torch.Tensor  # per row, 0..G-1, non-decreasing
+    start: torch.Tensor  # per row: page index where this level's sharing begins
+    shared: torch.Tensor  # per row: pages shared with its group, from ``start``
+
+
 def plan_cascade(
     layout: BatchLayout, max_levels: int = 3, min_saved_tokens: int = DEFAULT_MIN_SAVED_TOKENS
 ) -> CascadePlan | None:
     """A cascade plan for a decode batch, or None where the cost model declines."""
     if not layout.is_decode or layout.batch_size < 2:
         return None
-    pages = _page_lists(layout)
-    last_len = layout.kv_last_page_len.tolist()
-    by_first: dict[int, list[int]] = defaultdict(list)
-    for row, p in enumerate(pages):
-        if len(p) >= 2:  # a shared page must come before the page being written
-            by_first[p[0]].append(row)
-    groups = [rows for rows in by_first.values() if len(rows) >= 2]
-    if not groups:
+    indptr = layout.kv_page_indptr.long()
+    counts = indptr[1:] - indptr[:-1]
+    # a shared page must come before the page being written: only pages[:-1] qualify
+    shareable = counts - 1
+    bound = int(shareable.sum() - shareable.max()) * layout.page_size
+    if bound < min_saved_tokens:  # even perfect sharing would not pay
+        return None
+    table = _page_table(layout, counts)
+    candidates = torch.nonzero(shareable >= 1).flatten()
+    start = torch.zeros(len(candidates), dtype=torch.long)
+    level0 = _group(table, shareable, candidates, table[candidates, 0], start)
+    if level0 is None:
         return None
     page_size = layout.page_size
-    rows_out: list[int] = []
-    shared0: list[tuple[list[int], list[int]]] = []  # (rows, shared pages) per group
-    for rows in groups:
-        prefix = _common_prefix([pages[r][:-1] for r in rows])
-        shared0.append((rows, prefix))
-        rows_out += rows
-    saved = sum((len(rows) - 1) * len(prefix) * page_size for rows, prefix in shared0)
-    shared1: list[tuple[list[int], list[int]]] = []
+    saved = _saved(level0) * page_size
+    level1 = None
     if max_levels >= 3:
-        shared1, saved1 = _second_level(pages, shared0, page_size)
-        if saved1 == 0:
-            shared1 = []
-        saved += saved1
+        start = level0.shared
+        nxt = table[level0.rows, start.clamp(max=table.shape[1] - 1)]
+        # rows with nothing left to share get a key of their own
+        alone = start >= shareable[level0.rows]
+        key = torch.where(alone, -1 - level0.rows, nxt)
+        level1 = _subgroup(table, shareable, level0, key)
+        extra = _saved(level1) * page_size
+        level1 = level1 if extra > 0 else None
+        saved += extra
     if saved < min_saved_tokens:
         return None
-    # rows in level order: each group, and each subgroup within it, is contiguous
-    order = [r for rows, _ in shared1 for r in rows] if shared1 else rows_out
-    levels = _build_levels(pages, last_len, page_size, order, shared0, shared1)
-    grouped = set(order)
-    flat = [r for r in range(layout.batch_size) if r not in grouped]
-    return CascadePlan(_i32(order), _i32(flat), levels, saved)
+    last = level1 or level0
+    order = last.rows
+    levels = [_shared_level(table, level0, page_size)]
+    if level1 is not None:
+        levels.append(_shared_level(table, level1, page_size))
+    skip = last.start + last.shared
+    levels.append(_own_level(table, counts, layout.kv_last_page_len, order, skip))
+    in_cascade = torch.zeros(layout.batch_size, dtype=torch.bool)
+    in_cascade[order] = True
+    flat = torch.nonzero(~in_cascade).flatten()
+    return CascadePlan(order.int(), flat.int(), tuple(levels), int(saved))
 
 
-def _page_lists(layout: BatchLayout) -> list[list[int]]:
-    indptr = layout.kv_page_indptr.tolist()
-    indices = layout.kv_page_indices.tolist()
-    return [indices[indptr[i] : indptr[i + 1]] for i in range(len(indptr) - 1)]
+def _page_table(layout: BatchLayout, counts: torch.Tensor) -> torch.Tensor:
+    """[B, max pages] page ids padded with -1."""
+    indptr = layout.kv_page_indptr.long()
+    rows = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    cols = torch.arange(int(indptr[-1])) - indptr[rows]
+    table = torch.full((len(counts), max(int(counts.max()), 1)), -1, dtype=torch.long)
+    table[rows, cols] = layout.kv_page_indices.long()
+    return table
 
 
-def _common_prefix(lists: list[list[int]]) -> list[int]:
-    first = lists[0]
-    n = min(len(x) for x in lists)
-    for i in range(n):
-        if any(x[i] != first[i] for x in lists):
-            return first[:i]
-    return first[:n]
+def _group(table, shareable, rows, key, start) -> _Grouping | None:
+    """Groups of >= 2 rows with equal ``key``; each group's common prefix length
+    (pages from ``start``) within its members' shareable pages."""
+    _, inverse, sizes = torch.unique(key, return_inverse=True, return_counts=True)
+    keep = sizes[inverse] >= 2
+    if not bool(keep.any()):
+        return None
+    rows, inverse, start = rows[keep], inverse[keep], start[keep]
+    _, group = torch.unique(inverse, return_inverse=True)
+    order = torch.argsort(group, stable=True)
+    rows, group, start = rows[order], group[order], start[order]
+    return _Grouping(rows, group, start, _common_prefix(table, shareable, rows, group, start))
 
 
-def _second_level(
-    pages: list[list[int]], shared0: list[tuple[list[int], list[int]]], page_size: int
-) -> tuple[list[tuple[list[int], list[int]]], int]:
-    """Subgroups within each group sharing more pages after the group prefix. Every
-    row of a group lands in exactly one subgroup (possibly a singleton with no
-    further shared pages), and subgroups of one group stay contiguous."""
-    out: list[tuple[list[int], list[int]]] = []
-    saved = 0
-    for rows, prefix in shared0:
-        start = len(prefix)
-        by_next: dict[int, list[int]] = defaultdict(list)
-        for r in rows:
-            own = pages[r][start:-1]
-            by_next[own[0] if own else -1 - r].append(r)
-        for sub in by_next.values():
-            if len(sub) >= 2:
-                extra = _common_prefix([pages[r][start:-1] for r in sub])
-            else:
-                extra = []
-            out.append((sub, extra))
-            saved += (len(sub) - 1) * len(extra) * page_size
-    return out, saved
+def _subgroup(table, shareable, parent: _Grouping, key) -> _Grouping:
+    """Split each parent group by ``key``; every row lands in exactly one subgroup
+    (singletons share nothing more), and subgroups keep their parent's order."""
+    # unique rows of (parent group, key) sort lexicographically: parents stay in order
+    _, sub = torch.unique(torch.stack((parent.group, key), dim=1), dim=0, return_inverse=True)
+    order = torch.argsort(sub, stable=True)
+    rows, sub, start = parent.rows[order], sub[order], parent.shared[order]
+    _, sub = torch.unique(sub, return_inverse=True)
+    shared = _common_prefix(table, shareable, rows, sub, start)
+    return _Grouping(rows, sub, start, shared)
 
 
-def _build_levels(
-    pages: list[list[int]],
-    last_len: list[int],
-    page_size: int,
-    order: list[int],
-    shared0: list[tuple[list[int], list[int]]],
-    shared1: list[tuple[list[int], list[int]]],
-) -> tuple[CascadeLevel, ...]:
-    position = {r: i for i, r in enumerate(order)}
-    prefix_of = {r: prefix for rows, prefix in shared0 for r in rows}
-    levels = [_shared_level(shared0, position, page_size)]
-    extra_of: dict[int, list[int]] = {}
-    if shared1:
-        levels.append(_shared_level(shared1, position, page_size))
-        extra_of = {r: extra for rows, extra in shared1 for r in rows}
-    qo, indptr, indices, lens = [0], [0], [], []
-    for r in order:
-        skip = len(prefix_of[r]) + len(extra_of.get(r, []))
-        own = pages[r][skip:]
-        indices += own
-        indptr.append(len(indices))
-        lens.append(last_len[r])
-        qo.append(qo[-1] + 1)
-    levels.append(CascadeLevel(_i32(qo), _i32(indptr), _i32(indices), _i32(lens)))
-    return tuple(levels)
+def _common_prefix(table, shareable, rows, group, start) -> torch.Tensor:
+    """Per row: pages its whole group shares, counted from ``start`` (per row, equal
+    within a group), capped at each member's shareable pages."""
+    num_groups = int(group.max()) + 1
+    first = torch.full((num_groups,), len(rows), dtype=torch.long)
+    first.scatter_reduce_(0, group, torch.arange(len(rows)), reduce="amin")
+    reference = table[rows[first[group]]]
+    cols = torch.arange(table.shape[1])[None, :]
+    equal = (table[rows] == reference) | (cols < start[:, None])
+    equal &= cols < shareable[rows][:, None]
+    run = (torch.cumprod(equal.long(), dim=1).sum(dim=1) - start).clamp(min=0)
+    per_group = torch.full((num_groups,), table.shape[1], dtype=torch.long)
+    per_group.scatter_reduce_(0, group, run, reduce="amin")
+    return per_group[group]
 
 
-def _shared_level(
-    groups: list[tuple[list[int], list[int]]], position: dict[int, int], page_size: int
-) -> CascadeLevel:
+def _saved(grouping: _Grouping) -> int:
+    """KV-token reads saved per page of sharing: (members - 1) x shared pages."""
+    num_groups = int(grouping.group.max()) + 1
+    sizes = torch.bincount(grouping.group, minlength=num_groups)
+    shared = torch.zeros(num_groups, dtype=torch.long)
+    shared[grouping.group] = grouping.shared
+    return int(((sizes - 1) * shared).sum())
+
+
+def _shared_level(table, grouping: _Grouping, page_size: int) -> CascadeLevel:
     """One entry per group: all of its rows attend to its shared pages (full pages;
     a group without shared pages at this level gets an empty entry)."""
-    groups = sorted(groups, key=lambda g: position[g[0][0]])
-    qo, indptr, indices, lens = [0], [0], [], []
-    for rows, shared in groups:
-        qo.append(qo[-1] + len(rows))
-        indices += shared
-        indptr.append(len(indices))
-        lens.append(page_size if shared else 0)
-    return CascadeLevel(_i32(qo), _i32(indptr), _i32(indices), _i32(lens))
+    num_groups = int(grouping.group.max()) + 1
+    sizes = torch.bincount(grouping.group, minlength=num_groups)
+    first = torch.zeros(num_groups, dtype=torch.long)
+    first.scatter_reduce_(
+        0, grouping.group, torch.arange(len(grouping.rows)), reduce="amin", include_self=False
+    )
+    ref_rows = grouping.rows[first]
+    lengths = grouping.shared[first]
+    begin = grouping.start[first]
+    cols = torch.arange(table.shape[1])[None, :]
+    mask = (cols >= begin[:, None]) & (cols < (begin + lengths)[:, None])
+    indices = table[ref_rows][mask]
+    return CascadeLevel(
+        _indptr(sizes),
+        _indptr(lengths),
+        indices.int(),
+        torch.where(lengths > 0, page_size, 0).int(),
+    )
 
 
-def _i32(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32)
+def _own_level(table, counts, last_page_len, order, skip) -> CascadeLevel:
+    """Each row's remaining pages (always at least its last one)."""
+    cols = torch.arange(table.shape[1])[None, :]
+    mask = (cols >= skip[:, None]) & (cols < counts[order][:, None])
+    own = counts[order] - skip
+    return CascadeLevel(
+        torch.arange(len(order) + 1, dtype=torch.int32),
+        _indptr(own),
+        table[order][mask].int(),
+        last_page_len[order].int(),
+    )
+
+
+def _indptr(sizes: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(len(sizes) + 1, dtype=torch.int32)
+    out[1:] = sizes.cumsum(0)
+    return out

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import flashinfer
 import torch
 
-from workers.attention.base import AttentionShape, BatchLayout, write_kv
+from workers.attention.base import AttentionShape, BatchLayout, kv_write_rows, write_kv
 from workers.attention.cascade_plan import DEFAULT_MIN_SAVED_TOKENS, CascadePlan, plan_cascade
 
 WORKSPACE_BYTES = 256 * 2**20
@@ -19,7 +19,7 @@ WORKSPACE_BYTES = 256 * 2**20
 
 @dataclass(frozen=True)
 class FlashInferMetadata:
-    slot_mapping: torch.Tensor  # [T] int64 on the device
+    kv_rows: torch.Tensor  # [2T] int64 on the device, see kv_write_rows
     wrapper: object  # the planned prefill or decode wrapper (flat rows)
     cascade: object | None = None  # planned MultiLevelCascadeAttentionWrapper
     cascade_rows: torch.Tensor | None = None
@@ -45,6 +45,7 @@ class FlashInferBackend:
         )
         self._cascades: dict[int, flashinfer.MultiLevelCascadeAttentionWrapper] = {}
         self.last_plan_kind = ""  # "prefill" | "decode" | "cascade" (for tests, benchmarks)
+        self._memo: tuple[BatchLayout, CascadePlan | None] | None = None
 
     @property
     def use_tensor_cores(self) -> bool:
@@ -54,12 +55,17 @@ class FlashInferBackend:
         return self._cascade_plan(layout) is not None
 
     def _cascade_plan(self, layout: BatchLayout) -> CascadePlan | None:
+        """Planned once per step: ``wants_cascade`` and ``plan`` see the same layout."""
         if not self.enable_cascade:
             return None
-        return plan_cascade(layout, min_saved_tokens=self.min_saved_tokens)
+        if self._memo is None or self._memo[0] is not layout:
+            self._memo = (layout, plan_cascade(layout, min_saved_tokens=self.min_saved_tokens))
+        return self._memo[1]
 
     def plan(self, layout: BatchLayout) -> FlashInferMetadata:
-        slots = layout.slot_mapping.to(self.shape.device, non_blocking=True).long()
+        slots = kv_write_rows(layout.slot_mapping, layout.page_size).to(
+            self.shape.device, non_blocking=True
+        )
         if not layout.is_decode:
             self._plan_prefill(layout)
             self.last_plan_kind = "prefill"
@@ -73,7 +79,7 @@ class FlashInferBackend:
         return self._plan_cascade(layout, cascade, slots)
 
     def forward(self, q, k, v, kv_cache, metadata: FlashInferMetadata) -> torch.Tensor:
-        write_kv(kv_cache, k, v, metadata.slot_mapping)
+        write_kv(kv_cache, k, v, metadata.kv_rows)
         if metadata.cascade is None:
             return metadata.wrapper.run(q, kv_cache)
         out = torch.empty_like(q)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.attention.base import AttentionShape, BatchLayout, write_kv
+from workers.attention.base import AttentionShape, BatchLayout, kv_write_rows, write_kv
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class TorchSequencePlan:
 
 @dataclass(frozen=True)
 class TorchMetadata:
-    slot_mapping: torch.Tensor
+    kv_rows: torch.Tensor
     sequences: tuple[TorchSequencePlan, ...]
 
 
@@ -57,7 +57,8 @@ class TorchAttentionBackend:
                     q_start, q_end, kv_pages.to(device), kv_offsets.to(device), mask.to(device)
                 )
             )
-        return TorchMetadata(layout.slot_mapping.to(device).long(), tuple(plans))
+        rows = kv_write_rows(layout.slot_mapping, layout.page_size).to(device)
+        return TorchMetadata(rows, tuple(plans))
 
     def forward(
         self,
@@ -67,7 +68,7 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         metadata: TorchMetadata,
     ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, metadata.slot_mapping)
+        write_kv(kv_cache, k, v, metadata.kv_rows)
         out = torch.empty_like(q)
         group = self.shape.num_heads // self.shape.num_kv_heads
         for seq in metadata.sequences:

@@ -8,7 +8,7 @@ from torch import nn
 
 from workers.attention.base import AttentionBackend, AttentionMetadata
 from workers.layers.norm import RMSNorm
-from workers.layers.rotary import apply_rotary
+from workers.layers.ops import apply_rope
 from workers.models.config import ModelConfig
 
 
@@ -30,8 +30,8 @@ class SelfAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
         metadata: AttentionMetadata,
@@ -44,7 +44,6 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q, k = apply_rope(q, k, positions, cos_sin_cache)
         out = backend.forward(q, k, v, kv_cache, metadata)
         return self.o_proj(out.reshape(tokens, self.q_size))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from workers.models.config import RopeScaling
 
@@ -35,24 +34,10 @@ def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
-        super().__init__()
-        self.register_buffer(
-            "inv_freq", inverse_frequencies(head_dim, theta, scaling), persistent=False
-        )
-
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin tables for ``positions`` [T] -> two [T, head_dim] tensors."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def cos_sin_cache(
+    head_dim: int, theta: float, scaling: RopeScaling | None, max_positions: int
+) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos of each frequency, then sin."""
+    inv_freq = inverse_frequencies(head_dim, theta, scaling)
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)

@@ -9,7 +9,8 @@ from workers.attention.base import AttentionBackend, AttentionMetadata
 from workers.layers.attention import SelfAttention
 from workers.layers.mlp import GatedMLP
 from workers.layers.norm import RMSNorm
-from workers.layers.rotary import RotaryEmbedding
+from workers.layers.ops import add_rms_norm
+from workers.layers.rotary import cos_sin_cache
 from workers.models.config import ModelConfig
 
 
@@ -21,11 +22,23 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, cos, sin, kv_cache, backend, metadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), cos, sin, kv_cache, backend, metadata
-        )
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, hidden, residual, positions, rope_cache, kv_cache, backend, metadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block with the residual carried separately: returns this layer's
+        MLP output and the residual stream before it is added (the next norm adds it,
+        fused)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = add_rms_norm(
+                hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps
+            )
+        hidden = self.self_attn(hidden, positions, rope_cache, kv_cache, backend, metadata)
+        norm = self.post_attention_layernorm
+        hidden, residual = add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -36,9 +49,13 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.register_buffer("rope_cache", self.build_rope_cache(), persistent=False)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+
+    def build_rope_cache(self) -> torch.Tensor:
+        c = self.config
+        return cos_sin_cache(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so (moving the
@@ -56,10 +73,13 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] of the new tokens; writes their KV."""
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, backend, metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(
+                hidden, residual, positions, self.rope_cache, kv_cache, backend, metadata
+            )
+        hidden, _ = add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits. On CUDA the bf16 matmul writes float32 directly, so logits

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from workers.layers.rotary import inverse_frequencies
 from workers.models.config import ModelConfig
 from workers.models.decoder import DecoderModel
 
@@ -35,9 +34,7 @@ def load_model(
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     # Buffers are not in the checkpoint: rebuild them on the real device.
-    model.rotary.inv_freq = inverse_frequencies(
-        config.head_dim, config.rope_theta, config.rope_scaling
-    ).to(device)
+    model.rope_cache = model.build_rope_cache().to(device)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for name, tensor in _iter_tensors(Path(model_dir)):

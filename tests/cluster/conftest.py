@@ -1,0 +1,210 @@
+"""Ray fixtures: one real Ray cluster for the whole session (``ray start --head``, so
+``ray job submit`` works against it too), Serve on a free port, and helpers to run
+chunkserve apps on it.
+
+Invariants:
+- The cluster is ours alone: its own temp dir (so ``/tmp/ray``'s "current cluster"
+  is never touched) and free ports; it is stopped by terminating
+  the ``ray start --block`` process we started (which stops its children), never by
+  ``ray stop``.
+- Actors are small (0.5 CPU workers, 0-CPU routers) so two apps fit on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.chunkstore.testkit import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+NUM_CPUS = 4
+START_TIMEOUT_S = 90
+
+
+@dataclass(frozen=True)
+class RayCluster:
+    gcs_address: str  # host:port for ray.init / RAY_ADDRESS
+    dashboard_url: str  # for `ray job submit --address`
+    temp_dir: str
+
+
+@dataclass(frozen=True)
+class ServedApp:
+    config_path: Path
+    base_url: str  # .../v1
+    name: str
+
+    def url(self, path: str) -> str:
+        return self.base_url.removesuffix("/v1") + path
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[RayCluster]:
+    temp_dir = tempfile.mkdtemp(prefix="csray", dir="/tmp")  # short: socket paths
+    port, dashboard = free_port(), free_port()
+    args = [
+        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+        f"--temp-dir={temp_dir}", f"--port={port}",
+        f"--num-cpus={NUM_CPUS}", "--num-gpus=0", "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+        f"--ray-client-server-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats",
+    ]  # fmt: skip
+    log = open(Path(temp_dir) / "ray-start.log", "w")  # noqa: SIM115 - closed at teardown
+    # Token auth off for this private cluster: the test process joins it by explicit
+    # address, which in Ray never sends the token.
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.Popen(
+        args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    cluster = RayCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard}", temp_dir)
+    try:
+        _wait_for_dashboard(cluster, proc, Path(log.name))
+        import ray
+
+        ray.init(address=cluster.gcs_address, namespace="chunkserve-tests", log_to_driver=False)
+        yield cluster
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def _wait_for_dashboard(cluster: RayCluster, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited:\n{log.read_text()[-3000:]}")
+        try:  # 401: up, and asking for Ray's auth token (ray.init and the job CLI send it)
+            status = httpx.get(f"{cluster.dashboard_url}/api/version", timeout=1).status_code
+            if status in (200, 401):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"Ray did not start in {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    import ray
+
+    ray.shutdown()
+    proc.terminate()  # `ray start --block` stops the processes it started
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+    try:  # anything left in the group we created, by its id
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+@pytest.fixture(scope="session")
+def serve_port(ray_cluster) -> int:
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port
+
+
+def cluster_config(model_dir: Path, name: str, **sections) -> dict:
+    """A small test cluster config (as a dict) for ``model_dir``; ``sections`` override."""
+    config = {
+        "name": name,
+        "model": {"name": "tiny", "path": str(model_dir)},
+        "engine": {"page_size": 16, "max_model_len": 1024, "cpu_kv_cache_bytes": 64 * 2**20},
+        "workers": {"count": 1, "num_cpus": 0.5, "cpu_threads": 1, "publish_interval_s": 0.1},
+        "directory": {"kind": "embedded", "lease_ttl_s": 2.0},
+        "router": {"poll_interval_s": 0.2},
+        "server": {"replica_num_cpus": 0, "default_max_tokens": 16},
+        "ray": {"namespace": "chunkserve-tests"},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            config.setdefault(section, {}).update(values)
+        else:
+            config[section] = values
+    return config
+
+
+def write_config(directory: Path, config: dict) -> Path:
+    path = directory / f"{config['name']}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="session")
+def start_app(serve_port, tmp_path_factory) -> Iterator[Callable[[dict], ServedApp]]:
+    """``start_app(config_dict)`` runs a chunkserve app on the session's Serve at route
+    prefix /<name>, and waits until every worker is healthy. Stopped at session end
+    unless stopped earlier with ``stop_app``."""
+    from cluster.config import load_config
+
+    started: list[ServedApp] = []
+
+    def start(config: dict) -> ServedApp:
+        from ray import serve
+
+        from cluster.actors import ensure_cluster, wait_ready
+        from cluster.app import build_app
+        from cluster.model_store import ensure_model
+
+        config = {**config, "server": {**config.get("server", {}), "port": serve_port}}
+        config["server"]["route_prefix"] = f"/{config['name']}"
+        path = write_config(tmp_path_factory.mktemp("configs"), config)
+        cfg = load_config(path)
+        actors = ensure_cluster(cfg, ensure_model(cfg.model), detached=True)
+        wait_ready(actors, 120)
+        serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.server.route_prefix)
+        app = ServedApp(path, f"http://127.0.0.1:{serve_port}/{cfg.name}/v1", cfg.name)
+        started.append(app)
+        wait_healthy(app, cfg.workers.count)
+        return app
+
+    yield start
+    for app in started:
+        stop_app(app)
+
+
+def stop_app(app: ServedApp) -> None:
+    from ray import serve
+
+    from cluster.actors import kill_cluster
+    from cluster.config import load_config
+
+    try:
+        serve.delete(app.name)
+    finally:
+        kill_cluster(load_config(app.config_path))
+
+
+def wait_healthy(app: ServedApp, workers: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            response = httpx.get(app.url("/health"), timeout=5)
+            if response.status_code == 200 and response.json()["healthy_workers"] == workers:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{app.name}: {workers} worker(s) not healthy within {timeout_s} s")
+
+
+def unique_name(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"

@@ -1,0 +1,302 @@
+"""The official ``openai`` client against the real Serve app (embedded directory, one
+CPU worker): chat and completions, streaming and not, chunk reuse that changes
+nothing, content parts as chunks, tenants, logprobs, n/seed/stop, health, metrics,
+cancellation and drain."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+
+from chunkstore.chunking import chunk_conversation
+from tests.cluster.conftest import cluster_config, unique_name
+from workers.config import EngineConfig
+from workers.engine import Engine
+from workers.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.ray
+
+KEY_A, KEY_B = "sk-test-a", "sk-test-b"
+SYSTEM = "You are a careful assistant for the Harbor Analytics documentation. " * 4
+DOC_A = "Document A: Starter costs 29 dollars a month for five seats and one workspace. " * 3
+DOC_B = "Document B: Backups run every six hours and are kept for thirty days in two regions. " * 3
+DOC_C = "Document C: Reports export to CSV, Excel and PDF; the API allows 600 requests. " * 3
+
+
+def rag_messages(docs: list[str], question: str) -> list[dict]:
+    parts = [{"type": "text", "text": d} for d in docs] + [{"type": "text", "text": question}]
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": parts}]
+
+
+@pytest.fixture(scope="module")
+def app(start_app, tiny_qwen3):
+    config = cluster_config(
+        tiny_qwen3, unique_name("api"), server={"api_keys": [KEY_A, KEY_B]}
+    )
+    return start_app(config)
+
+
+@pytest.fixture(scope="module")
+def client(app) -> openai.OpenAI:
+    return openai.OpenAI(base_url=app.base_url, api_key=KEY_A, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def cold_engine(tiny_qwen3) -> Engine:
+    """The oracle: the same engine path with reuse off, in this process."""
+    config = EngineConfig(model_dir=str(tiny_qwen3), model_id="tiny", enable_reuse=False)
+    return Engine(config, stream_text=True)
+
+
+def cold_text(engine: Engine, messages: list[dict], max_tokens: int) -> str:
+    tokens = [t for c in chunk_conversation(engine.tokenizer, messages) for t in c.token_ids]
+    engine.add_request("oracle", tokens, SamplingParams(max_tokens=max_tokens, temperature=0))
+    text = ""
+    while engine.has_unfinished():
+        text += "".join(out.new_text for out in engine.step())
+    return text
+
+
+def test_models_and_health(app, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    health = httpx.get(app.url("/health")).json()
+    assert health == {"status": "ok", "healthy_workers": 1, "workers": 1}
+
+
+def test_chat_streaming_and_not_agree(client):
+    messages = [{"role": "user", "content": "Say something about ships."}]
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=messages, max_tokens=12, temperature=0
+    )
+    assert raw.headers["x-chunkserve-worker"].endswith("-worker-0")
+    reply = raw.parse()
+    assert reply.object == "chat.completion"
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.completion_tokens <= 12
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reply.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_completions_streaming_and_not_agree(client):
+    reply = client.completions.create(
+        model="tiny", prompt="The harbor at dawn", max_tokens=10, temperature=0
+    )
+    assert reply.object == "text_completion" and reply.usage.prompt_tokens > 0
+    stream = client.completions.create(
+        model="tiny", prompt="The harbor at dawn", max_tokens=10, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream) == reply.choices[0].text
+
+
+def test_shared_chunks_hit_the_cache_and_change_nothing(client, cold_engine):
+    first = client.chat.completions.create(
+        model="tiny", messages=rag_messages([DOC_A, DOC_B], "Q: price?"), max_tokens=16, temperature=0
+    )
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    time.sleep(0.3)  # let the worker publish (affinity does not matter: one worker)
+    messages = rag_messages([DOC_A, DOC_B], "Q: backups?")
+    second = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=16, temperature=0
+    )
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens
+    assert second.choices[0].message.content == cold_text(cold_engine, messages, 16)
+
+
+def test_each_content_part_is_a_chunk(client, cold_engine):
+    client.chat.completions.create(
+        model="tiny", messages=rag_messages([DOC_A, DOC_C], "Q: one?"), max_tokens=4, temperature=0
+    )
+    messages = rag_messages([DOC_A, DOC_B], "Q: two?")
+    reply = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=4, temperature=0
+    )
+    chunks = chunk_conversation(cold_engine.tokenizer, messages)
+    system_and_doc_a = len(chunks[0].token_ids) + len(chunks[1].token_ids)
+    # DOC_A is reused after the system prompt although a different document followed it
+    assert reply.usage.prompt_tokens_details.cached_tokens >= system_and_doc_a // 16 * 16
+
+
+def test_tenants_never_share_chunks(app, client):
+    messages = rag_messages([DOC_C], "Q: tenant?")
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    time.sleep(0.3)
+    other = openai.OpenAI(base_url=app.base_url, api_key=KEY_B, max_retries=0)
+    first_b = other.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert first_b.usage.prompt_tokens_details.cached_tokens == 0
+    again_b = other.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert again_b.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_n_seed_and_stop(client):
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Two answers please"}],
+        n=2,
+        max_tokens=8,
+        temperature=1.0,
+        seed=7,
+    )
+    assert [c.index for c in reply.choices] == [0, 1]
+    again = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Two answers please"}],
+        n=2,
+        max_tokens=8,
+        temperature=1.0,
+        seed=7,
+    )
+    assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
+    full = client.completions.create(model="tiny", prompt="Stop here", max_tokens=16, temperature=0)
+    text = full.choices[0].text
+    stop = text[len(text) // 2 :][:3]
+    if not stop.strip():
+        pytest.skip("greedy output has no usable stop string")
+    cut = client.completions.create(
+        model="tiny", prompt="Stop here", max_tokens=16, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].text == text[: text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_logprobs(client):
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "logprobs"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    completion = client.completions.create(
+        model="tiny", prompt="logprobs", max_tokens=3, temperature=0, logprobs=1
+    )
+    assert len(completion.choices[0].logprobs.token_logprobs) == completion.usage.completion_tokens
+
+
+LONG = "word " * 3000
+
+
+def _chat(**fields) -> dict:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    return {**body, **fields}
+
+
+BAD_REQUESTS = [
+    ("malformed json", "/v1/chat/completions", b'{"model": "tiny", "messages": [', KEY_A, 400),
+    ("max_tokens wrong type", "/v1/chat/completions", _chat(max_tokens="ten"), KEY_A, 400),
+    ("temperature wrong type", "/v1/chat/completions", _chat(temperature="hot"), KEY_A, 400),
+    ("content wrong type", "/v1/chat/completions", _chat(messages=[{"role": "user", "content": 5}]), KEY_A, 400),
+    ("empty messages", "/v1/chat/completions", _chat(messages=[]), KEY_A, 400),
+    ("huge max_tokens", "/v1/chat/completions", _chat(max_tokens=10**9), KEY_A, 400),
+    ("over-long prompt", "/v1/chat/completions", _chat(messages=[{"role": "user", "content": LONG}]), KEY_A, 400),
+    ("over-long completion prompt", "/v1/completions", {"model": "tiny", "prompt": LONG}, KEY_A, 400),
+    ("empty prompt", "/v1/completions", {"model": "tiny", "prompt": ""}, KEY_A, 400),
+    ("n = 0", "/v1/chat/completions", _chat(n=0), KEY_A, 400),
+    ("unknown model", "/v1/chat/completions", _chat(model="gpt-17"), KEY_A, 404),
+    ("bad key", "/v1/chat/completions", _chat(), "sk-wrong", 401),
+    ("no key", "/v1/chat/completions", _chat(), None, 401),
+    ("unknown route", "/v1/embeddings", _chat(), KEY_A, 404),
+]  # fmt: skip
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(app, client):
+    failures = []
+    for name, path, body, key, status in BAD_REQUESTS:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        if isinstance(body, bytes):
+            response = httpx.post(app.url(path), content=body, headers=headers, timeout=30)
+        else:
+            response = httpx.post(app.url(path), json=body, headers=headers, timeout=30)
+        error = response.json().get("error", {})
+        if response.status_code != status or set(error) != {"message", "type", "param", "code"}:
+            failures.append((name, response.status_code, response.text[:200]))
+    assert not failures
+    over_long = httpx.post(
+        app.url("/v1/chat/completions"),
+        json=_chat(messages=[{"role": "user", "content": LONG}]),
+        headers={"Authorization": f"Bearer {KEY_A}"},
+    ).json()["error"]
+    assert "1023" in over_long["message"] and "1024" in over_long["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.AuthenticationError):
+        bad = openai.OpenAI(base_url=app.base_url, api_key="sk-wrong", max_retries=0)
+        bad.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "ok"}])
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def _worker(app):
+    return ray.get_actor(f"{app.name}-worker-0", namespace="chunkserve-tests")
+
+
+def _wait_idle(worker, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ray.get(worker.status.remote()).load.requests == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_closing_a_stream_stops_generation(app, client):
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "a long story"}],
+        max_tokens=900,
+        stream=True,
+    )
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    assert _wait_idle(_worker(app))
+
+
+def test_draining_worker_refuses_then_resumes(app, client):
+    worker = _worker(app)
+    assert ray.get(worker.drain.remote(5.0)) is True
+    with pytest.raises(openai.InternalServerError) as refused:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    assert refused.value.status_code == 503
+    ray.get(worker.resume.remote())
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    assert reply.usage.completion_tokens > 0
+
+
+def test_metrics(app, client):
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "m"}])
+    text = httpx.get(app.url("/metrics")).text
+    for name in (
+        'chunkserve_requests_total{endpoint="chat",status="200"}',
+        'chunkserve_requests_total{endpoint="chat",status="400"}',
+        "chunkserve_time_to_first_token_seconds_bucket",
+        "chunkserve_prompt_tokens_total",
+        "chunkserve_cached_prompt_tokens_total",
+        "chunkserve_generated_tokens_total",
+        "chunkserve_directory_lookups_total",
+        "chunkserve_directory_lookup_failures_total",
+        "chunkserve_cache_hit_rate",
+    ):
+        assert name in text
+    hit_rate = next(line for line in text.splitlines() if line.startswith("chunkserve_cache_hit_rate"))
+    assert float(hit_rate.split()[1]) > 0

@@ -1,0 +1,185 @@
+"""The Ray worker actor: one engine per GPU (or CPU slot), streaming output to routers.
+
+Invariants:
+- The engine is driven only by the ``EngineLoop`` thread. Async methods only enqueue
+  commands and await per-request asyncio queues: the actor's event loop never blocks.
+- ``epoch`` is new for every start of the actor: the wall clock in milliseconds when
+  this incarnation started, so a restart (which takes far longer than a millisecond)
+  always gets a larger one unless the clock is set back.
+- The KV pool's events reach the directory via ``CacheMirror`` (filled by the loop
+  thread) and ``EventPublisher`` (its own thread; each cycle doubles as heartbeat).
+- ``generate`` yields ``WorkerRefusal`` only as its first and last item; a request
+  that yielded nothing had no visible effect, so the router may retry it elsewhere.
+- A fatal engine error kills the process, so Ray restarts the actor (new epoch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+
+import ray
+import torch
+
+from chunkstore.publisher import EventPublisher
+from workers.cache_mirror import CacheMirror
+from workers.directory_client import connect_directory
+from workers.engine import Engine, StepOutput
+from workers.engine_loop import EngineLoop, Rejected
+from workers.worker_types import (
+    WorkerDelta,
+    WorkerInfo,
+    WorkerRefusal,
+    WorkerRequest,
+    WorkerSpec,
+    WorkerStatus,
+)
+
+logger = logging.getLogger(__name__)
+
+_DRAIN_POLL_S = 0.05
+
+
+def new_epoch() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        if spec.cpu_threads is not None:
+            torch.set_num_threads(spec.cpu_threads)
+        self._epoch = new_epoch()
+        engine = Engine(spec.engine, stream_text=True)
+        self._info = WorkerInfo(
+            worker_id=spec.worker_id,
+            epoch=self._epoch,
+            namespace_model=engine.namespace_model,
+            max_model_len=engine.max_model_len,
+            page_size=engine.pool.page_size,
+        )
+        self._mirror = CacheMirror()
+        self._loop = EngineLoop(engine, self._mirror.absorb, _crash)
+        self._publisher = EventPublisher(
+            connect_directory(spec.directory),
+            spec.worker_id,
+            self._epoch,
+            self._mirror.drain,
+            self._mirror.snapshot,
+            interval_s=spec.publish_interval_s,
+        )
+        self._draining = False
+        self._loop.start()
+        self._publisher.start()
+        logger.info("worker %s started (epoch %d)", spec.worker_id, self._epoch)
+
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[WorkerDelta | WorkerRefusal]:
+        """Stream the request's output; call with ``.options(num_returns="streaming")``."""
+        if self._draining:
+            yield WorkerRefusal("worker is draining", retryable=True)
+            return
+        outputs: asyncio.Queue[StepOutput | Rejected] = asyncio.Queue()
+        sink = _threadsafe_sink(asyncio.get_running_loop(), outputs)
+        ids = [f"{request.request_id}#{i}" for i in range(len(request.params))]
+        for request_id, params in zip(ids, request.params, strict=True):
+            self._loop.submit(
+                request_id, request.prompt_token_ids, params, request.tenant_salt, sink
+            )
+        try:
+            async for item in _collect(outputs, ids):
+                yield item
+        finally:  # finished, failed or cancelled by the caller: free the engine's work
+            for request_id in ids:
+                self._loop.abort(request_id)
+
+    async def info(self) -> WorkerInfo:
+        return self._info
+
+    async def status(self) -> WorkerStatus:
+        publisher = await asyncio.to_thread(self._publisher.stats)  # may wait on a flush
+        return WorkerStatus(
+            info=self._info,
+            load=self._loop.load(),
+            cached_pages=self._mirror.size(),
+            draining=self._draining,
+            directory_in_sync=publisher.in_sync,
+            directory_superseded=publisher.superseded,
+        )
+
+    async def health(self) -> bool:
+        return True  # reaching this method means the actor and its loop thread live
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests, wait for running ones, flush chunk events.
+        True if everything finished within ``timeout_s``."""
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._loop.load().requests and time.monotonic() < deadline:
+            await asyncio.sleep(_DRAIN_POLL_S)
+        await asyncio.to_thread(self._publisher.flush)
+        return self._loop.load().requests == 0
+
+    async def resume(self) -> None:
+        self._draining = False
+
+
+WorkerActor = ray.remote(Worker)
+
+
+def _crash(error: BaseException) -> None:
+    logger.critical("worker engine failed (%r); exiting so that Ray restarts it", error)
+    os._exit(1)
+
+
+def _threadsafe_sink(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue):
+    def sink(item: StepOutput | Rejected) -> None:
+        try:
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+        except RuntimeError:
+            pass  # the event loop closed: the actor is shutting down
+
+    return sink
+
+
+async def _collect(
+    outputs: asyncio.Queue[StepOutput | Rejected], ids: list[str]
+) -> AsyncIterator[WorkerDelta | WorkerRefusal]:
+    """Deltas until every choice finished, coalescing what arrived meanwhile."""
+    index_of = {request_id: i for i, request_id in enumerate(ids)}
+    unfinished = len(ids)
+    while unfinished:
+        items = [await outputs.get()]
+        while not outputs.empty():
+            items.append(outputs.get_nowait())
+        rejected = next((item for item in items if isinstance(item, Rejected)), None)
+        if rejected is not None:
+            yield WorkerRefusal(rejected.message, retryable=False)
+            return
+        for delta in coalesce(items, index_of):
+            yield delta
+            unfinished -= delta.finished
+
+
+def coalesce(outputs: list[StepOutput], index_of: dict[str, int]) -> list[WorkerDelta]:
+    """One delta per choice from consecutive step outputs, in first-seen order."""
+    grouped: dict[int, list[StepOutput]] = {}
+    for output in outputs:
+        grouped.setdefault(index_of[output.request_id], []).append(output)
+    deltas = []
+    for index, group in grouped.items():
+        last = group[-1]
+        deltas.append(
+            WorkerDelta(
+                index=index,
+                token_ids=tuple(t for o in group for t in o.new_token_ids),
+                text="".join(o.new_text for o in group),
+                finished=last.finished,
+                finish_reason=last.finish_reason,
+                prompt_tokens=last.num_prompt_tokens,
+                cached_tokens=last.num_cached_tokens,
+                logprobs=tuple(o.logprobs for o in group if o.logprobs is not None),
+            )
+        )
+    return deltas

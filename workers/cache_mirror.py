@@ -1,0 +1,50 @@
+"""A thread-safe mirror of a KV pool's keys, between the engine thread and the
+event publisher's thread (the pool itself is touched by the engine thread only).
+
+Invariants:
+- ``absorb`` is called by the engine thread with events drained from the pool, in
+  order; ``drain`` and ``snapshot`` may be called from any thread.
+- ``_keys`` reflects every event ever absorbed, so a snapshot taken after a drain
+  reflects every event that drain returned (what ``EventPublisher`` requires).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from chunkstore.events import CacheEvent, EventKind
+from chunkstore.hashing import PageKey
+
+
+class CacheMirror:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys: set[PageKey] = set()
+        self._pending: list[CacheEvent] = []
+
+    def absorb(self, events: Sequence[CacheEvent]) -> None:
+        if not events:
+            return
+        with self._lock:
+            for event in events:
+                if event.kind is EventKind.STORED:
+                    self._keys.update(event.keys)
+                elif event.kind is EventKind.REMOVED:
+                    self._keys.difference_update(event.keys)
+                else:
+                    self._keys.clear()
+            self._pending.extend(events)
+
+    def drain(self) -> list[CacheEvent]:
+        with self._lock:
+            events, self._pending = self._pending, []
+            return events
+
+    def snapshot(self) -> list[PageKey]:
+        with self._lock:
+            return list(self._keys)
+
+    def size(self) -> int:
+        with self._lock:
+            return len(self._keys)

@@ -1,0 +1,196 @@
+"""The one thread that drives an ``Engine`` (the engine is not thread-safe).
+
+Invariants:
+- Only the loop thread calls the engine; other threads only enqueue commands
+  (``submit``, ``abort``) and read counters (``load``).
+- Commands are applied in the order they were enqueued, before the next step.
+- Every submitted choice that is not aborted gets exactly one terminal item on its
+  sink: a finished ``StepOutput``, or a ``Rejected`` when the engine refused it.
+  After ``abort`` the sink gets nothing more.
+- Sinks are called on the loop thread and must not block.
+- Pool events are handed to ``on_events`` after every iteration, in order.
+- An exception from the engine leaves it in an unknown state: ``on_fatal`` is
+  called and the loop stops (the actor then crashes and Ray restarts it).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from chunkstore.events import CacheEvent
+from workers.engine import Engine, StepOutput
+from workers.sampling_params import SamplingParams
+from workers.worker_types import EngineLoad
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    request_id: str
+    message: str  # why the engine refused the request, for the client
+
+
+Sink = Callable[[StepOutput | Rejected], None]
+
+
+@dataclass(frozen=True)
+class _Submit:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    tenant_salt: str
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+_STOP = None
+
+
+@dataclass(slots=True)
+class _Active:
+    sink: Sink
+    tokens: int  # prompt + max new tokens: what this choice may occupy
+    seen_output: bool = False
+
+
+@dataclass(slots=True)
+class _Counters:
+    requests: int = 0
+    tokens: int = 0
+    requests_total: int = 0
+    prompt_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    generated_tokens_total: int = 0
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: Engine,
+        on_events: Callable[[list[CacheEvent]], None],
+        on_fatal: Callable[[BaseException], None],
+    ) -> None:
+        self._engine = engine
+        self._on_events = on_events
+        self._on_fatal = on_fatal
+        self._commands: queue.SimpleQueue[_Submit | _Abort | None] = queue.SimpleQueue()
+        self._active: dict[str, _Active] = {}  # loop thread only
+        self._lock = threading.Lock()  # guards _counters
+        self._counters = _Counters()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._commands.put(_STOP)
+        self._thread.join()
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...],
+        params: SamplingParams,
+        tenant_salt: str,
+        sink: Sink,
+    ) -> None:
+        self._commands.put(_Submit(request_id, prompt_token_ids, params, tenant_salt, sink))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a choice (a no-op once it finished)."""
+        self._commands.put(_Abort(request_id))
+
+    def load(self) -> EngineLoad:
+        with self._lock:
+            c = self._counters
+            return EngineLoad(
+                requests=c.requests,
+                tokens=c.tokens,
+                requests_total=c.requests_total,
+                prompt_tokens_total=c.prompt_tokens_total,
+                cached_tokens_total=c.cached_tokens_total,
+                generated_tokens_total=c.generated_tokens_total,
+            )
+
+    # -- loop thread -------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._iterate():
+                pass
+        except BaseException as error:  # noqa: BLE001 - the engine state is unknown now
+            logger.exception("engine loop failed")
+            self._on_fatal(error)
+
+    def _iterate(self) -> bool:
+        for command in self._take(block=not self._engine.has_unfinished()):
+            if command is _STOP:
+                return False
+            if isinstance(command, _Submit):
+                self._add(command)
+            else:
+                self._cancel(command.request_id)
+        if self._engine.has_unfinished():
+            for output in self._engine.step():
+                self._deliver(output)
+        self._on_events(self._engine.pool.drain_events())
+        return True
+
+    def _take(self, block: bool) -> list[_Submit | _Abort | None]:
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _add(self, command: _Submit) -> None:
+        try:
+            self._engine.add_request(
+                command.request_id,
+                list(command.prompt_token_ids),
+                command.params,
+                tenant_salt=command.tenant_salt,
+            )
+        except ValueError as error:
+            command.sink(Rejected(command.request_id, str(error)))
+            return
+        tokens = len(command.prompt_token_ids) + command.params.max_tokens
+        self._active[command.request_id] = _Active(command.sink, tokens)
+        with self._lock:
+            self._counters.requests += 1
+            self._counters.tokens += tokens
+            self._counters.requests_total += 1
+
+    def _cancel(self, request_id: str) -> None:
+        if request_id in self._active:
+            self._engine.abort(request_id)
+            self._retire(request_id)
+
+    def _deliver(self, output: StepOutput) -> None:
+        active = self._active.get(output.request_id)
+        if active is None:
+            return
+        with self._lock:
+            if not active.seen_output:
+                self._counters.prompt_tokens_total += output.num_prompt_tokens
+                self._counters.cached_tokens_total += output.num_cached_tokens
+            self._counters.generated_tokens_total += len(output.new_token_ids)
+        active.seen_output = True
+        active.sink(output)
+        if output.finished:
+            self._retire(output.request_id)
+
+    def _retire(self, request_id: str) -> None:
+        active = self._active.pop(request_id)
+        with self._lock:
+            self._counters.requests -= 1
+            self._counters.tokens -= active.tokens

@@ -1,0 +1,95 @@
+"""Messages between routers and worker actors.
+
+Plain frozen dataclasses: they cross process boundaries by pickle, and both sides
+import them from here (``cluster`` imports ``workers``, never the other way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.config import EngineConfig
+from workers.directory_client import DirectorySpec
+from workers.sampling_params import SamplingParams
+
+# Per generated token: (chosen token, logprob), then the top alternatives.
+TokenLogprobs = tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker actor needs to start; identical for every restart."""
+
+    worker_id: str  # stable across restarts; the epoch tells incarnations apart
+    engine: EngineConfig
+    directory: DirectorySpec
+    publish_interval_s: float  # chunk events and heartbeats, this often
+    cpu_threads: int | None  # torch intra-op threads; None keeps torch's default
+
+
+@dataclass(frozen=True)
+class WorkerRequest:
+    """One API request: ``len(params)`` choices (OpenAI ``n``) of one prompt."""
+
+    request_id: str  # unique per attempt; the worker appends "#<choice>"
+    prompt_token_ids: tuple[int, ...]
+    params: tuple[SamplingParams, ...]
+    tenant_salt: str  # derived by the server from the caller's identity
+
+    def __post_init__(self) -> None:
+        if not self.params:
+            raise ValueError("a worker request needs at least one choice")
+
+
+@dataclass(frozen=True)
+class WorkerDelta:
+    """New output of one choice since its previous delta."""
+
+    index: int  # the choice
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the KV cache
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one entry per token when requested
+
+
+@dataclass(frozen=True)
+class WorkerRefusal:
+    """The worker did not run the request (nothing was generated).
+
+    ``retryable``: another worker may take it (this one is draining); otherwise the
+    request itself is invalid and ``message`` says how to fix it."""
+
+    message: str
+    retryable: bool
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    epoch: int  # new on every (re)start of the actor
+    namespace_model: str  # model id + checkpoint fingerprint: routers must key with it
+    max_model_len: int
+    page_size: int
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    requests: int  # choices queued or running
+    tokens: int  # prompt + max new tokens of those choices
+    requests_total: int  # choices finished or running since start
+    prompt_tokens_total: int
+    cached_tokens_total: int  # of prompt_tokens_total, served from the cache
+    generated_tokens_total: int
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    info: WorkerInfo
+    load: EngineLoad
+    cached_pages: int  # page keys the pool holds
+    draining: bool
+    directory_in_sync: bool  # the directory has every chunk event published so far
+    directory_superseded: bool  # a newer epoch of this worker id exists
