@@ -3,8 +3,10 @@ per step, runs the forward pass, returns logits of the sequences that sample."""
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from workers.attention.base import AttentionBackend, BatchLayout
@@ -21,49 +23,53 @@ class StepInputs:
 
 
 def build_inputs(batch: list[ScheduledSeq], page_size: int) -> StepInputs:
-    """Flatten a batch (CPU tensors). Pure function of the batch; no device work."""
+    """Flatten a batch (CPU tensors). Pure function of the batch; no device work.
+    Page tables are copied as int32 buffers (this runs every step, for every request)."""
     input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    qo_indptr = [0]
-    page_indptr = [0]
-    page_indices: list[int] = []
-    last_page_len: list[int] = []
-    kv_lens: list[int] = []
-    logits_indices: list[int] = []
+    tables, positions, counts, ends, logits_indices = [], [], [], [], []
     for item in batch:
         seq = item.seq
         input_ids += seq.token_ids[item.start : item.end]
-        for pos in range(item.start, item.end):
-            positions.append(pos)
-            slots.append(seq.page_ids[pos // page_size] * page_size + pos % page_size)
-        qo_indptr.append(len(input_ids))
         num_pages = -(-item.end // page_size)
-        page_indices += seq.page_ids[:num_pages]
-        page_indptr.append(len(page_indices))
-        last_page_len.append(item.end - (num_pages - 1) * page_size)
-        kv_lens.append(item.end)
+        tables.append(_int32(seq.page_ids)[:num_pages])
+        positions.append(np.arange(item.start, item.end, dtype=np.int64))
+        counts.append(num_pages)
+        ends.append(item.end)
         if item.samples:
             logits_indices.append(len(input_ids) - 1)
-
-    def i32(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32)
-
+    pos = np.concatenate(positions)
+    ends_np = np.asarray(ends, dtype=np.int32)
+    counts_np = np.asarray(counts, dtype=np.int32)
+    page_indptr = np.zeros(len(batch) + 1, dtype=np.int32)
+    np.cumsum(counts_np, out=page_indptr[1:])
+    qo_indptr = np.zeros(len(batch) + 1, dtype=np.int32)
+    np.cumsum([item.num_tokens for item in batch], out=qo_indptr[1:])
+    page_indices = np.concatenate(tables)
+    # slot of each new token: its sequence's page for that position, plus the offset
+    owner = np.repeat(np.arange(len(batch)), np.diff(qo_indptr))
+    pages = page_indices[page_indptr[owner] + pos // page_size]
+    slots = (pages.astype(np.int64) * page_size + pos % page_size).astype(np.int32)
     layout = BatchLayout(
-        qo_indptr=i32(qo_indptr),
-        kv_page_indptr=i32(page_indptr),
-        kv_page_indices=i32(page_indices),
-        kv_last_page_len=i32(last_page_len),
-        kv_lens=i32(kv_lens),
-        slot_mapping=i32(slots),
+        qo_indptr=torch.from_numpy(qo_indptr),
+        kv_page_indptr=torch.from_numpy(page_indptr),
+        kv_page_indices=torch.from_numpy(page_indices),
+        kv_last_page_len=torch.from_numpy(ends_np - (counts_np - 1) * page_size),
+        kv_lens=torch.from_numpy(ends_np),
+        slot_mapping=torch.from_numpy(slots),
         page_size=page_size,
     )
     return StepInputs(
         torch.tensor(input_ids, dtype=torch.long),
-        torch.tensor(positions, dtype=torch.long),
+        torch.from_numpy(pos),
         layout,
         torch.tensor(logits_indices, dtype=torch.long),
     )
+
+
+def _int32(page_ids) -> np.ndarray:
+    if isinstance(page_ids, array):
+        return np.frombuffer(page_ids, dtype=np.int32)
+    return np.asarray(page_ids, dtype=np.int32)
 
 
 class ModelRunner:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +31,8 @@ class Sequence:
     namespace: Namespace
     token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    page_ids: list[int] = field(default_factory=list)
+    # int32 array: build_inputs copies page tables with memcpy, not per element
+    page_ids: array = field(default_factory=lambda: array("i"))
     num_computed: int = 0
     num_cached_tokens: int | None = None  # prompt tokens served from cache, set on admission
     page_keys: list[PageKey] = field(default_factory=list)

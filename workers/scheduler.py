@@ -13,6 +13,7 @@ the pool's capacity.
 from __future__ import annotations
 
 import bisect
+from array import array
 from collections import deque
 from dataclasses import dataclass
 
@@ -85,7 +86,7 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         self.pool.release(seq.page_ids)
-        seq.page_ids = []
+        seq.page_ids = array("i")
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
@@ -100,12 +101,12 @@ class Scheduler:
             token_pages = [seq.page_tokens(i, page_size) for i in range(len(keys))]
             matched = self.pool.match_prefix(keys, token_pages)
             self.pool.acquire(matched)
-        seq.page_ids = matched
+        seq.page_ids = array("i", matched)
         seq.num_computed = len(matched) * page_size
         num = min(seq.num_uncomputed, budget)
         if not self._allocate(seq, num):
             self.pool.release(matched)
-            seq.page_ids, seq.num_computed = [], 0
+            seq.page_ids, seq.num_computed = array("i"), 0
             return None
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = seq.num_computed
@@ -136,7 +137,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.pool.release(seq.page_ids)
-        seq.page_ids = []
+        seq.page_ids = array("i")
         seq.num_computed = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)

@@ -13,6 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from tests.chunkstore.testkit import free_port
 REPO = Path(__file__).resolve().parents[2]
 NUM_CPUS = 4
 START_TIMEOUT_S = 90
+STOP_TIMEOUT_S = 10
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ def ray_cluster() -> Iterator[RayCluster]:
     finally:
         _stop(proc)
         log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _wait_for_dashboard(cluster: RayCluster, proc: subprocess.Popen, log: Path) -> None:
@@ -103,7 +106,7 @@ def _stop(proc: subprocess.Popen) -> None:
     ray.shutdown()
     proc.terminate()  # `ray start --block` stops the processes it started
     try:
-        proc.wait(timeout=30)
+        proc.wait(timeout=STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         pass
     try:  # anything left in the group we created, by its id
@@ -114,12 +117,13 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="session")
-def serve_port(ray_cluster) -> int:
+def serve_port(ray_cluster) -> Iterator[int]:
     from ray import serve
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    return port
+    yield port
+    serve.shutdown()  # else the node waits up to 30 s draining Serve's actors
 
 
 def cluster_config(model_dir: Path, name: str, **sections) -> dict:

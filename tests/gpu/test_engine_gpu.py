@@ -16,6 +16,10 @@ from workers import LLM, SamplingParams
 # the first test; a greedy divergence is a near-tie when the top-2 gap lies within
 # 4 standard deviations of the gap noise (sqrt(2) x that).
 NOISE = {"logit_std": 0.1}
+# Over 32 greedy steps small bf16 differences compound through the generated tokens'
+# KV; a divergence counts as a near-tie when the two leading tokens swap places and
+# were within this many nats (the logits' standard deviation is about 6).
+NEAR_TIE = 0.5
 
 
 def _record(name: str, value) -> None:
@@ -139,26 +143,33 @@ def test_greedy_agreement_reuse_cascade_vs_plain(engines):
         backend.plan = original_plan
     want = plain.generate(prompts, params)
     same = sum(a.token_ids == b.token_ids for a, b in zip(got, want, strict=True))
-    divergences = []
-    for a, b in zip(got, want, strict=True):
-        if a.token_ids == b.token_ids:
-            continue
-        step = next(
-            i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y
-        )
-        (_, _), (_, lp1), (_, lp2) = b.logprobs[step]
-        divergences.append({"step": step, "top2_gap": lp1 - lp2})
+    divergences = [
+        _divergence(a, b) for a, b in zip(got, want, strict=True) if a.token_ids != b.token_ids
+    ]
+    gaps = [lp[1][1] - lp[2][1] for out in want for lp in out.logprobs]
     result = {
         "prompts": len(prompts),
         "identical": same,
         "agreement_rate": same / len(prompts),
         "cascade_steps": kinds.count("cascade"),
-        "near_tie_threshold": _near_tie_threshold(),
+        "near_tie_nats": NEAR_TIE,
+        "share_of_all_positions_below_near_tie": sum(g < NEAR_TIE for g in gaps) / len(gaps),
         "divergences": divergences,
     }
     _record("greedy_agreement", result)
     assert kinds.count("cascade") > 0, "the shared 1K prefix should have used cascade decode"
-    assert all(d["top2_gap"] < _near_tie_threshold() for d in divergences), divergences
+    # Every divergence is a flip of the two leading tokens between the two runs at a
+    # position where they were within NEAR_TIE of each other.
+    assert all(d["swapped_top2"] and d["top2_gap"] < NEAR_TIE for d in divergences), divergences
+
+
+def _divergence(a, b) -> dict:
+    """First differing step of two greedy runs, with both runs' top-2 there."""
+    step = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y)
+    top_a = [t for t, _ in a.logprobs[step][1:3]]
+    top_b = [t for t, _ in b.logprobs[step][1:3]]
+    gap = b.logprobs[step][1][1] - b.logprobs[step][2][1]
+    return {"step": step, "top2_gap": gap, "swapped_top2": top_a == top_b[::-1]}
 
 
 def test_cuda_graph_decode_matches_eager(qwen3_06b, engines):

@@ -21,7 +21,7 @@ WORKSPACE_BYTES = 256 * 2**20
 class FlashInferMetadata:
     kv_rows: torch.Tensor  # [2T] int64 on the device, see kv_write_rows
     wrapper: object  # the planned prefill or decode wrapper (flat rows)
-    cascade: object | None = None  # planned MultiLevelCascadeAttentionWrapper
+    cascade: tuple | None = None  # planned prefill wrappers, one per cascade level
     cascade_rows: torch.Tensor | None = None
     flat_rows: torch.Tensor | None = None
 
@@ -43,7 +43,8 @@ class FlashInferBackend:
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
-        self._cascades: dict[int, flashinfer.MultiLevelCascadeAttentionWrapper] = {}
+        self._level_wrappers: list[flashinfer.BatchPrefillWithPagedKVCacheWrapper] = []
+        self._num_sms = torch.cuda.get_device_properties(shape.device).multi_processor_count
         self.last_plan_kind = ""  # "prefill" | "decode" | "cascade" (for tests, benchmarks)
         self._memo: tuple[BatchLayout, CascadePlan | None] | None = None
 
@@ -83,7 +84,9 @@ class FlashInferBackend:
         if metadata.cascade is None:
             return metadata.wrapper.run(q, kv_cache)
         out = torch.empty_like(q)
-        out[metadata.cascade_rows] = metadata.cascade.run(q[metadata.cascade_rows], kv_cache)
+        out[metadata.cascade_rows] = _run_levels(
+            metadata.cascade, q[metadata.cascade_rows], kv_cache
+        )
         if metadata.flat_rows.numel():
             out[metadata.flat_rows] = metadata.wrapper.run(q[metadata.flat_rows], kv_cache)
         return out
@@ -124,26 +127,31 @@ class FlashInferBackend:
     def _plan_cascade(
         self, layout: BatchLayout, cascade: CascadePlan, slots: torch.Tensor
     ) -> FlashInferMetadata:
+        """One prefill wrapper per level, merged by log-sum-exp: what FlashInfer's
+        MultiLevelCascadeAttentionWrapper does, plus a kv split for shared levels.
+        A shared level has few query tiles (one group) over a long prefix, so
+        without splitting the prefix it would occupy a fraction of the SMs."""
         s = self.shape
-        num_levels = len(cascade.levels)
-        wrapper = self._cascades.get(num_levels)
-        if wrapper is None:
-            wrapper = flashinfer.MultiLevelCascadeAttentionWrapper(
-                num_levels, self.workspace, "NHD"
+        while len(self._level_wrappers) < len(cascade.levels):
+            self._level_wrappers.append(
+                flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
             )
-            self._cascades[num_levels] = wrapper
-        wrapper.plan(
-            [lv.qo_indptr for lv in cascade.levels],
-            [lv.kv_page_indptr for lv in cascade.levels],
-            [lv.kv_page_indices.to(s.device) for lv in cascade.levels],
-            [lv.kv_last_page_len for lv in cascade.levels],
-            s.num_heads,
-            s.num_kv_heads,
-            s.head_dim,
-            s.page_size,
-            causal=True,
-            **self._common(),
-        )
+        wrappers = self._level_wrappers[: len(cascade.levels)]
+        last = len(cascade.levels) - 1
+        for i, (wrapper, level) in enumerate(zip(wrappers, cascade.levels, strict=True)):
+            wrapper.plan(
+                level.qo_indptr,
+                level.kv_page_indptr,
+                level.kv_page_indices.to(s.device, non_blocking=True),
+                level.kv_last_page_len,
+                s.num_heads,
+                s.num_kv_heads,
+                s.head_dim,
+                s.page_size,
+                causal=i == last,
+                fixed_split_size=None if i == last else self._split_pages(level),
+                **self._common(),
+            )
         flat_rows = cascade.flat_rows
         if flat_rows.numel():
             self._plan_decode(_select_rows(layout, flat_rows.tolist()))
@@ -151,10 +159,20 @@ class FlashInferBackend:
         return FlashInferMetadata(
             slots,
             self.decode,
-            cascade=wrapper,
+            cascade=tuple(wrappers),
             cascade_rows=cascade.rows.to(device).long(),
             flat_rows=flat_rows.to(device).long(),
         )
+
+    def _split_pages(self, level) -> int:
+        """Pages per kv chunk so a shared level launches about two waves of CTAs."""
+        s = self.shape
+        rows = level.qo_indptr[1:] - level.qo_indptr[:-1]
+        group = s.num_heads // s.num_kv_heads
+        q_tiles = int(((rows * group + 127) // 128).sum()) * s.num_kv_heads
+        pages = int(level.kv_page_indptr[-1])
+        chunks = max(1, -(-2 * self._num_sms // max(q_tiles, 1)))
+        return max(16, -(-pages // chunks))
 
 
 def _select_rows(layout: BatchLayout, rows: list[int]) -> BatchLayout:
@@ -175,3 +193,11 @@ def _select_rows(layout: BatchLayout, rows: list[int]) -> BatchLayout:
         slot_mapping=layout.slot_mapping[index],
         page_size=layout.page_size,
     )
+
+
+def _run_levels(wrappers, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    out, lse = wrappers[-1].run(q, kv_cache, return_lse=True)
+    for wrapper in wrappers[:-1]:
+        partial, partial_lse = wrapper.run(q, kv_cache, return_lse=True)
+        flashinfer.merge_state_in_place(out, lse, partial, partial_lse)
+    return out

@@ -1,0 +1,228 @@
+"""Two workers, two router replicas, the Redis directory (a private redis-server we
+may kill): affinity, Redis outage, a worker killed mid-load, and ``chunkserve status``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import ray
+
+from chunkstore.hashing import Namespace
+from chunkstore.redis_directory import RedisChunkDirectory
+from cluster.assembly import namespace_model
+from cluster.config import load_config
+from cluster.prompts import prepare_chat
+from tests.chunkstore.testkit import RedisProcess, wait_until
+from tests.cluster.conftest import REPO, cluster_config, unique_name, wait_healthy
+from workers.checkpoint import load_tokenizer
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
+
+LEASE_TTL_S = 2.0
+DOCS = [
+    "Document: Pricing. Starter costs 29 dollars a month for five seats. " * 4,
+    "Document: Security. Backups run every six hours and are kept thirty days. " * 4,
+]
+
+
+@dataclass(frozen=True)
+class Reply:
+    worker: str
+    cached: int
+    text: str
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = RedisProcess()
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def app(start_app, tiny_qwen3, redis_server, ray_cluster):
+    prefix = f"cstest-{uuid.uuid4().hex[:8]}"
+    config = cluster_config(
+        tiny_qwen3,
+        unique_name("redis"),
+        workers={"count": 2},
+        directory={
+            "kind": "redis",
+            "lease_ttl_s": LEASE_TTL_S,
+            "redis": {"url": redis_server.url, "prefix": prefix, "timeout_s": 0.5},
+        },
+        router={"poll_interval_s": 0.2, "max_attempts": 3},
+        server={"num_replicas": 2, "default_max_tokens": 8},
+    )
+    return start_app(config)
+
+
+class Probe:
+    """Reads the directory the way the routers do (same keys, same namespace)."""
+
+    def __init__(self, config_path: Path) -> None:
+        cfg = load_config(config_path)
+        model_dir = Path(cfg.model.path)
+        self.namespace = Namespace(namespace_model(cfg, model_dir), "")
+        self.tokenizer = load_tokenizer(model_dir)
+        self.page_size = cfg.engine.page_size
+        section = cfg.directory.redis
+        self.directory = RedisChunkDirectory(
+            section.url, prefix=section.prefix, lease_ttl_s=LEASE_TTL_S, timeout_s=0.5
+        )
+
+    def holders(self, messages: list[dict]) -> dict[str, int]:
+        prompt = prepare_chat(self.tokenizer, messages, self.namespace, self.page_size)
+        result = self.directory.lookup(prompt.lookup_keys, prompt.token_ends)
+        return {h.worker_id: h.tokens for h in result.holdings} if result.available else {}
+
+    def wait_held(self, messages: list[dict], worker: str, timeout_s: float = 5) -> bool:
+        return wait_until(lambda: worker in self.holders(messages), timeout_s)
+
+
+@pytest.fixture(scope="module")
+def probe(app):
+    probe = Probe(app.config_path)
+    yield probe
+    probe.directory.close()
+
+
+def rag(system: str, question: str) -> list[dict]:
+    parts = [{"type": "text", "text": d} for d in DOCS] + [{"type": "text", "text": question}]
+    return [{"role": "system", "content": system}, {"role": "user", "content": parts}]
+
+
+def post(app, messages: list[dict], max_tokens: int = 8) -> Reply:
+    response = httpx.post(
+        app.url("/v1/chat/completions"),
+        json={"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    return Reply(
+        worker=response.headers["x-chunkserve-worker"],
+        cached=body["usage"]["prompt_tokens_details"]["cached_tokens"],
+        text=body["choices"][0]["message"]["content"],
+    )
+
+
+def worker_handle(app, worker_id: str):
+    return ray.get_actor(worker_id, namespace="chunkserve-tests")
+
+
+def test_requests_sharing_chunks_land_on_the_worker_holding_them(app, probe):
+    seen = set()
+    for k in range(3):
+        system = f"You are support assistant number {k} of Harbor Analytics. " * 3
+        home = post(app, rag(system, "Q: first?")).worker
+        assert probe.wait_held(rag(system, "Q: next?"), home)
+        for question in ("Q: second?", "Q: third?", "Q: fourth?"):
+            reply = post(app, rag(system, question))
+            assert reply.worker == home and reply.cached > 0
+        seen.add(home)
+    unique = {post(app, [{"role": "user", "content": f"unrelated {i} " * 20}]).worker for i in range(6)}
+    assert unique == {f"{app.name}-worker-0", f"{app.name}-worker-1"}  # spread by load
+
+
+def test_redis_stopped_mid_load_then_affinity_returns(app, probe, redis_server):
+    system = "You are the outage-time assistant. " * 6
+
+    def ask(i: int) -> Reply:
+        return post(app, rag(system, f"Q: during outage {i}?"), max_tokens=24)
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(ask, i) for i in range(8)]
+        time.sleep(0.05)
+        redis_server.kill()
+        replies = [f.result() for f in futures]  # every request succeeds
+        replies += list(pool.map(ask, range(8, 14)))  # and keeps succeeding while down
+    assert len(replies) == 14
+    redis_server.start()  # same port, empty: workers re-publish snapshots
+    assert wait_until(lambda: probe.directory.stats().live_workers == 2, timeout_s=10)
+    system = "You are the after-outage assistant. " * 6
+    home = post(app, rag(system, "Q: first?")).worker
+    assert probe.wait_held(rag(system, "Q: again?"), home)
+    for question in ("Q: again?", "Q: once more?"):
+        reply = post(app, rag(system, question))
+        assert reply.worker == home and reply.cached > 0
+
+
+def test_worker_killed_mid_load(app, probe):
+    system = "You are the assistant that is about to lose a worker. " * 4
+    victim = post(app, rag(system, "Q: warm?")).worker
+    assert probe.wait_held(rag(system, "Q: held?"), victim)
+    handle = worker_handle(app, victim)
+    old_epoch = ray.get(handle.status.remote()).info.epoch
+    client = openai.OpenAI(base_url=app.base_url, api_key="unused", max_retries=0, timeout=120)
+
+    def buffered(i: int) -> str:
+        messages = rag(system, f"Q: buffered {i}?")
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=300)
+        return reply.choices[0].message.content
+
+    def streamed(i: int) -> tuple[bool, Exception | None]:
+        got_output = False
+        try:
+            messages = rag(system, f"Q: streamed {i}?")
+            stream = client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=300, stream=True
+            )
+            for chunk in stream:
+                got_output = got_output or bool(chunk.choices and chunk.choices[0].delta.content)
+        except Exception as error:  # noqa: BLE001 - recorded and checked below
+            return got_output, error
+        return got_output, None
+
+    with ThreadPoolExecutor(12) as pool:
+        buffered_futures = [pool.submit(buffered, i) for i in range(6)]
+        streamed_futures = [pool.submit(streamed, i) for i in range(6)]
+        assert wait_until(lambda: ray.get(handle.status.remote()).load.requests >= 2, 20, 0.01)
+        ray.kill(handle, no_restart=False)
+        # the dead worker's directory entries are gone within one lease (+ slack for
+        # a loaded 2-core box)
+        gone = wait_until(lambda: victim not in probe.holders(rag(system, "Q: x?")), LEASE_TTL_S + 1)
+        assert gone
+        for future in buffered_futures:
+            future.result()  # buffered answers never fail: retried elsewhere
+        for future in streamed_futures:
+            got_output, error = future.result()
+            assert error is None or got_output, f"failed before any output: {error!r}"
+    wait_healthy(app, 2, timeout_s=60)
+    assert ray.get(handle.status.remote()).info.epoch > old_epoch
+    served_by_victim = False
+    for i in range(8):
+        if post(app, [{"role": "user", "content": f"after restart {i} " * 10}]).worker == victim:
+            served_by_victim = True
+            break
+    assert served_by_victim
+
+
+def test_status_command(app, ray_cluster):
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "cluster.cli", "status", "--config", str(app.config_path),
+            "--set", f"ray.address={ray_cluster.gcs_address}",
+        ],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    assert f"{app.name}-worker-0" in out and f"{app.name}-worker-1" in out
+    assert out.count("healthy") >= 2
+    assert "directory (redis): 2 live workers" in out
+    assert "cache hit rate" in out
+
+
+def test_health_endpoint_reports_both_workers(app):
+    assert httpx.get(app.url("/health")).json()["healthy_workers"] == 2
