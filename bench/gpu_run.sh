@@ -15,7 +15,7 @@ export CHUNKSERVE_QWEN3_06B=$model CHUNKSERVE_RESULTS_DIR=$out
 case "${1:-all}" in
   tests) python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.txt" ;;
   bench)
-    for b in ${BENCHES:-cascade chunk_reuse latency throughput}; do
+    for b in ${BENCHES:-decode_kernel cascade chunk_reuse latency throughput}; do
       python3 bench/$b.py --model $model 2>&1 | grep -v Warning | tee "$out/$b.txt"
     done ;;
 esac
