@@ -26,8 +26,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+import ray
 import yaml
+from ray import serve
 
+from cluster.actors import ensure_cluster, kill_cluster, wait_ready
+from cluster.app import build_app
+from cluster.config import load_config
+from cluster.model_store import ensure_model
 from tests.chunkstore.testkit import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,8 +81,6 @@ def ray_cluster() -> Iterator[RayCluster]:
     cluster = RayCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard}", temp_dir)
     try:
         _wait_for_dashboard(cluster, proc, Path(log.name))
-        import ray
-
         ray.init(address=cluster.gcs_address, namespace="chunkserve-tests", log_to_driver=False)
         yield cluster
     finally:
@@ -101,8 +105,6 @@ def _wait_for_dashboard(cluster: RayCluster, proc: subprocess.Popen, log: Path) 
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    import ray
-
     ray.shutdown()
     proc.terminate()  # `ray start --block` stops the processes it started
     try:
@@ -118,8 +120,6 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="session")
 def serve_port(ray_cluster) -> Iterator[int]:
-    from ray import serve
-
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield port
@@ -155,19 +155,11 @@ def write_config(directory: Path, config: dict) -> Path:
 @pytest.fixture(scope="session")
 def start_app(serve_port, tmp_path_factory) -> Iterator[Callable[[dict], ServedApp]]:
     """``start_app(config_dict)`` runs a chunkserve app on the session's Serve at route
-    prefix /<name>, and waits until every worker is healthy. Stopped at session end
-    unless stopped earlier with ``stop_app``."""
-    from cluster.config import load_config
-
+    prefix /<name>, and waits until every worker is healthy. Modules stop theirs with
+    ``stop_app``; whatever is left is stopped at session end."""
     started: list[ServedApp] = []
 
     def start(config: dict) -> ServedApp:
-        from ray import serve
-
-        from cluster.actors import ensure_cluster, wait_ready
-        from cluster.app import build_app
-        from cluster.model_store import ensure_model
-
         config = {**config, "server": {**config.get("server", {}), "port": serve_port}}
         config["server"]["route_prefix"] = f"/{config['name']}"
         path = write_config(tmp_path_factory.mktemp("configs"), config)
@@ -182,15 +174,11 @@ def start_app(serve_port, tmp_path_factory) -> Iterator[Callable[[dict], ServedA
 
     yield start
     for app in started:
-        stop_app(app)
+        if app.name in serve.status().applications:
+            stop_app(app)
 
 
 def stop_app(app: ServedApp) -> None:
-    from ray import serve
-
-    from cluster.actors import kill_cluster
-    from cluster.config import load_config
-
     try:
         serve.delete(app.name)
     finally:

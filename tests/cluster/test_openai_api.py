@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from chunkstore.chunking import chunk_conversation
-from tests.cluster.conftest import cluster_config, unique_name
+from tests.cluster.conftest import cluster_config, stop_app, unique_name, wait_healthy
 from workers.config import EngineConfig
 from workers.engine import Engine
 from workers.sampling_params import SamplingParams
@@ -35,9 +35,14 @@ def rag_messages(docs: list[str], question: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def app(start_app, tiny_qwen3):
     config = cluster_config(
-        tiny_qwen3, unique_name("api"), server={"api_keys": [KEY_A, KEY_B]}
+        tiny_qwen3,
+        unique_name("api"),
+        server={"api_keys": [KEY_A, KEY_B]},
+        router={"max_requests_per_worker": 2},  # so that one n=2 stream fills the worker
     )
-    return start_app(config)
+    app = start_app(config)
+    yield app
+    stop_app(app)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +110,10 @@ def test_completions_streaming_and_not_agree(client):
 
 def test_shared_chunks_hit_the_cache_and_change_nothing(client, cold_engine):
     first = client.chat.completions.create(
-        model="tiny", messages=rag_messages([DOC_A, DOC_B], "Q: price?"), max_tokens=16, temperature=0
+        model="tiny",
+        messages=rag_messages([DOC_A, DOC_B], "Q: price?"),
+        max_tokens=16,
+        temperature=0,
     )
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     time.sleep(0.3)  # let the worker publish (affinity does not matter: one worker)
@@ -241,7 +249,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(app, client
     with pytest.raises(openai.AuthenticationError):
         bad = openai.OpenAI(base_url=app.base_url, api_key="sk-wrong", max_retries=0)
         bad.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
-    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "ok"}])
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "ok"}]
+    )
     assert reply.choices[0].finish_reason in ("stop", "length")
 
 
@@ -272,14 +282,33 @@ def test_closing_a_stream_stops_generation(app, client):
     assert _wait_idle(_worker(app))
 
 
+def test_full_worker_answers_429(app, client):
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "two long stories"}],
+        max_tokens=900,
+        n=2,
+        stream=True,
+    )
+    next(iter(stream))
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    stream.close()
+    assert _wait_idle(_worker(app))
+
+
 def test_draining_worker_refuses_then_resumes(app, client):
     worker = _worker(app)
     assert ray.get(worker.drain.remote(5.0)) is True
     with pytest.raises(openai.InternalServerError) as refused:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
     assert refused.value.status_code == 503
+    assert httpx.get(app.url("/health")).status_code == 503
     ray.get(worker.resume.remote())
-    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    wait_healthy(app, 1, timeout_s=10)  # the router sees it at its next poll
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}]
+    )
     assert reply.usage.completion_tokens > 0
 
 
@@ -298,5 +327,7 @@ def test_metrics(app, client):
         "chunkserve_cache_hit_rate",
     ):
         assert name in text
-    hit_rate = next(line for line in text.splitlines() if line.startswith("chunkserve_cache_hit_rate"))
+    hit_rate = next(
+        line for line in text.splitlines() if line.startswith("chunkserve_cache_hit_rate")
+    )
     assert float(hit_rate.split()[1]) > 0

@@ -22,7 +22,7 @@ from cluster.assembly import namespace_model
 from cluster.config import load_config
 from cluster.prompts import prepare_chat
 from tests.chunkstore.testkit import RedisProcess, wait_until
-from tests.cluster.conftest import REPO, cluster_config, unique_name, wait_healthy
+from tests.cluster.conftest import REPO, cluster_config, stop_app, unique_name, wait_healthy
 from workers.checkpoint import load_tokenizer
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
@@ -64,7 +64,9 @@ def app(start_app, tiny_qwen3, redis_server, ray_cluster):
         router={"poll_interval_s": 0.2, "max_attempts": 3},
         server={"num_replicas": 2, "default_max_tokens": 8},
     )
-    return start_app(config)
+    app = start_app(config)
+    yield app
+    stop_app(app)
 
 
 class Probe:
@@ -131,7 +133,9 @@ def test_requests_sharing_chunks_land_on_the_worker_holding_them(app, probe):
             reply = post(app, rag(system, question))
             assert reply.worker == home and reply.cached > 0
         seen.add(home)
-    unique = {post(app, [{"role": "user", "content": f"unrelated {i} " * 20}]).worker for i in range(6)}
+    unique = {
+        post(app, [{"role": "user", "content": f"unrelated {i} " * 20}]).worker for i in range(6)
+    }
     assert unique == {f"{app.name}-worker-0", f"{app.name}-worker-1"}  # spread by load
 
 
@@ -191,7 +195,9 @@ def test_worker_killed_mid_load(app, probe):
         ray.kill(handle, no_restart=False)
         # the dead worker's directory entries are gone within one lease (+ slack for
         # a loaded 2-core box)
-        gone = wait_until(lambda: victim not in probe.holders(rag(system, "Q: x?")), LEASE_TTL_S + 1)
+        gone = wait_until(
+            lambda: victim not in probe.holders(rag(system, "Q: x?")), LEASE_TTL_S + 1
+        )
         assert gone
         for future in buffered_futures:
             future.result()  # buffered answers never fail: retried elsewhere

@@ -17,8 +17,12 @@ import torch
 
 from workers.attention.base import BatchLayout
 
-# Cascade pays when sharing saves at least this many KV-token reads per step
-# (summed over requests); below it the extra kernels and merges cost more.
+# Cascade pays when the KV reads it saves outweigh its fixed cost. A cascade step runs
+# eagerly (plain decode replays a CUDA graph) and costs about 0.6 ms more per layer
+# on an H200 (bench/cascade.py: batch 64 x 4K shared declined correctly, 64 x 16K and
+# 256 x 4K pay), which is ~2.5 GB of KV reads per layer at its ~4.2 TB/s.
+MIN_SAVED_BYTES_PER_LAYER = 2.5e9
+# In tokens, for a backend that does not know its KV size (tests):
 DEFAULT_MIN_SAVED_TOKENS = 16384
 
 

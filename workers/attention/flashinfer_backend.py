@@ -12,7 +12,7 @@ import flashinfer
 import torch
 
 from workers.attention.base import AttentionShape, BatchLayout, kv_write_rows, write_kv
-from workers.attention.cascade_plan import DEFAULT_MIN_SAVED_TOKENS, CascadePlan, plan_cascade
+from workers.attention.cascade_plan import MIN_SAVED_BYTES_PER_LAYER, CascadePlan, plan_cascade
 
 WORKSPACE_BYTES = 256 * 2**20
 
@@ -33,11 +33,16 @@ class FlashInferBackend:
         self,
         shape: AttentionShape,
         enable_cascade: bool = True,
-        min_saved_tokens: int = DEFAULT_MIN_SAVED_TOKENS,
+        min_saved_tokens: int | None = None,
     ) -> None:
         self.shape = shape
         self.enable_cascade = enable_cascade
-        self.min_saved_tokens = min_saved_tokens
+        kv_bytes_per_token_layer = 2 * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
+        self.min_saved_tokens = (
+            int(MIN_SAVED_BYTES_PER_LAYER / kv_bytes_per_token_layer)
+            if min_saved_tokens is None
+            else min_saved_tokens
+        )
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=shape.device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(

@@ -1,0 +1,88 @@
+"""Cluster configs: the shipped files load, overrides apply, bad files read well."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import main
+from cluster.config import ClusterConfig, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, ClusterConfig) and cfg.model.name
+
+
+def test_shipped_configs_cover_local_redis_and_h200():
+    by_name = {p.name: load_config(p) for p in CONFIGS}
+    assert by_name["local.yaml"].directory.kind == "embedded"
+    assert by_name["local.yaml"].workers.count == 1
+    assert by_name["local.yaml"].model.make_if_missing is not None
+    assert by_name["redis.yaml"].directory.kind == "redis"
+    assert by_name["redis.yaml"].workers.count > 1
+    h200 = by_name["h200x8.yaml"]
+    assert h200.workers.count == 8 and h200.workers.num_gpus == 1
+
+
+def test_every_field_is_described():
+    def walk(model: type) -> list[str]:
+        missing = []
+        for name, field in model.model_fields.items():
+            if not field.description:
+                missing.append(f"{model.__name__}.{name}")
+            annotation = field.annotation
+            for candidate in getattr(annotation, "__args__", (annotation,)):
+                if isinstance(candidate, type) and hasattr(candidate, "model_fields"):
+                    missing += walk(candidate)
+        return missing
+
+    assert walk(ClusterConfig) == []
+
+
+def test_overrides_parse_values_as_yaml():
+    cfg = load_config(
+        REPO / "configs" / "local.yaml",
+        ["workers.count=3", "server.api_keys=[a, b]", "directory.redis.url=redis://h:1/0"],
+    )
+    assert cfg.workers.count == 3
+    assert cfg.server.api_keys == ["a", "b"]
+    assert cfg.directory.redis.url == "redis://h:1/0"
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "expected"),
+    [
+        ("model: {name: m, path: /x}\nworkers: {count: 0}\n", [], "workers.count: Input should be greater than 0"),
+        ("model: {name: m, path: /x}\nworkerz: {}\n", [], "workerz: Extra inputs are not permitted"),
+        ("model: {name: m, path: /x}\n", ["workers.count=lots"], "workers.count: Input should be a valid integer"),
+        ("model: {name: m}\n", [], "model.path: Field required"),
+        ("model: [unclosed\n", [], "not valid YAML"),
+        ("- a list\n", [], "the top level must be a mapping"),
+        ("model: {name: m, path: /x}\n", ["model.name.x=1"], "is not a section"),
+    ],
+)  # fmt: skip
+def test_bad_configs_say_what_is_wrong(tmp_path, text, overrides, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="") as error:
+        load_config(path, overrides)
+    assert expected in str(error.value)
+
+
+def test_cli_reports_a_bad_config_in_one_line(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: {name: m, path: /x}\nworkers: {count: -1}\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "workers.count: Input should be greater than 0" in err and "Traceback" not in err
+    assert (
+        main(["batch", "--config", str(tmp_path / "missing.yaml"), "--input", "x", "--output", "y"])
+        == 2
+    )
+    assert "cannot read config" in capsys.readouterr().err

@@ -1,0 +1,93 @@
+"""The worker's engine thread and cache mirror, without Ray."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+
+from chunkstore.events import CacheEvent, EventKind
+from workers.actor import coalesce
+from workers.cache_mirror import CacheMirror
+from workers.config import EngineConfig
+from workers.engine import Engine, StepOutput
+from workers.engine_loop import EngineLoop, Rejected
+from workers.sampling_params import SamplingParams
+
+
+@pytest.fixture
+def loop(tiny_qwen3):
+    mirror = CacheMirror()
+    fatal: list[BaseException] = []
+    engine = Engine(EngineConfig(model_dir=str(tiny_qwen3), page_size=16), stream_text=True)
+    loop = EngineLoop(engine, mirror.absorb, fatal.append)
+    loop.start()
+    yield loop, mirror
+    loop.stop()
+    assert not fatal
+
+
+def collect(loop: EngineLoop, request_id: str, prompt, params) -> list:
+    items: queue.SimpleQueue = queue.SimpleQueue()
+    loop.submit(request_id, tuple(prompt), params, "", items.put)
+    out = []
+    while True:
+        item = items.get(timeout=30)
+        out.append(item)
+        if isinstance(item, Rejected) or item.finished:
+            return out
+
+
+def test_outputs_rejections_counters_and_mirror(loop):
+    loop, mirror = loop
+    prompt = list(range(100, 164))
+    outputs = collect(
+        loop, "a", prompt, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    )
+    assert sum(len(o.new_token_ids) for o in outputs) == 5 and outputs[-1].finished
+    load = loop.load()
+    assert load.requests == 0 and load.tokens == 0 and load.requests_total == 1
+    assert load.prompt_tokens_total == 64 and load.generated_tokens_total == 5
+    assert mirror.size() == 4  # four full pages published, mirrored from the loop thread
+    assert len(mirror.snapshot()) == 4
+    again = collect(loop, "b", prompt, SamplingParams(max_tokens=1))
+    assert again[0].num_cached_tokens == 48  # the last page is always recomputed
+    rejected = collect(loop, "c", [10**9], SamplingParams(max_tokens=1))
+    assert isinstance(rejected[0], Rejected) and "vocabulary" in rejected[0].message
+
+
+def test_abort_stops_a_request_and_frees_its_load(loop):
+    loop, _ = loop
+    seen = threading.Event()
+    loop.submit("long", tuple(range(10, 40)), SamplingParams(max_tokens=3000, ignore_eos=True), "",
+                lambda item: seen.set())  # fmt: skip
+    assert seen.wait(30)
+    assert loop.load().requests == 1
+    loop.abort("long")
+    for _ in range(300):
+        if loop.load().requests == 0:
+            break
+        threading.Event().wait(0.01)
+    assert loop.load().requests == 0
+
+
+def test_mirror_applies_events_in_order():
+    mirror = CacheMirror()
+    a, b = b"a" * 32, b"b" * 32
+    mirror.absorb([CacheEvent(EventKind.STORED, (a, b)), CacheEvent(EventKind.REMOVED, (a,))])
+    assert mirror.snapshot() == [b] and len(mirror.drain()) == 2 and mirror.drain() == []
+    mirror.absorb([CacheEvent(EventKind.CLEARED)])
+    assert mirror.snapshot() == []
+
+
+def test_coalesce_merges_consecutive_outputs_per_choice():
+    def out(rid, token, text, finished=False):
+        return StepOutput(rid, (token,), text, finished, "length" if finished else None, 10, 4)
+
+    deltas = coalesce([out("r#0", 1, "a"), out("r#1", 2, "b"), out("r#0", 3, "c", True)],
+                      {"r#0": 0, "r#1": 1})  # fmt: skip
+    assert [(d.index, d.token_ids, d.text, d.finished) for d in deltas] == [
+        (0, (1, 3), "ac", True),
+        (1, (2,), "b", False),
+    ]

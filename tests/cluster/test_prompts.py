@@ -1,0 +1,42 @@
+"""The router's lookup keys are exactly keys the engine publishes (no Ray)."""
+
+from __future__ import annotations
+
+from chunkstore.chunking import chunk_conversation
+from chunkstore.events import EventKind
+from chunkstore.hashing import Namespace
+from cluster.assembly import namespace_model
+from cluster.config import parse_config
+from cluster.prompts import prepare_chat
+from workers.config import EngineConfig
+from workers.engine import Engine
+from workers.sampling_params import SamplingParams
+
+SYSTEM = "You answer from the documents. " * 8
+DOC = "Document: the harbor opens at six and closes at nine. " * 6
+
+
+def messages(question: str) -> list[dict]:
+    parts = [{"type": "text", "text": DOC}, {"type": "text", "text": question}]
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": parts}]
+
+
+def test_router_keys_are_engine_keys(tiny_qwen3):
+    cfg = parse_config({"model": {"name": "tiny", "path": str(tiny_qwen3)}})
+    engine = Engine(EngineConfig(model_dir=str(tiny_qwen3), model_id="tiny", page_size=16))
+    assert namespace_model(cfg, tiny_qwen3) == engine.namespace_model
+    namespace = Namespace(engine.namespace_model, "tenant-1")
+    prompt = prepare_chat(engine.tokenizer, messages("Q?"), namespace, 16)
+    engine.add_request("r", list(prompt.token_ids), SamplingParams(max_tokens=1), "tenant-1")
+    while engine.has_unfinished():
+        engine.step()
+    stored = {k for e in engine.pool.drain_events() if e.kind is EventKind.STORED for k in e.keys}
+    assert prompt.lookup_keys and set(prompt.lookup_keys) <= stored
+    chunks = chunk_conversation(engine.tokenizer, messages("Q?"))
+    ends, total = [], 0
+    for chunk in chunks:
+        total += len(chunk.token_ids)
+        ends.append(total // 16 * 16)
+    assert list(prompt.token_ends) == sorted(set(e for e in ends if e))
+    other_tenant = prepare_chat(engine.tokenizer, messages("Q?"), Namespace(namespace.model_id), 16)
+    assert not set(other_tenant.lookup_keys) & stored

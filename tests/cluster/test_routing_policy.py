@@ -1,0 +1,69 @@
+"""The routing policy is a pure function: cached tokens against load."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from cluster.routing_policy import (
+    Decision,
+    Reason,
+    RoutingWeights,
+    Unroutable,
+    WorkerView,
+    choose_worker,
+)
+
+WEIGHTS = RoutingWeights(load_penalty_tokens=100, imbalance_slack=4, max_requests_per_worker=10)
+
+
+def views(*loads: int) -> list[WorkerView]:
+    return [WorkerView(f"w{i}", requests, requests * 50) for i, requests in enumerate(loads)]
+
+
+def test_no_workers_and_all_full():
+    assert choose_worker([], {}, WEIGHTS) is Unroutable.NO_WORKER
+    assert choose_worker(views(10, 12), {}, WEIGHTS) is Unroutable.OVERLOADED
+
+
+def test_holder_wins_when_its_cache_outweighs_its_queue():
+    decision = choose_worker(views(0, 2), {"w1": 320}, WEIGHTS)
+    assert decision == Decision("w1", Reason.AFFINITY, 320)
+
+
+def test_least_loaded_wins_when_the_cache_saves_less_than_the_queue_costs():
+    decision = choose_worker(views(0, 2), {"w1": 150}, WEIGHTS)  # 150 - 200 < 0
+    assert decision.worker_id == "w0" and decision.reason is Reason.LOAD
+
+
+def test_badly_imbalanced_holder_is_skipped_whatever_it_holds():
+    decision = choose_worker(views(0, 5), {"w1": 10_000}, WEIGHTS)  # 5 > 0 + slack 4
+    assert decision.worker_id == "w0" and decision.reason is Reason.LOAD
+
+
+def test_more_cached_tokens_beat_fewer():
+    decision = choose_worker(views(1, 1, 1), {"w0": 64, "w2": 256}, WEIGHTS)
+    assert decision.worker_id == "w2"
+
+
+def test_no_directory_answer_means_least_loaded():
+    decision = choose_worker(views(3, 1, 2), None, WEIGHTS)
+    assert decision == Decision("w1", Reason.NO_DIRECTORY, 0)
+
+
+def test_full_workers_are_never_chosen_even_as_holders():
+    decision = choose_worker(views(10, 9), {"w0": 10_000}, WEIGHTS)
+    assert decision.worker_id == "w1"
+
+
+def test_ties_rotate_so_equal_workers_share_requests():
+    chosen = Counter(choose_worker(views(0, 0, 0), {}, WEIGHTS, r).worker_id for r in range(9))
+    assert chosen == {"w0": 3, "w1": 3, "w2": 3}
+    tied_holders = {
+        choose_worker(views(0, 0), {"w0": 64, "w1": 64}, WEIGHTS, r).worker_id for r in range(2)
+    }
+    assert tied_holders == {"w0", "w1"}
+
+
+def test_ties_on_requests_go_to_fewer_tokens_in_flight():
+    workers = [WorkerView("a", 1, 900), WorkerView("b", 1, 100)]
+    assert choose_worker(workers, {}, WEIGHTS).worker_id == "b"
