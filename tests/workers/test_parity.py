@@ -77,3 +77,14 @@ def test_text_prompt_and_chat_decode(tiny_qwen3, hf_reference):
     ref = reference_greedy(hf_reference(tiny_qwen3), list(out.prompt_token_ids), 8)
     assert list(out.token_ids)[: len(ref)] == ref[: len(out.token_ids)]
     assert out.text == llm.tokenizer.decode(list(out.token_ids), skip_special_tokens=True)
+
+
+def test_sharded_checkpoint_loads_identically(tmp_path, tiny_qwen3):
+    from workers.models.make_model import make_model
+
+    sharded = make_model(tmp_path / "sharded", preset="tiny", seed=0, shard_size_mb=0.05)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    prompt = list(range(20, 60))
+    a = LLM(sharded).generate([prompt], GREEDY)[0]
+    b = LLM(tiny_qwen3).generate([prompt], GREEDY)[0]
+    assert a.token_ids == b.token_ids
