@@ -98,16 +98,22 @@ class ModelRunner:
             for _ in range(config.num_layers)
         ]
         self.graphs = None
+        self.prefill_graphs = None
         if enable_cuda_graphs and self.device.type == "cuda" and backend.name == "flashinfer":
             from workers.cuda_graphs import DecodeGraphs
+            from workers.prefill_graphs import PrefillGraphs
 
+            max_pages_per_seq = -(-max_model_len // page_size)
             self.graphs = DecodeGraphs(
                 model,
                 backend,
                 self.kv_caches,
                 scratch_page=num_pages,
                 max_batch_size=max_num_seqs,
-                max_pages_per_seq=-(-max_model_len // page_size),
+                max_pages_per_seq=max_pages_per_seq,
+            )
+            self.prefill_graphs = PrefillGraphs(
+                model, backend, self.kv_caches, num_pages, max_pages_per_seq, self.graphs.pool
             )
 
     @staticmethod
@@ -125,6 +131,13 @@ class ModelRunner:
                 inputs.positions.to(self.device, non_blocking=True),
                 inputs.layout,
             )[inputs.logits_indices.to(self.device)]
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(inputs.layout):
+            hidden = self.prefill_graphs.run(
+                inputs.input_ids.to(self.device, non_blocking=True),
+                inputs.positions.to(self.device, non_blocking=True),
+                inputs.layout,
+            )
+            return self.model.compute_logits(hidden[inputs.logits_indices.to(self.device)])
         metadata = self.backend.plan(inputs.layout)
         hidden = self.model(
             inputs.input_ids.to(self.device, non_blocking=True),

@@ -197,3 +197,37 @@ def test_cuda_graph_decode_matches_eager(qwen3_06b, engines):
             gaps.append(y.logprobs[step][1][1] - y.logprobs[step][2][1])
     _record("cuda_graph_vs_eager", {"prompts": 16, "identical": same, "gaps": gaps})
     assert all(g < _near_tie_threshold() for g in gaps)
+
+
+def test_prefill_graphs_match_eager(qwen3_06b, engines):
+    """Single-request prefills of up to 256 new tokens replay a CUDA graph; a cache
+    hit's short tail over a long cached prefix takes the same path."""
+    reuse, plain = engines
+    eager = LLM(
+        qwen3_06b,
+        page_size=16,
+        num_pages=4096,
+        enable_cascade=False,
+        enable_cuda_graphs=False,
+    )
+    runner = reuse.engine.runner
+    replays = []
+    original = runner.prefill_graphs.run
+    runner.prefill_graphs.run = lambda *a: replays.append(1) or original(*a)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    rng = random.Random(4)
+    context = rng.choices(range(10, 1000), k=3000)
+    prompts = [rng.choices(range(10, 1000), k=n) for n in (17, 64, 100, 250)]
+    prompts += [context + rng.choices(range(10, 1000), k=40) for _ in range(3)]
+    mismatches = []
+    try:
+        for prompt in prompts:
+            a = reuse.generate([prompt], params)[0]
+            b = eager.generate([prompt], params)[0]
+            if a.token_ids != b.token_ids:
+                mismatches.append(_divergence(a, b))
+    finally:
+        runner.prefill_graphs.run = original
+    _record("prefill_graph_vs_eager", {"prompts": len(prompts), "mismatches": mismatches})
+    assert len(replays) >= len(prompts) - 1  # the first context request prefills 3K eagerly
+    assert all(d["picked_runner_up"] and d["top2_gap"] < NEAR_TIE for d in mismatches)
