@@ -48,11 +48,13 @@ def root_key(namespace: Namespace) -> PageKey:
 
 def page_key(parent: PageKey, namespace_digest: bytes, page_tokens: Sequence[int]) -> PageKey:
     """Key of one full page given its parent's key."""
-    if any(t < 0 or t >= 2**32 for t in page_tokens):
-        raise ValueError("token ids must be in [0, 2**32)")
+    try:
+        packed = struct.pack(f"<{len(page_tokens)}I", *page_tokens)
+    except struct.error as e:  # a negative id, one >= 2**32, or not an integer
+        raise ValueError(f"token ids must be integers in [0, 2**32): {e}") from e
     h = hashlib.sha256(parent)
     h.update(namespace_digest)
-    h.update(struct.pack(f"<{len(page_tokens)}I", *page_tokens))
+    h.update(packed)
     return h.digest()
 
 

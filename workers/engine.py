@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from chunkstore.hashing import Namespace
@@ -50,6 +51,14 @@ class Engine:
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
+        if (
+            config.max_model_len
+            and config.max_model_len > self.model_config.max_position_embeddings
+        ):
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings {self.model_config.max_position_embeddings}"
+            )
         self.tokenizer = load_tokenizer(config.model_dir)
         model = load_model(config.model_dir, self.model_config, self.dtype, self.device)
         num_pages = config.num_pages or self._auto_num_pages()
@@ -211,8 +220,9 @@ class Engine:
         if not prompt:
             raise ValueError("prompt is empty: give at least one token")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
+        ids = np.asarray(prompt)
+        if ids.dtype.kind not in "iu" or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         if len(prompt) >= self.max_model_len:
             raise ValueError(

@@ -86,3 +86,12 @@ def test_cli_reports_a_bad_config_in_one_line(tmp_path, capsys):
         == 2
     )
     assert "cannot read config" in capsys.readouterr().err
+
+
+def test_serve_app_builder_takes_a_config_file():
+    from ray.serve import Application
+
+    from cluster.app import AppArgs, app_builder
+
+    app = app_builder(AppArgs(config=str(REPO / "configs" / "redis.yaml"), overrides=["name=x"]))
+    assert isinstance(app, Application)

@@ -63,6 +63,11 @@ def test_params_count_mismatch(llm):
         llm.generate([[1, 2]], [GREEDY, GREEDY])
 
 
+def test_context_longer_than_the_model_supports(tiny_qwen3):
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 4096"):
+        LLM(tiny_qwen3, max_model_len=8192)
+
+
 def test_missing_checkpoint_dir(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         LLM(tmp_path / "nope")
