@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -38,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_make_model(subparsers)
+    _add_serve(subparsers)
+    _add_batch(subparsers)
+    _add_status(subparsers)
     return parser
 
 
@@ -98,6 +102,85 @@ def _run_make_model(args: argparse.Namespace) -> int:
     print(f"wrote {args.preset} {args.family} checkpoint (seed {args.seed}) to {out}:")
     for path in sorted(p for p in out.iterdir() if p.is_file()):
         print(f"  {path.name:<40} {path.stat().st_size:>14,} bytes")
+    return EXIT_OK
+
+
+def _add_config_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="cluster config YAML, e.g. configs/local.yaml")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override a config field by its dotted path; VALUE is YAML "
+        "(repeatable, e.g. --set workers.count=2 --set server.port=8080)",
+    )
+
+
+def _load_config(args: argparse.Namespace):
+    from cluster.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible API on Ray until Ctrl-C",
+        description="Start (or join) Ray, the chunk directory, the workers and the HTTP app "
+        "described by the config; print the URL; serve until Ctrl-C.",
+    )
+    _add_config_arguments(p)
+    p.set_defaults(handler=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from cluster.serve import serve_until_stopped
+
+    serve_until_stopped(_load_config(args), log=lambda line: print(line, flush=True))
+    return EXIT_OK
+
+
+def _add_batch(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "batch",
+        help="run a JSONL file of OpenAI-style requests; resumable",
+        description="Run every request line of INPUT (OpenAI Batch API lines, or bare "
+        "request bodies with a custom_id) and write one response line per request to "
+        "OUTPUT, in input order. A rerun skips ids already in OUTPUT. Works locally and "
+        "under `ray job submit`.",
+    )
+    _add_config_arguments(p)
+    p.add_argument("--input", required=True, type=Path, help="request lines (JSONL)")
+    p.add_argument("--output", required=True, type=Path, help="response lines (appended)")
+    p.set_defaults(handler=_run_batch)
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    from cluster.batch import run_batch
+
+    summary = run_batch(_load_config(args), args.input, args.output)
+    print(summary.describe(args.output), flush=True)
+    return EXIT_OK
+
+
+def _add_status(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "status",
+        help="show a running cluster's workers, chunks and cache hit rate",
+        description="Connect to the running Ray cluster and report on the workers and "
+        "chunk directory of the config's cluster.",
+    )
+    _add_config_arguments(p)
+    p.set_defaults(handler=_run_status)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from cluster.status import cluster_status, format_status
+
+    cfg = _load_config(args)
+    print(format_status(cfg, cluster_status(cfg)), flush=True)
     return EXIT_OK
 
 

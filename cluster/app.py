@@ -1,0 +1,175 @@
+"""The OpenAI-compatible HTTP app: a Ray Serve deployment with a FastAPI ingress.
+
+Every replica is a router: it authenticates, tokenizes, looks up the directory
+and streams from a worker. Replicas share nothing but the directory and the
+workers (found by name, created on first use), so any number of them stay correct.
+
+Order of checks: authentication (401), body parsing and validation (400), model
+(404), prompt and length (400), routing (429, 503). Every error body is
+OpenAI-style ``{"error": {...}}``.
+"""
+
+# No ``from __future__ import annotations``: FastAPI must see real types on the
+# ingress methods (``request: Request``) after Serve re-wraps them.
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, Field
+from ray import serve
+from ray.serve import Application
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.actors import ensure_cluster
+from cluster.assembly import build_service
+from cluster.completions import Reply
+from cluster.config import ClusterConfig, load_config
+from cluster.errors import APIError, HTTPStatusError, NoHealthyWorker, NotFound
+from cluster.metrics import Metrics
+from cluster.model_store import ensure_model
+from cluster.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    parse_request,
+)
+from cluster.tenancy import Authenticator
+
+logger = logging.getLogger(__name__)
+
+WORKER_HEADER = "X-Chunkserve-Worker"
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+api = FastAPI(title="chunkserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+# Everything the ingress class uses is defined above it: Serve pickles the app when
+# the class is decorated, so names defined later would be missing in the replicas.
+
+
+def _json(payload: BaseModel | dict, status: int = 200, headers: dict | None = None) -> Response:
+    content = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return Response(content, status_code=status, media_type="application/json", headers=headers)
+
+
+def error_response(error: APIError) -> Response:
+    return _json(error.body(), status=error.status)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    if exc.status_code == 404:
+        return error_response(NotFound(f"no route {request.method} {request.url.path}"))
+    return error_response(HTTPStatusError(exc.status_code, str(exc.detail)))
+
+
+@api.exception_handler(Exception)
+async def _server_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error in %s %s", request.method, request.url.path)
+    return error_response(APIError("internal server error"))
+
+
+@serve.deployment
+@serve.ingress(api)
+class ChunkserveServer:
+    def __init__(self, config: ClusterConfig) -> None:
+        model_dir = ensure_model(config.model)
+        actors = ensure_cluster(config, model_dir, detached=True)
+        self._metrics = Metrics()
+        self._service = build_service(config, model_dir, actors, self._metrics)
+        self._auth = Authenticator(config.server.api_keys)
+        self._model = config.model.name
+        self._created = int(time.time())
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, "chat", ChatCompletionRequest, self._service.chat)
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(
+            request, "completions", CompletionRequest, self._service.completion
+        )
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        try:
+            self._auth.tenant(request.headers.get("authorization"))
+        except APIError as error:
+            return error_response(error)
+        card = ModelCard(id=self._model, created=self._created)
+        return _json(ModelList(data=[card]))
+
+    @api.get("/health")
+    async def health(self) -> Response:
+        pool = self._service.router.pool
+        await pool.start()
+        healthy = pool.healthy_count()
+        if not healthy:
+            return error_response(NoHealthyWorker(f"no healthy worker ({pool.describe()})"))
+        return _json({"status": "ok", "healthy_workers": healthy, "workers": len(pool.health())})
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        return Response(self._metrics.render(), media_type=PROMETHEUS_TEXT)
+
+    async def _complete(
+        self,
+        request: Request,
+        endpoint: str,
+        body_type: type[ChatCompletionRequest] | type[CompletionRequest],
+        handle: Callable[..., Awaitable[Reply]],
+    ) -> Response:
+        self._metrics.in_flight += 1
+        try:
+            tenant = self._auth.tenant(request.headers.get("authorization"))
+            body = parse_request(body_type, await request.body())
+            reply = await handle(body, tenant)
+        except APIError as error:
+            self._finish(endpoint, error.status)
+            return error_response(error)
+        except BaseException:
+            self._finish(endpoint, 500)
+            raise
+        headers = {WORKER_HEADER: reply.worker_id}
+        if reply.events is None:
+            self._finish(endpoint, 200)
+            return _json(reply.body, headers=headers)
+        events = self._counted(reply.events, endpoint)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+    async def _counted(self, events: AsyncIterator[str], endpoint: str) -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        finally:
+            self._finish(endpoint, 200)
+
+    def _finish(self, endpoint: str, status: int) -> None:
+        self._metrics.in_flight -= 1
+        self._metrics.requests.inc(endpoint, str(status))
+
+
+def build_app(cfg: ClusterConfig) -> Application:
+    return ChunkserveServer.options(
+        name=f"{cfg.name}-router",
+        num_replicas=cfg.server.num_replicas,
+        max_ongoing_requests=cfg.server.max_ongoing_requests,
+        ray_actor_options={"num_cpus": cfg.server.replica_num_cpus},
+    ).bind(cfg)
+
+
+class AppArgs(BaseModel):
+    """Arguments of ``serve run cluster.app:app_builder config=FILE``."""
+
+    config: str = Field(description="cluster config YAML")
+    overrides: list[str] = Field(
+        default_factory=list, description="dotted.key=value overrides, as with --set"
+    )
+
+
+def app_builder(args: AppArgs) -> Application:
+    return build_app(load_config(args.config, args.overrides))

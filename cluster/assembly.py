@@ -1,0 +1,49 @@
+"""Wiring a config's router and completion service (shared by app and batch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cluster.actors import ClusterActors
+from cluster.completions import CompletionService, ServiceSettings
+from cluster.config import ClusterConfig
+from cluster.directory_access import open_directory
+from cluster.metrics import Metrics
+from cluster.router import Router, RouterSettings
+from cluster.routing_policy import RoutingWeights
+from cluster.worker_pool import WorkerPool
+from workers.checkpoint import checkpoint_fingerprint, load_tokenizer
+
+
+def namespace_model(cfg: ClusterConfig, model_dir: Path) -> str:
+    """The engine's ``namespace_model`` for this config (model id + fingerprint)."""
+    return f"{cfg.model.name}@{checkpoint_fingerprint(model_dir)}"
+
+
+def build_service(
+    cfg: ClusterConfig, model_dir: Path, actors: ClusterActors, metrics: Metrics
+) -> CompletionService:
+    keyed_as = namespace_model(cfg, model_dir)
+    pool = WorkerPool(
+        actors.workers, keyed_as, cfg.router.poll_interval_s, cfg.router.poll_timeout_s
+    )
+    metrics.healthy_workers = pool.healthy_count
+    weights = RoutingWeights(
+        load_penalty_tokens=cfg.router.load_penalty_tokens,
+        imbalance_slack=cfg.router.imbalance_slack,
+        max_requests_per_worker=cfg.router.max_requests_per_worker,
+    )
+    router = Router(
+        pool,
+        open_directory(actors.directory),
+        RouterSettings(weights=weights, max_attempts=cfg.router.max_attempts),
+        metrics,
+    )
+    settings = ServiceSettings(
+        model_name=cfg.model.name,
+        namespace_model=keyed_as,
+        page_size=cfg.engine.page_size,
+        default_max_tokens=cfg.server.default_max_tokens,
+        max_attempts=cfg.router.max_attempts,
+    )
+    return CompletionService(router, load_tokenizer(model_dir), settings, metrics)

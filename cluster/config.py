@@ -1,0 +1,257 @@
+"""Cluster configuration: pydantic models loaded from YAML (every field described).
+
+``load_config(path, overrides)`` reads a file, applies ``dotted.key=value``
+overrides (values parsed as YAML), validates, and raises ``ValueError`` with one
+readable line per problem ("workers.count: Input should be greater than 0").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MakeModelConfig(_Section):
+    preset: str = Field("tiny", description="make-model preset, e.g. tiny or qwen3-0.6b")
+    family: Literal["qwen3", "llama"] = Field(
+        "qwen3", description="model family (and chat template): qwen3 or llama"
+    )
+    seed: int = Field(0, description="weight seed")
+
+
+class ModelSection(_Section):
+    name: str = Field(
+        description="model id clients send in the `model` field; also the model part of "
+        "the chunk-key namespace",
+        min_length=1,
+    )
+    path: str = Field(
+        description="checkpoint directory in the Hugging Face layout (~ expanded); "
+        "must be readable at this path on every node"
+    )
+    make_if_missing: MakeModelConfig | None = Field(
+        None,
+        description="if set and `path` does not exist, write a random-weight checkpoint "
+        "there on first use (for trying chunkserve out; outputs are gibberish)",
+    )
+
+
+class EngineSection(_Section):
+    device: str | None = Field(None, description="cuda or cpu; null: cuda where available")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="null: bfloat16 on cuda, float32 on cpu"
+    )
+    page_size: int = Field(16, gt=0, description="tokens per KV page (a power of two)")
+    num_pages: int | None = Field(
+        None, ge=2, description="KV pages per worker; null: sized from free memory"
+    )
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0, le=1, description="share of GPU memory for weights and KV cache"
+    )
+    cpu_kv_cache_bytes: int = Field(
+        256 * 2**20, gt=0, description="KV cache size on CPU workers, in bytes"
+    )
+    max_num_seqs: int = Field(256, gt=0, description="sequences running at once per worker")
+    max_num_batched_tokens: int = Field(
+        8192, gt=0, description="tokens computed per engine step (prefill chunking)"
+    )
+    max_model_len: int | None = Field(
+        None, ge=2, description="context length; null: the model's, capped by the KV pool"
+    )
+    enable_reuse: bool = Field(True, description="reuse cached KV pages of equal prefixes")
+    attention_backend: Literal["torch", "flashinfer"] | None = Field(
+        None, description="null: flashinfer on cuda, torch elsewhere"
+    )
+    enable_cascade: bool = Field(True, description="cascade attention for shared prefixes")
+    enable_cuda_graphs: bool = Field(True, description="CUDA graphs for decode (flashinfer)")
+
+
+class WorkersSection(_Section):
+    count: int = Field(1, gt=0, description="worker actors (one engine each)")
+    num_gpus: float = Field(0, ge=0, description="GPUs per worker (1 on GPU clusters)")
+    num_cpus: float = Field(1, ge=0, description="Ray CPUs reserved per worker")
+    cpu_threads: int | None = Field(
+        1, gt=0, description="torch threads per worker; null keeps torch's default"
+    )
+    max_restarts: int = Field(
+        3, gt=0, description="times Ray restarts a crashed worker (each with a new epoch)"
+    )
+    publish_interval_s: float = Field(
+        0.25, gt=0, description="how often a worker ships chunk events and heartbeats"
+    )
+    startup_timeout_s: float = Field(
+        600, gt=0, description="how long to wait for workers to load their model"
+    )
+
+
+class RedisSection(_Section):
+    url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="redis://[[user]:password@]host:port/db or rediss://... (TLS)",
+    )
+    prefix: str = Field(
+        "chunkserve", min_length=1, description="key prefix; clusters sharing a Redis differ"
+    )
+    timeout_s: float = Field(
+        0.05, gt=0, le=1, description="socket timeout of every Redis call; keep it short"
+    )
+
+
+class DirectorySection(_Section):
+    kind: Literal["embedded", "redis"] = Field(
+        "embedded",
+        description="embedded: in one Ray actor, for single-node clusters; redis: shared "
+        "by every node and router",
+    )
+    lease_ttl_s: float = Field(
+        5.0, gt=0, description="a worker's entries count only this long after its heartbeat"
+    )
+    call_timeout_s: float = Field(
+        1.0, gt=0, description="timeout of one call to the embedded directory's actor"
+    )
+    redis: RedisSection = Field(
+        default_factory=RedisSection, description="Redis settings (kind: redis)"
+    )
+
+
+class RouterSection(_Section):
+    load_penalty_tokens: float = Field(
+        128,
+        ge=0,
+        description="cached prompt tokens worth one more queued request on a worker; the "
+        "router picks the worker maximizing cached tokens minus this times its load",
+    )
+    imbalance_slack: int = Field(
+        8,
+        ge=0,
+        description="a worker with this many more requests than the least-loaded one is "
+        "not chosen for its cache (load balancing wins)",
+    )
+    max_requests_per_worker: int = Field(
+        1024, gt=0, description="above this many queued requests everywhere, answer 429"
+    )
+    max_attempts: int = Field(
+        3, gt=0, description="workers tried for a request whose worker dies before output"
+    )
+    poll_interval_s: float = Field(0.5, gt=0, description="how often worker load is polled")
+    poll_timeout_s: float = Field(
+        5.0, gt=0, description="a worker not answering a poll this fast counts as down"
+    )
+
+
+class ServerSection(_Section):
+    host: str = Field("127.0.0.1", description="HTTP bind address (0.0.0.0 for all)")
+    port: int = Field(8000, gt=0, lt=65536, description="HTTP port")
+    route_prefix: str = Field("/", description="URL prefix of the app, e.g. / or /chunkserve")
+    num_replicas: int = Field(1, gt=0, description="router (HTTP ingress) replicas")
+    replica_num_cpus: float = Field(0.5, ge=0, description="Ray CPUs per router replica")
+    max_ongoing_requests: int = Field(
+        512, gt=0, description="requests one router replica handles at once"
+    )
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="accepted bearer keys; empty: no authentication. Each key is its own "
+        "tenant: caches are never shared across keys",
+    )
+    default_max_tokens: int = Field(
+        256, gt=0, description="max_tokens of requests that give none (capped by context)"
+    )
+
+    @model_validator(mode="after")
+    def _check_prefix(self) -> ServerSection:
+        if not self.route_prefix.startswith("/"):
+            raise ValueError(f"route_prefix must start with '/', got {self.route_prefix!r}")
+        return self
+
+
+class BatchSection(_Section):
+    concurrency: int = Field(32, gt=0, description="requests in flight at once")
+
+
+class RaySection(_Section):
+    address: str | None = Field(
+        None,
+        description="Ray cluster to join: null joins the one this process runs in (as "
+        "under `ray job submit`) or the one `ray start` runs on this machine, else starts "
+        "a local Ray; 'local' always starts one; or host:port",
+    )
+    num_cpus: int | None = Field(
+        None, gt=0, description="CPUs of a Ray started by this process (ignored when joining)"
+    )
+    namespace: str = Field(
+        "chunkserve", min_length=1, description="Ray namespace of the cluster's named actors"
+    )
+
+
+class ClusterConfig(_Section):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")] = Field(
+        "chunkserve",
+        description="cluster name: prefixes worker ids, actor names and the Serve app name",
+    )
+    model: ModelSection = Field(description="the model to serve")
+    engine: EngineSection = Field(default_factory=EngineSection, description="engine settings")
+    workers: WorkersSection = Field(default_factory=WorkersSection, description="worker actors")
+    directory: DirectorySection = Field(
+        default_factory=DirectorySection, description="chunk directory"
+    )
+    router: RouterSection = Field(default_factory=RouterSection, description="routing")
+    server: ServerSection = Field(default_factory=ServerSection, description="HTTP app")
+    batch: BatchSection = Field(default_factory=BatchSection, description="batch jobs")
+    ray: RaySection = Field(default_factory=RaySection, description="Ray connection")
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ClusterConfig:
+    """Read, override and validate a config file; ``ValueError`` says what is wrong."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise ValueError(f"cannot read config {str(path)!r}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path}: not valid YAML: {error}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: the top level must be a mapping of sections")
+    for override in overrides:
+        apply_override(raw, override)
+    return parse_config(raw, source=str(path))
+
+
+def parse_config(raw: dict, source: str = "config") -> ClusterConfig:
+    try:
+        return ClusterConfig.model_validate(raw)
+    except ValidationError as error:
+        lines = [f"  {_location(e['loc'])}: {e['msg']}" for e in error.errors()]
+        raise ValueError(f"{source} is invalid:\n" + "\n".join(lines)) from None
+
+
+def apply_override(raw: dict, override: str) -> None:
+    """Set ``dotted.key=value`` in ``raw`` (value parsed as YAML: 3, true, [a, b])."""
+    key, sep, text = override.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--set expects dotted.key=value, got {override!r}")
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"--set {key}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _location(loc: tuple) -> str:
+    return ".".join(str(part) for part in loc) or "(top level)"

@@ -1,0 +1,210 @@
+"""Building OpenAI response bodies and stream chunks from worker deltas."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pydantic import BaseModel
+
+from cluster.openai_protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from workers.worker_types import TokenLogprobs, WorkerDelta
+
+TokenText = Callable[[int], str]
+
+
+@dataclass
+class ChoiceOutput:
+    """A choice's output accumulated from its deltas."""
+
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    def add(self, delta: WorkerDelta) -> None:
+        self.text += delta.text
+        self.num_tokens += len(delta.token_ids)
+        self.finish_reason = delta.finish_reason
+        self.cached_tokens = delta.cached_tokens
+        self.logprobs.extend(delta.logprobs)
+
+
+def usage(prompt_tokens: int, choices: Sequence[ChoiceOutput]) -> Usage:
+    completion = sum(c.num_tokens for c in choices)
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=choices[0].cached_tokens),
+    )
+
+
+def sse(payload: BaseModel | dict) -> str:
+    text = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {text}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class ResponseFormat(Protocol):
+    def response(self, choices: Sequence[ChoiceOutput], usage: Usage) -> BaseModel: ...
+
+    def opening_chunks(self, n: int) -> list[BaseModel]: ...
+
+    def chunk(self, delta: WorkerDelta) -> BaseModel: ...
+
+    def usage_chunk(self, usage: Usage) -> BaseModel: ...
+
+
+@dataclass(frozen=True)
+class _Header:
+    id: str
+    created: int
+    model: str
+
+
+def _header(prefix: str, model: str) -> _Header:
+    return _Header(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model)
+
+
+class ChatFormat:
+    def __init__(self, model: str, token_text: TokenText, top_logprobs: int) -> None:
+        self._h = _header("chatcmpl", model)
+        self._token_text = token_text
+        self._top = top_logprobs
+
+    def response(self, choices: Sequence[ChoiceOutput], usage: Usage) -> ChatCompletion:
+        return ChatCompletion(
+            id=self._h.id,
+            created=self._h.created,
+            model=self._h.model,
+            choices=[
+                ChatChoice(
+                    index=i,
+                    message=AssistantMessage(content=c.text),
+                    finish_reason=c.finish_reason,
+                    logprobs=self._logprobs(c.logprobs),
+                )
+                for i, c in enumerate(choices)
+            ],
+            usage=usage,
+        )
+
+    def opening_chunks(self, n: int) -> list[ChatCompletionChunk]:
+        return [
+            self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+            for i in range(n)
+        ]
+
+    def chunk(self, delta: WorkerDelta) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(
+            index=delta.index,
+            delta=ChatDelta(content=delta.text),
+            finish_reason=delta.finish_reason,
+            logprobs=self._logprobs(delta.logprobs),
+        )
+        return self._chunk([choice])
+
+    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
+        return self._chunk([], usage)
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None):
+        h = self._h
+        return ChatCompletionChunk(
+            id=h.id, created=h.created, model=h.model, choices=choices, usage=usage
+        )
+
+    def _logprobs(self, tokens: Sequence[TokenLogprobs]) -> ChatLogprobs | None:
+        if not tokens:
+            return None
+        return ChatLogprobs(content=[self._token(entry) for entry in tokens])
+
+    def _token(self, entry: TokenLogprobs) -> TokenLogprob:
+        (chosen, logprob), alternatives = entry[0], entry[1 : 1 + self._top]
+        return TokenLogprob(
+            **self._top_logprob(chosen, logprob).model_dump(),
+            top_logprobs=[self._top_logprob(t, lp) for t, lp in alternatives],
+        )
+
+    def _top_logprob(self, token: int, logprob: float) -> TopLogprob:
+        text = self._token_text(token)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+
+class CompletionFormat:
+    def __init__(self, model: str, token_text: TokenText, top_logprobs: int) -> None:
+        self._h = _header("cmpl", model)
+        self._token_text = token_text
+        self._top = top_logprobs
+
+    def response(self, choices: Sequence[ChoiceOutput], usage: Usage) -> Completion:
+        return self._completion(
+            [
+                CompletionChoice(
+                    index=i,
+                    text=c.text,
+                    finish_reason=c.finish_reason,
+                    logprobs=self._logprobs(c.logprobs),
+                )
+                for i, c in enumerate(choices)
+            ],
+            usage,
+        )
+
+    def opening_chunks(self, n: int) -> list[Completion]:
+        return []
+
+    def chunk(self, delta: WorkerDelta) -> Completion:
+        choice = CompletionChoice(
+            index=delta.index,
+            text=delta.text,
+            finish_reason=delta.finish_reason,
+            logprobs=self._logprobs(delta.logprobs),
+        )
+        return self._completion([choice])
+
+    def usage_chunk(self, usage: Usage) -> Completion:
+        return self._completion([], usage)
+
+    def _completion(self, choices: list[CompletionChoice], usage: Usage | None = None):
+        h = self._h
+        return Completion(id=h.id, created=h.created, model=h.model, choices=choices, usage=usage)
+
+    def _logprobs(self, tokens: Sequence[TokenLogprobs]) -> CompletionLogprobs | None:
+        if not tokens:
+            return None
+        texts = [self._token_text(entry[0][0]) for entry in tokens]
+        offsets, offset = [], 0
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        return CompletionLogprobs(
+            tokens=texts,
+            token_logprobs=[entry[0][1] for entry in tokens],
+            top_logprobs=[
+                {self._token_text(t): lp for t, lp in entry[1 : 1 + self._top]} for entry in tokens
+            ],
+            text_offset=offsets,
+        )

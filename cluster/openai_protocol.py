@@ -1,0 +1,275 @@
+"""OpenAI-compatible request and response bodies (the HTTP boundary).
+
+Requests are validated strictly (a string is never taken for a number); fields
+OpenAI defines that chunkserve does not implement are ignored when absent or at
+their defaults and rejected otherwise, so a client never silently gets something
+other than it asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from cluster.errors import BadRequest
+
+MAX_N = 16
+MAX_STOP = 4
+MAX_LOGPROBS = 20
+
+
+def parse_request(body_type: type[BaseModel], raw: bytes | str):
+    """The validated body, or ``BadRequest`` naming the first offending fields."""
+    try:
+        return body_type.model_validate_json(raw)
+    except ValidationError as error:
+        problems = error.errors()
+        if problems[0]["type"] == "json_invalid":
+            raise BadRequest(f"the request body is not valid JSON: {problems[0]['msg']}") from None
+        first = _dotted(problems[0]["loc"]) or None
+        text = "; ".join(f"{_dotted(e['loc']) or 'body'}: {e['msg']}" for e in problems[:3])
+        raise BadRequest(text, param=first) from None
+
+
+def _dotted(loc: tuple) -> str:
+    return ".".join(str(part) for part in loc)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = Field(False, description="send a last chunk carrying usage")
+
+
+class _SamplingRequest(_Request):
+    model: str = Field(description="the served model id (GET /v1/models)")
+    max_tokens: int | None = Field(
+        None, ge=1, description="most tokens to generate; default: server's, within context"
+    )
+    temperature: float = Field(1.0, ge=0, le=2, description="0 is greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    n: int = Field(1, ge=1, le=MAX_N, description="choices to generate for the prompt")
+    seed: int | None = Field(
+        None, ge=0, lt=2**63, description="makes sampling reproducible (choice i uses seed+i)"
+    )
+    stop: str | list[str] | None = Field(
+        None, description=f"up to {MAX_STOP} strings; the output ends before the first"
+    )
+    stream: bool = Field(False, description="stream server-sent events")
+    stream_options: StreamOptions | None = Field(None, description="streaming options")
+    presence_penalty: float = Field(0.0, description="not supported: must be 0")
+    frequency_penalty: float = Field(0.0, description="not supported: must be 0")
+    user: str | None = Field(None, description="end-user id (accepted, unused)")
+
+    @model_validator(mode="after")
+    def _check_common(self) -> _SamplingRequest:
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported")
+        stops = self.stop_list
+        if len(stops) > MAX_STOP or any(not s for s in stops):
+            raise ValueError(f"stop takes at most {MAX_STOP} non-empty strings")
+        return self
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class TextPart(_Request):
+    type: Literal["text"] = Field(description="only text parts are supported")
+    text: str = Field(description="the text; each part of a message is its own chunk")
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="who wrote the message"
+    )
+    content: str | list[TextPart] = Field(
+        description="text, or a list of text parts (one reusable chunk per part)"
+    )
+    name: str | None = Field(None, description="participant name (accepted, unused)")
+
+    @model_validator(mode="after")
+    def _check_parts(self) -> ChatMessage:
+        if isinstance(self.content, list) and not self.content:
+            raise ValueError("content must be a string or a non-empty list of text parts")
+        return self
+
+    def as_chunking_message(self) -> dict[str, str | list[dict[str, str]]]:
+        if isinstance(self.content, str):
+            return {"role": self.role, "content": self.content}
+        parts = [{"type": "text", "text": part.text} for part in self.content]
+        return {"role": self.role, "content": parts}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1, description="the conversation so far")
+    max_completion_tokens: int | None = Field(
+        None, ge=1, description="alias of max_tokens (newer OpenAI name); wins if both given"
+    )
+    logprobs: bool = Field(False, description="return log-probabilities of output tokens")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="alternatives per token (needs logprobs)"
+    )
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int:
+        """Alternatives the engine must return per token (0: no logprobs)."""
+        return max(1, self.top_logprobs or 0) if self.logprobs else 0
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] = Field(description="text, or token ids, to continue")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="return this many top alternatives per token"
+    )
+    echo: bool = Field(False, description="not supported: must be false")
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int:
+        return 0 if self.logprobs is None else max(1, self.logprobs)
+
+
+# -- responses -----------------------------------------------------------------------
+class PromptTokensDetails(_Response):
+    cached_tokens: int = Field(description="prompt tokens served from the KV cache")
+
+
+class Usage(_Response):
+    prompt_tokens: int = Field(description="tokens in the prompt")
+    completion_tokens: int = Field(description="tokens generated, all choices")
+    total_tokens: int = Field(description="prompt + completion tokens")
+    prompt_tokens_details: PromptTokensDetails = Field(description="prompt token breakdown")
+
+
+class TopLogprob(_Response):
+    token: str = Field(description="the token's text")
+    logprob: float = Field(description="its log-probability")
+    bytes: list[int] = Field(description="UTF-8 bytes of the token's text")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description="most likely alternatives")
+
+
+class ChatLogprobs(_Response):
+    content: list[TokenLogprob] = Field(description="one entry per output token")
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = Field("assistant", description="always assistant")
+    content: str = Field(description="the generated text")
+
+
+class ChatChoice(_Response):
+    index: int = Field(description="choice number")
+    message: AssistantMessage = Field(description="the generated message")
+    finish_reason: str | None = Field(description="stop (end or stop string) or length")
+    logprobs: ChatLogprobs | None = Field(None, description="when requested")
+
+
+class ChatCompletion(_Response):
+    id: str = Field(description="response id")
+    object: Literal["chat.completion"] = Field("chat.completion", description="object type")
+    created: int = Field(description="Unix time")
+    model: str = Field(description="model id")
+    choices: list[ChatChoice] = Field(description="one per n")
+    usage: Usage = Field(description="token counts")
+
+
+class ChatDelta(_Response):
+    role: Literal["assistant"] | None = Field(None, description="first chunk of a choice only")
+    content: str | None = Field(None, description="new text")
+
+
+class ChatChunkChoice(_Response):
+    index: int = Field(description="choice number")
+    delta: ChatDelta = Field(description="what is new")
+    finish_reason: str | None = Field(None, description="set on the choice's last chunk")
+    logprobs: ChatLogprobs | None = Field(None, description="of this chunk's tokens")
+
+
+class ChatCompletionChunk(_Response):
+    id: str = Field(description="response id (same for every chunk)")
+    object: Literal["chat.completion.chunk"] = Field(
+        "chat.completion.chunk", description="object type"
+    )
+    created: int = Field(description="Unix time")
+    model: str = Field(description="model id")
+    choices: list[ChatChunkChoice] = Field(description="choices with news")
+    usage: Usage | None = Field(None, description="last chunk only, with include_usage")
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(description="token texts")
+    token_logprobs: list[float] = Field(description="log-probability of each token")
+    top_logprobs: list[dict[str, float]] = Field(description="alternatives per token")
+    text_offset: list[int] = Field(description="character offset of each token")
+
+
+class CompletionChoice(_Response):
+    index: int = Field(description="choice number")
+    text: str = Field(description="generated text (or this chunk's part of it)")
+    finish_reason: str | None = Field(None, description="stop or length; null mid-stream")
+    logprobs: CompletionLogprobs | None = Field(None, description="when requested")
+
+
+class Completion(_Response):
+    id: str = Field(description="response id")
+    object: Literal["text_completion"] = Field("text_completion", description="object type")
+    created: int = Field(description="Unix time")
+    model: str = Field(description="model id")
+    choices: list[CompletionChoice] = Field(description="one per n (or chunk's choices)")
+    usage: Usage | None = Field(None, description="token counts (last chunk when streaming)")
+
+
+class ModelCard(_Response):
+    id: str = Field(description="model id")
+    object: Literal["model"] = Field("model", description="object type")
+    created: int = Field(description="Unix time the server started")
+    owned_by: str = Field("chunkserve", description="owner")
+
+
+class ModelList(_Response):
+    object: Literal["list"] = Field("list", description="object type")
+    data: list[ModelCard] = Field(description="served models")
+
+
+class ErrorDetail(_Response):
+    message: str = Field(description="what went wrong and how to fix it")
+    type: str = Field(description="error class, e.g. invalid_request_error")
+    param: str | None = Field(None, description="the offending request field")
+    code: str | None = Field(None, description="machine-readable code")
+
+
+class ErrorBody(_Response):
+    error: ErrorDetail = Field(description="the error")

@@ -1,0 +1,192 @@
+"""The chunk-aware router: one directory lookup, a policy decision, a worker stream.
+
+Invariants:
+- One directory lookup per request (its result is reused when retrying).
+- ``open`` returns only once the chosen worker produced the first delta. Until then
+  nothing reached the client, so a worker that dies (or is draining) is skipped and
+  the request goes to another one, at most ``max_attempts`` workers in all.
+- After the first delta the request is bound to its worker: a death then surfaces
+  as ``WorkerLost`` (callers that buffer the whole answer may start over).
+- Every request counted in the pool's in-flight load is uncounted exactly once
+  (``WorkerStream.close``), whether it finished, failed or was abandoned.
+- A worker found dead is marked down and its directory entries are purged (its
+  restarted incarnation re-publishes under a new epoch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import RayActorError
+
+from cluster.directory_access import AsyncDirectory
+from cluster.errors import BadRequest, NoHealthyWorker, Overloaded, WorkerLost
+from cluster.metrics import Metrics
+from cluster.prompts import PreparedPrompt
+from cluster.routing_policy import Decision, RoutingWeights, Unroutable, choose_worker
+from cluster.worker_pool import WorkerPool
+from workers.worker_types import WorkerDelta, WorkerRefusal, WorkerRequest
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerStream:
+    """Output of one request on one worker; the first delta has already arrived."""
+
+    def __init__(
+        self,
+        decision: Decision,
+        first: WorkerDelta,
+        generator: ray.ObjectRefGenerator,
+        on_lost: Callable[[], None],
+        on_close: Callable[[], None],
+    ) -> None:
+        self.decision = decision
+        self._first = first
+        self._generator = generator
+        self._on_lost = on_lost
+        self._on_close = on_close
+        self._closed = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.decision.worker_id
+
+    async def deltas(self) -> AsyncIterator[WorkerDelta]:
+        """Every delta, the first one included. Raises ``WorkerLost`` if the worker dies."""
+        try:
+            yield self._first
+            while True:
+                try:
+                    item = await _next_item(self._generator)
+                except StopAsyncIteration:
+                    return
+                except RayActorError as error:
+                    self._on_lost()
+                    raise WorkerLost(
+                        f"worker {self.worker_id} died while streaming this response; retry"
+                    ) from error
+                if isinstance(item, WorkerRefusal):
+                    raise BadRequest(item.message)
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the worker's generation if unfinished; uncount the request (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._on_close()
+        if not self._generator.is_finished():
+            ray.cancel(self._generator)
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    weights: RoutingWeights
+    max_attempts: int
+
+
+class Router:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        directory: AsyncDirectory,
+        settings: RouterSettings,
+        metrics: Metrics,
+    ) -> None:
+        self.pool = pool
+        self._directory = directory
+        self._settings = settings
+        self._metrics = metrics
+        self._rotation = itertools.count()
+        self._purges: set[asyncio.Task] = set()
+
+    async def open(self, prompt: PreparedPrompt, request: WorkerRequest) -> WorkerStream:
+        """Route ``request`` and wait for its first delta (see the module invariants)."""
+        await self.pool.start()
+        holdings = await self._lookup(prompt)
+        tried: set[str] = set()
+        for attempt in range(self._settings.max_attempts):
+            views = [v for v in self.pool.views() if v.worker_id not in tried]
+            decision = choose_worker(views, holdings, self._settings.weights, next(self._rotation))
+            if decision is Unroutable.OVERLOADED:
+                raise Overloaded("every worker is at its request limit; retry later")
+            if isinstance(decision, Unroutable):
+                break
+            self._metrics.routes.inc(decision.reason.value)
+            attempt_request = dataclasses.replace(
+                request, request_id=f"{request.request_id}.{attempt}"
+            )
+            stream = await self._start(decision, attempt_request)
+            if stream is not None:
+                return stream
+            tried.add(decision.worker_id)
+            self._metrics.retries.inc()
+        raise NoHealthyWorker(self._no_worker_message(tried))
+
+    async def _lookup(self, prompt: PreparedPrompt) -> dict[str, int] | None:
+        if not prompt.lookup_keys:
+            return {}  # nothing shareable: an answer, not an outage
+        result = await self._directory.lookup(prompt.lookup_keys, prompt.token_ends)
+        self._metrics.lookups.inc()
+        if not result.available:
+            self._metrics.lookup_failures.inc()
+            return None
+        return {h.worker_id: h.tokens for h in result.holdings}
+
+    async def _start(self, decision: Decision, request: WorkerRequest) -> WorkerStream | None:
+        """The stream once its first delta arrived; None if the worker cannot take it."""
+        worker_id = decision.worker_id
+        choices = len(request.params)
+        tokens = len(request.prompt_token_ids) + sum(p.max_tokens for p in request.params)
+        self.pool.begin(worker_id, choices, tokens)
+        generator = (
+            self.pool.handle(worker_id).generate.options(num_returns="streaming").remote(request)
+        )
+        try:
+            first = await _next_item(generator)
+        except RayActorError:
+            self.pool.end(worker_id, choices, tokens)
+            self._lost(worker_id)
+            return None
+        except BaseException:
+            self.pool.end(worker_id, choices, tokens)
+            ray.cancel(generator)
+            raise
+        if isinstance(first, WorkerRefusal):
+            self.pool.end(worker_id, choices, tokens)
+            if first.retryable:
+                self.pool.mark_draining(worker_id)
+                return None
+            raise BadRequest(first.message)
+        return WorkerStream(
+            decision,
+            first,
+            generator,
+            on_lost=lambda: self._lost(worker_id),
+            on_close=lambda: self.pool.end(worker_id, choices, tokens),
+        )
+
+    def _lost(self, worker_id: str) -> None:
+        self.pool.mark_down(worker_id)
+        task = asyncio.get_running_loop().create_task(self._directory.remove_worker(worker_id))
+        self._purges.add(task)
+        task.add_done_callback(self._purges.discard)
+
+    def _no_worker_message(self, tried: set[str]) -> str:
+        if tried:
+            return f"no worker could take the request (tried {len(tried)}); retry"
+        return f"no healthy worker ({self.pool.describe()})"
+
+
+async def _next_item(generator: ray.ObjectRefGenerator) -> WorkerDelta | WorkerRefusal:
+    ref = await generator.__anext__()
+    return await ref

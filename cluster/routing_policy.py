@@ -1,0 +1,99 @@
+"""Which worker serves a request: a pure function of worker loads and cache holdings.
+
+Policy:
+1. Workers at ``max_requests_per_worker`` are full; if all are, the request is
+   refused (``OVERLOADED``), if there are none, ``NO_WORKER``.
+2. With no directory answer, pick the least-loaded worker (``NO_DIRECTORY``).
+3. Otherwise a worker holding part of the prompt is a candidate unless it carries
+   more than ``imbalance_slack`` requests above the least-loaded worker (then load
+   is badly imbalanced and balancing wins). Each candidate scores
+   ``cached_tokens - load_penalty_tokens * requests``; the best candidate wins if
+   it beats the least-loaded worker's score (``-load_penalty_tokens * least``),
+   i.e. if its cache saves more than its extra queue costs (``AFFINITY``).
+4. Else the least-loaded worker (``LOAD``).
+Ties go to fewer requests, then fewer tokens in flight, then ``rotation`` picks
+among the still tied, so equal workers share requests evenly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    worker_id: str
+    requests: int  # queued + running on the worker
+    tokens: int  # prompt + max new tokens of those
+
+
+@dataclass(frozen=True)
+class RoutingWeights:
+    load_penalty_tokens: float
+    imbalance_slack: int
+    max_requests_per_worker: int
+
+
+class Reason(StrEnum):
+    AFFINITY = "affinity"  # the worker holds a prefix of the prompt
+    LOAD = "load"  # nobody holds a useful prefix, or load is too imbalanced
+    NO_DIRECTORY = "no_directory"  # the directory had no information
+
+
+class Unroutable(StrEnum):
+    NO_WORKER = "no_worker"
+    OVERLOADED = "overloaded"
+
+
+@dataclass(frozen=True)
+class Decision:
+    worker_id: str
+    reason: Reason
+    expected_cached_tokens: int  # what the directory says the worker holds
+
+
+def choose_worker(
+    workers: Sequence[WorkerView],
+    holdings: Mapping[str, int] | None,
+    weights: RoutingWeights,
+    rotation: int = 0,
+) -> Decision | Unroutable:
+    """``holdings``: worker id -> cached prompt tokens (None: no directory answer)."""
+    if not workers:
+        return Unroutable.NO_WORKER
+    open_ = [w for w in workers if w.requests < weights.max_requests_per_worker]
+    if not open_:
+        return Unroutable.OVERLOADED
+    if holdings is None:
+        return _least_loaded(open_, rotation, Reason.NO_DIRECTORY)
+    least = min(w.requests for w in open_)
+    candidates = [
+        w
+        for w in open_
+        if holdings.get(w.worker_id, 0) > 0 and w.requests <= least + weights.imbalance_slack
+    ]
+    penalty = weights.load_penalty_tokens
+
+    def score(w: WorkerView) -> float:
+        return holdings.get(w.worker_id, 0) - penalty * w.requests
+
+    if candidates:
+        best = _pick(candidates, lambda w: (-score(w), w.requests, w.tokens), rotation)
+        if score(best) > -penalty * least:
+            return Decision(best.worker_id, Reason.AFFINITY, holdings[best.worker_id])
+    return _least_loaded(open_, rotation, Reason.LOAD)
+
+
+def _least_loaded(workers: Sequence[WorkerView], rotation: int, reason: Reason) -> Decision:
+    chosen = _pick(workers, lambda w: (w.requests, w.tokens), rotation)
+    return Decision(chosen.worker_id, reason, 0)
+
+
+def _pick(
+    workers: Sequence[WorkerView], key: Callable[[WorkerView], tuple], rotation: int
+) -> WorkerView:
+    ordered = sorted(workers, key=lambda w: (key(w), w.worker_id))
+    tied = [w for w in ordered if key(w) == key(ordered[0])]
+    return tied[rotation % len(tied)]
