@@ -170,9 +170,12 @@ class Engine:
         params = seq.params
         seq.token_ids.append(token)
         incremental = self.stream_text or bool(params.stop)
+        reason = self._token_finish_reason(seq, token)
         if incremental:
-            seq.text += detokenize_step(self.tokenizer, seq)
-        reason = self._finish_reason(seq, token)
+            # the last step flushes text held back for an incomplete character
+            seq.text += detokenize_step(self.tokenizer, seq, final=reason is not None)
+        if params.stop and self._cut_at_stop_string(seq):
+            reason = "stop"
         if reason is not None:
             if not incremental:  # decode once at the end: cheaper than per step
                 seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
@@ -192,13 +195,12 @@ class Engine:
             logprobs=logprobs,
         )
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _token_finish_reason(self, seq: Sequence, token: int) -> str | None:
+        """Why generation ends at this token, stop strings aside (they need text)."""
         params = seq.params
         if token in params.stop_token_ids:
             return "stop"
         if not params.ignore_eos and token in self._eos_token_ids:
-            return "stop"
-        if params.stop and self._cut_at_stop_string(seq):
             return "stop"
         if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
