@@ -15,7 +15,11 @@ import flashinfer
 import torch
 
 from workers.attention.base import BatchLayout, kv_write_rows
-from workers.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata
+from workers.attention.flashinfer_backend import (
+    FlashInferBackend,
+    FlashInferMetadata,
+    plan_decode,
+)
 from workers.models.decoder import DecoderModel
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 512)
@@ -72,23 +76,9 @@ class DecodeGraphs:
             g.positions[n:].zero_()
         padded = _padded(layout, pad, self.scratch_page)
         g.kv_rows.copy_(kv_write_rows(padded.slot_mapping, self.page_size), non_blocking=True)
-        self._plan(g.wrapper, padded)
+        plan_decode(g.wrapper, padded, self.backend.shape)
         g.graph.replay()
         return g.logits[:n]
-
-    def _plan(self, wrapper, layout: BatchLayout) -> None:
-        s = self.backend.shape
-        wrapper.plan(
-            layout.kv_page_indptr,
-            layout.kv_page_indices,
-            layout.kv_last_page_len,
-            s.num_heads,
-            s.num_kv_heads,
-            s.head_dim,
-            s.page_size,
-            q_data_type=s.dtype,
-            kv_data_type=s.dtype,
-        )
 
     @torch.inference_mode()
     def _capture(self, size: int) -> _Graph:
@@ -107,23 +97,14 @@ class DecodeGraphs:
         positions = torch.zeros(size, dtype=torch.long, device=device)
         empty = _padded(_empty_layout(self.page_size), size, self.scratch_page)
         kv_rows = kv_write_rows(empty.slot_mapping, self.page_size).to(device)
-        self._plan(wrapper, empty)
+        plan_decode(wrapper, empty, self.backend.shape)
         metadata = FlashInferMetadata(kv_rows, wrapper)
 
         def forward() -> torch.Tensor:
             hidden = self.model(input_ids, positions, self.kv_caches, self.backend, metadata)
             return self.model.compute_logits(hidden)
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up kernels outside the capture
-                forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = forward()
-        torch.cuda.synchronize()
+        graph, logits = capture(forward, self.pool)
         return _Graph(size, graph, wrapper, input_ids, positions, kv_rows, logits)
 
 
@@ -155,3 +136,20 @@ def _padded(layout: BatchLayout, pad: int, scratch_page: int) -> BatchLayout:
         ),
         page_size=layout.page_size,
     )
+
+
+def capture(forward, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Warm ``forward`` up on a side stream (kernel selection, lazy allocations), then
+    capture it into a graph drawing on the shared memory ``pool``; returns the graph
+    and the output tensor that each replay overwrites."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = forward()
+    torch.cuda.synchronize()
+    return graph, output

@@ -17,7 +17,12 @@ import flashinfer
 import torch
 
 from workers.attention.base import BatchLayout, kv_write_rows
-from workers.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata
+from workers.attention.flashinfer_backend import (
+    FlashInferBackend,
+    FlashInferMetadata,
+    plan_prefill,
+)
+from workers.cuda_graphs import capture
 from workers.models.decoder import DecoderModel
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256)
@@ -77,25 +82,9 @@ class PrefillGraphs:
             )
         )
         g.kv_rows.copy_(kv_write_rows(slots, self.page_size), non_blocking=True)
-        self._plan(g.wrapper, layout)
+        plan_prefill(g.wrapper, layout, self.backend.shape)
         g.graph.replay()
         return g.hidden[:n]
-
-    def _plan(self, wrapper, layout: BatchLayout) -> None:
-        s = self.backend.shape
-        wrapper.plan(
-            layout.qo_indptr,
-            layout.kv_page_indptr,
-            layout.kv_page_indices,
-            layout.kv_last_page_len,
-            s.num_heads,
-            s.num_kv_heads,
-            s.head_dim,
-            s.page_size,
-            causal=True,
-            q_data_type=s.dtype,
-            kv_data_type=s.dtype,
-        )
 
     def _capture_layout(self, tokens: int) -> BatchLayout:
         """``tokens`` new tokens of one request laid on the scratch page."""
@@ -128,20 +117,11 @@ class PrefillGraphs:
         input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
         positions = torch.zeros(tokens, dtype=torch.long, device=device)
         kv_rows = kv_write_rows(layout.slot_mapping, self.page_size).to(device)
-        self._plan(wrapper, layout)
+        plan_prefill(wrapper, layout, self.backend.shape)
         metadata = FlashInferMetadata(kv_rows, wrapper)
 
         def forward() -> torch.Tensor:
             return self.model(input_ids, positions, self.kv_caches, self.backend, metadata)
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up kernels outside the capture
-                forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden = forward()
-        torch.cuda.synchronize()
+        graph, hidden = capture(forward, self.pool)
         return _PrefillGraph(tokens, graph, wrapper, input_ids, positions, kv_rows, hidden)

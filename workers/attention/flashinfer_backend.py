@@ -97,37 +97,11 @@ class FlashInferBackend:
         return out
 
     # -- planning --------------------------------------------------------------
-    def _common(self) -> dict:
-        s = self.shape
-        return {"q_data_type": s.dtype, "kv_data_type": s.dtype}
-
     def _plan_prefill(self, layout: BatchLayout) -> None:
-        s = self.shape
-        self.prefill.plan(
-            layout.qo_indptr,
-            layout.kv_page_indptr,
-            layout.kv_page_indices.to(s.device, non_blocking=True),
-            layout.kv_last_page_len,
-            s.num_heads,
-            s.num_kv_heads,
-            s.head_dim,
-            s.page_size,
-            causal=True,
-            **self._common(),
-        )
+        plan_prefill(self.prefill, layout, self.shape)
 
-    def _plan_decode(self, layout: BatchLayout, wrapper=None) -> None:
-        s = self.shape
-        (wrapper or self.decode).plan(
-            layout.kv_page_indptr,
-            layout.kv_page_indices.to(s.device, non_blocking=True),
-            layout.kv_last_page_len,
-            s.num_heads,
-            s.num_kv_heads,
-            s.head_dim,
-            s.page_size,
-            **self._common(),
-        )
+    def _plan_decode(self, layout: BatchLayout) -> None:
+        plan_decode(self.decode, layout, self.shape)
 
     def _plan_cascade(
         self, layout: BatchLayout, cascade: CascadePlan, slots: torch.Tensor
@@ -144,18 +118,12 @@ class FlashInferBackend:
         wrappers = self._level_wrappers[: len(cascade.levels)]
         last = len(cascade.levels) - 1
         for i, (wrapper, level) in enumerate(zip(wrappers, cascade.levels, strict=True)):
-            wrapper.plan(
-                level.qo_indptr,
-                level.kv_page_indptr,
-                level.kv_page_indices.to(s.device, non_blocking=True),
-                level.kv_last_page_len,
-                s.num_heads,
-                s.num_kv_heads,
-                s.head_dim,
-                s.page_size,
+            plan_prefill(
+                wrapper,
+                level,
+                s,
                 causal=i == last,
                 fixed_split_size=None if i == last else self._split_pages(level),
-                **self._common(),
             )
         flat_rows = cascade.flat_rows
         if flat_rows.numel():
@@ -206,3 +174,40 @@ def _run_levels(wrappers, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tens
         partial, partial_lse = wrapper.run(q, kv_cache, return_lse=True)
         flashinfer.merge_state_in_place(out, lse, partial, partial_lse)
     return out
+
+
+def plan_prefill(
+    wrapper, layout, shape: AttentionShape, causal: bool = True, fixed_split_size=None
+) -> None:
+    """Plan a paged prefill wrapper (also cascade levels and graph-mode wrappers);
+    ``layout`` has ``qo_indptr``, ``kv_page_indptr``, ``kv_page_indices``,
+    ``kv_last_page_len``."""
+    wrapper.plan(
+        layout.qo_indptr,
+        layout.kv_page_indptr,
+        layout.kv_page_indices.to(shape.device, non_blocking=True),
+        layout.kv_last_page_len,
+        shape.num_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        shape.page_size,
+        causal=causal,
+        fixed_split_size=fixed_split_size,
+        q_data_type=shape.dtype,
+        kv_data_type=shape.dtype,
+    )
+
+
+def plan_decode(wrapper, layout: BatchLayout, shape: AttentionShape) -> None:
+    """Plan a paged decode wrapper (eager or graph-mode)."""
+    wrapper.plan(
+        layout.kv_page_indptr,
+        layout.kv_page_indices.to(shape.device, non_blocking=True),
+        layout.kv_last_page_len,
+        shape.num_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        shape.page_size,
+        q_data_type=shape.dtype,
+        kv_data_type=shape.dtype,
+    )
