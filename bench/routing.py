@@ -1,0 +1,359 @@
+"""Chunk-aware routing against round-robin and an oracle, on a Zipf workload over
+shared chunks.
+
+Workers are in-process engines (``workers.engine.Engine`` on the tiny random-weight
+model, CPU), not Ray actors: this compares where requests go, not transport. Each
+engine's KV pool holds only a few of the chunk sets, so where a request lands decides
+whether its prefix is cached. Policies:
+
+- chunk-aware: the router's path. The project's ``choose_worker`` (weights: the config
+  defaults) scores workers by the holdings an ``EmbeddedChunkDirectory`` reports; the
+  directory is fed by each engine's KV events the way the cluster feeds it (pool ->
+  ``CacheMirror`` -> ``EventPublisher``), one publish per engine step.
+- round-robin: worker i, i+1, ... regardless of cache or load.
+- oracle: the same ``choose_worker``, but each worker's cached tokens are read from its
+  KV pool at routing time (page-exact and never stale).
+
+Requests come from a closed loop of ``--concurrency`` clients, in workload order, and
+are routed in the loop; the workers then advance in lockstep rounds of one engine step
+each. A round lasts as long as its slowest step (thread CPU time, torch on one thread),
+as if each worker had its own device, so load imbalance costs time. Throughput is
+requests (and prompt tokens) over the summed rounds.
+
+Run from the repository root: ``python -m bench.routing [--requests 400]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import platform
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.common import print_table
+from chunkstore.chunking import Chunk
+from chunkstore.embedded_directory import EmbeddedChunkDirectory
+from chunkstore.hashing import Namespace, PageKey, page_keys
+from chunkstore.publisher import EventPublisher
+from cluster.config import RouterSection
+from cluster.prompts import PreparedPrompt, prepare_chunks
+from cluster.routing_policy import Decision, Reason, RoutingWeights, WorkerView, choose_worker
+from workers.cache_mirror import CacheMirror
+from workers.config import EngineConfig
+from workers.engine import Engine, StepOutput
+from workers.models.make_model import make_model
+from workers.sampling_params import SamplingParams
+
+DEFAULT_MODEL_DIR = Path("/tmp/chunkserve-bench/tiny-qwen3")
+PAGE_SIZE = 16
+DEFAULTS = RouterSection()  # the router's weights as every shipped config leaves them
+WEIGHTS = RoutingWeights(
+    load_penalty_tokens=DEFAULTS.load_penalty_tokens,
+    imbalance_slack=DEFAULTS.imbalance_slack,
+    max_requests_per_worker=DEFAULTS.max_requests_per_worker,
+)
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: PreparedPrompt  # tokens, chunk keys and token ends, as the router computes them
+    page_keys: tuple[PageKey, ...]  # every full page (for the oracle)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    if not (args.model_dir / "config.json").exists():
+        make_model(args.model_dir, preset="tiny", overwrite=True)
+    probe = Engine(engine_config(args))
+    warm_up(probe)
+    requests = make_workload(args, probe.namespace(), probe.model_config.vocab_size)
+    runs = [
+        simulate(name, policy, requests, args)
+        for _ in range(args.repeats)  # interleaved, so load on the host hits all alike
+        for name, policy in POLICIES.items()
+    ]
+    report(args, requests, [median_run([r for r in runs if r.policy == name]) for name in POLICIES])
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="made (tiny) if missing"
+    )
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--sets", type=int, default=30, help="shared chunk sets")
+    parser.add_argument("--zipf", type=float, default=1.1, help="popularity exponent s")
+    parser.add_argument("--system-prompts", type=int, default=3, help="set k uses k mod this")
+    parser.add_argument("--system-tokens", type=int, default=40)
+    parser.add_argument(
+        "--doc-tokens", type=int, nargs=2, default=[320, 640], metavar=("MIN", "MAX")
+    )
+    parser.add_argument(
+        "--query-tokens", type=int, nargs=2, default=[16, 48], metavar=("MIN", "MAX")
+    )
+    parser.add_argument("--max-tokens", type=int, default=4, help="generated per request")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    parser.add_argument("--num-pages", type=int, default=160, help="KV pages per worker")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per policy (median time)")
+    return parser.parse_args(argv)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model_dir=str(args.model_dir), device="cpu", num_pages=args.num_pages, page_size=PAGE_SIZE
+    )
+
+
+def warm_up(engine: Engine) -> None:
+    """One request through, so no policy pays torch's first-call costs."""
+    engine.add_request("warm-up", list(range(1, 200)), SamplingParams(max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def make_workload(args: argparse.Namespace, namespace: Namespace, vocab: int) -> list[Request]:
+    """Request = system prompt + document of a Zipf-chosen set + a query of its own."""
+    rng = random.Random(args.seed)
+
+    def tokens(count: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(vocab) for _ in range(count))
+
+    systems = [tokens(args.system_tokens) for _ in range(args.system_prompts)]
+    documents = [tokens(rng.randint(*args.doc_tokens)) for _ in range(args.sets)]
+    popularity = [1 / (rank + 1) ** args.zipf for rank in range(args.sets)]
+    requests = []
+    for k in rng.choices(range(args.sets), popularity, k=args.requests):
+        chunks = [
+            Chunk("system", systems[k % args.system_prompts]),
+            Chunk("context", documents[k]),
+            Chunk("query", tokens(rng.randint(*args.query_tokens))),
+        ]
+        prompt = prepare_chunks(chunks, namespace, PAGE_SIZE)
+        keys = page_keys(prompt.token_ids, PAGE_SIZE, namespace)
+        requests.append(Request(prompt, tuple(keys)))
+    return requests
+
+
+class Worker:
+    """An engine whose KV events reach the directory as a worker actor's do, plus the
+    load a router tracks for it. Invariant: ``requests``/``tokens`` count exactly the
+    requests added and not yet finished."""
+
+    def __init__(self, worker_id: str, config: EngineConfig, directory: EmbeddedChunkDirectory):
+        self.worker_id = worker_id
+        self.engine = Engine(config)
+        self._mirror = CacheMirror()
+        self._publisher = EventPublisher(
+            directory, worker_id, 1, self._mirror.drain, self._mirror.snapshot
+        )
+        self.requests = 0
+        self.tokens = 0
+        self.served = 0
+
+    def view(self) -> WorkerView:
+        return WorkerView(self.worker_id, self.requests, self.tokens)
+
+    def add(self, request_id: str, request: Request, params: SamplingParams) -> None:
+        self.engine.add_request(request_id, list(request.prompt.token_ids), params)
+        self.requests += 1
+        self.tokens += len(request.prompt.token_ids) + params.max_tokens
+
+    def step(self) -> tuple[list[StepOutput], float]:
+        """One engine step (and its thread CPU seconds), then publish its KV events."""
+        start = time.thread_time()
+        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        elapsed = time.thread_time() - start
+        self._mirror.absorb(self.engine.pool.drain_events())
+        self._publisher.flush()
+        return outputs, elapsed
+
+    def finish(self, output: StepOutput, params: SamplingParams) -> None:
+        self.requests -= 1
+        self.tokens -= output.num_prompt_tokens + params.max_tokens
+        self.served += 1
+
+    def cached_tokens(self, request: Request) -> int:
+        """Prompt tokens the engine would take from its pool now (the oracle's view);
+        like the scheduler, it leaves the last prompt token to compute."""
+        ids = request.prompt.token_ids
+        usable = (len(ids) - 1) // PAGE_SIZE
+        pages = [ids[i * PAGE_SIZE : (i + 1) * PAGE_SIZE] for i in range(usable)]
+        return len(self.engine.pool.match_prefix(request.page_keys[:usable], pages)) * PAGE_SIZE
+
+
+Policy = Callable[[Request, Sequence[WorkerView]], Decision]
+PolicyFactory = Callable[[list[Worker], EmbeddedChunkDirectory], Policy]
+
+
+def round_robin(workers: list[Worker], directory: EmbeddedChunkDirectory) -> Policy:
+    turn = itertools.count()
+
+    def route(request: Request, views: Sequence[WorkerView]) -> Decision:
+        return Decision(views[next(turn) % len(views)].worker_id, Reason.LOAD, 0)
+
+    return route
+
+
+def chunk_aware(workers: list[Worker], directory: EmbeddedChunkDirectory) -> Policy:
+    rotation = itertools.count()
+
+    def route(request: Request, views: Sequence[WorkerView]) -> Decision:
+        prompt = request.prompt  # one lookup of the chunk keys, as Router._lookup does
+        result = directory.lookup(prompt.lookup_keys, prompt.token_ends)
+        holdings = {h.worker_id: h.tokens for h in result.holdings} if result.available else None
+        return decide(views, holdings, next(rotation))
+
+    return route
+
+
+def oracle(workers: list[Worker], directory: EmbeddedChunkDirectory) -> Policy:
+    rotation = itertools.count()
+
+    def route(request: Request, views: Sequence[WorkerView]) -> Decision:
+        holdings = {w.worker_id: n for w in workers if (n := w.cached_tokens(request))}
+        return decide(views, holdings, next(rotation))
+
+    return route
+
+
+def decide(views: Sequence[WorkerView], holdings: dict[str, int] | None, rotation: int) -> Decision:
+    decision = choose_worker(views, holdings, WEIGHTS, rotation)
+    if not isinstance(decision, Decision):
+        raise ValueError(f"unroutable ({decision}): raise max_requests_per_worker")
+    return decision
+
+
+POLICIES: dict[str, PolicyFactory] = {
+    "chunk-aware": chunk_aware,
+    "round-robin": round_robin,
+    "oracle": oracle,
+}
+
+
+@dataclass(frozen=True)
+class Result:
+    policy: str
+    prompt_tokens: int
+    cached_tokens: int
+    time_s: float  # summed rounds: the slowest engine step of each
+    route_s: float  # wall time spent deciding
+    served: tuple[int, ...]  # requests per worker
+    affinity: int  # decisions for a worker's cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens
+
+
+def simulate(
+    name: str, factory: PolicyFactory, requests: list[Request], args: argparse.Namespace
+) -> Result:
+    """Serve every request with fresh workers (cold caches) under one policy."""
+    directory = EmbeddedChunkDirectory()
+    config = engine_config(args)
+    workers = [Worker(f"worker-{i}", config, directory) for i in range(args.workers)]
+    by_id = {w.worker_id: w for w in workers}
+    route = factory(workers, directory)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    waiting = deque(enumerate(requests))
+    in_flight: dict[str, Worker] = {}
+    prompt_tokens = cached_tokens = affinity = 0
+    time_s = route_s = 0.0
+    while waiting or in_flight:
+        while waiting and len(in_flight) < args.concurrency:
+            index, request = waiting.popleft()
+            start = time.perf_counter()
+            decision = route(request, [w.view() for w in workers])
+            route_s += time.perf_counter() - start
+            affinity += decision.reason is Reason.AFFINITY
+            worker = by_id[decision.worker_id]
+            worker.add(f"req-{index}", request, params)
+            in_flight[f"req-{index}"] = worker
+        round_s = 0.0
+        for worker in workers:
+            outputs, elapsed = worker.step()
+            round_s = max(round_s, elapsed)
+            for output in outputs:
+                if output.finished:
+                    in_flight.pop(output.request_id).finish(output, params)
+                    prompt_tokens += output.num_prompt_tokens
+                    cached_tokens += output.num_cached_tokens
+        time_s += round_s
+    served = tuple(w.served for w in workers)
+    return Result(name, prompt_tokens, cached_tokens, time_s, route_s, served, affinity)
+
+
+def median_run(runs: list[Result]) -> Result:
+    """The run of median time. Routing is deterministic: every run served alike."""
+    if len({(r.cached_tokens, r.served) for r in runs}) != 1:
+        raise ValueError(
+            f"{runs[0].policy}: runs differ in routing; the bench must be deterministic"
+        )
+    return sorted(runs, key=lambda r: r.time_s)[len(runs) // 2]
+
+
+def report(args: argparse.Namespace, requests: list[Request], results: list[Result]) -> None:
+    by_name = {r.policy: r for r in results}
+    rr, best = by_name["round-robin"], by_name["oracle"]
+    rows = []
+    for r in results:
+        rps = len(requests) / r.time_s
+        rows.append(
+            [
+                r.policy,
+                f"{r.hit_rate:.1%}",
+                f"{r.prompt_tokens - r.cached_tokens:,}",
+                f"{r.time_s:.2f}",
+                f"{rps:.0f}",
+                f"{r.prompt_tokens / r.time_s:,.0f}",
+                f"{r.hit_rate / rr.hit_rate:.2f}",
+                f"{rr.time_s / r.time_s:.2f}",
+                f"{r.hit_rate / best.hit_rate:.2f}",
+                f"{best.time_s / r.time_s:.2f}",
+                f"{max(r.served) / (len(requests) / args.workers):.2f}",
+                f"{r.affinity / len(requests):.0%}",
+                f"{r.route_s / len(requests) * 1e6:.0f}",
+            ]
+        )
+    headers = [
+        "policy", "hit rate", "prefill tokens", "time s", "req/s", "prompt tok/s",
+        "hit ×RR", "req/s ×RR", "hit ×oracle", "req/s ×oracle", "max load", "affinity",
+        "route µs",
+    ]  # fmt: skip
+    print_table(
+        f"Routing: {len(requests)} requests, {args.sets} chunk sets (Zipf s={args.zipf}), "
+        f"{args.workers} workers",
+        headers,
+        rows,
+    )
+    prompt = sum(len(r.prompt.token_ids) for r in requests)
+    print(
+        f"\n- Workers: {args.workers} in-process engines (workers.engine.Engine), not Ray; "
+        f"tiny random-weight model, CPU float32, torch 1 thread; {args.num_pages} KV pages "
+        f"of {PAGE_SIZE} tokens each.\n"
+        f"- Workload: {prompt:,} prompt tokens; system prompt ({args.system_tokens} tokens, "
+        f"{args.system_prompts} kinds) + document ({args.doc_tokens[0]}-{args.doc_tokens[1]} "
+        f"tokens) + unique query ({args.query_tokens[0]}-{args.query_tokens[1]}); "
+        f"{args.max_tokens} generated tokens each; {args.concurrency} in flight; seed {args.seed}.\n"
+        "- hit rate: cached prompt tokens / prompt tokens. prefill tokens: prompt tokens "
+        "computed. time: sum over lockstep rounds of the slowest engine step (thread CPU "
+        f"time), median of {args.repeats} runs. max load: busiest worker's requests / the mean. affinity: decisions made "
+        "for a worker's cache. route µs: per request (directory lookup + policy).\n"
+        f"- Host: {platform.machine()}, {os.cpu_count()} CPUs, Python "
+        f"{platform.python_version()}, torch {torch.__version__}."
+    )
+
+
+if __name__ == "__main__":
+    main()
