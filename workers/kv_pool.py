@@ -5,6 +5,10 @@ Every page is in exactly one of three states:
 - *cached*: keyed, ref count 0 — in ``_lru`` (evictable, least recently used first);
 - *in use*: ref count > 0, keyed or not. Pages of a running request are never evicted.
 
+A pin is a reference that outlives requests (a registered chunk's pages): pinning
+takes one reference and unpinning drops it, so a pinned page is in use and never
+evicted. Pins nest; ``pins <= ref_count`` always.
+
 A key names a full page's tokens and everything before them (see
 ``chunkstore.hashing``); at most one page holds a given key. Key changes are queued
 as ``CacheEvent``s for the chunk directory.
@@ -12,7 +16,7 @@ as ``CacheEvent``s for the chunk directory.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,7 +26,8 @@ from chunkstore.hashing import PageKey
 
 @dataclass
 class _Page:
-    ref_count: int = 0
+    ref_count: int = 0  # running requests' references + pins
+    pins: int = 0
     key: PageKey | None = None
     token_ids: tuple[int, ...] = ()
 
@@ -38,6 +43,7 @@ class KVPool:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._by_key: dict[PageKey, int] = {}
         self._events: list[CacheEvent] = []
+        self._num_pinned = 0  # pages with pins > 0
 
     # -- queries -------------------------------------------------------------
     @property
@@ -45,8 +51,16 @@ class KVPool:
         """Pages that ``allocate`` can hand out (free + evictable cached)."""
         return len(self._free) + len(self._lru)
 
+    @property
+    def num_pinned(self) -> int:
+        """Pages pinned at least once."""
+        return self._num_pinned
+
     def ref_count(self, page_id: int) -> int:
         return self._pages[page_id].ref_count
+
+    def pin_count(self, page_id: int) -> int:
+        return self._pages[page_id].pins
 
     def match_prefix(
         self, keys: Sequence[PageKey], token_pages: Sequence[Sequence[int]]
@@ -126,6 +140,48 @@ class KVPool:
         self._by_key[key] = page_id
         self._events.append(CacheEvent(EventKind.STORED, (key,)))
         return True
+
+    def pin(self, page_ids: Sequence[int]) -> None:
+        """Pin cached or in-use pages: each pin is one more reference, so the page is
+        never evicted until unpinned. Atomic: a free page anywhere pins nothing."""
+        for page_id in page_ids:
+            page = self._pages[page_id]
+            if page.ref_count == 0 and page.key is None:
+                raise ValueError(
+                    f"page {page_id} is free: only cached or in-use pages can be pinned"
+                )
+        for page_id in page_ids:
+            page = self._pages[page_id]
+            if page.pins == 0:
+                self._num_pinned += 1
+            page.pins += 1
+        self.acquire(page_ids)
+
+    def unpin(self, page_ids: Sequence[int]) -> None:
+        """Drop one pin (and its reference) from each page. Atomic: a page unpinned
+        more often than pinned unpins nothing."""
+        for page_id, count in Counter(page_ids).items():
+            if self._pages[page_id].pins < count:
+                raise ValueError(f"page {page_id} unpinned more often than pinned")
+        for page_id in page_ids:
+            page = self._pages[page_id]
+            page.pins -= 1
+            if page.pins == 0:
+                self._num_pinned -= 1
+        self.release(page_ids)
+
+    def evict(self, page_ids: Sequence[int]) -> list[PageKey]:
+        """Free those of ``page_ids`` that are cached and unreferenced (pages in use,
+        pinned ones included, are kept); returns the keys dropped."""
+        evicted: list[PageKey] = []
+        for page_id in page_ids:
+            if page_id in self._lru:
+                del self._lru[page_id]
+                evicted.append(self._unkey(page_id))
+                self._free.append(page_id)
+        if evicted:
+            self._events.append(CacheEvent(EventKind.REMOVED, tuple(evicted)))
+        return evicted
 
     def clear(self) -> None:
         """Forget every key. Pages in use stay allocated but become unshareable."""

@@ -1,12 +1,15 @@
-"""Offline API: ``LLM(model_dir).generate(prompts, params)`` and ``.chat(...)``."""
+"""Offline API: ``LLM(model_dir).generate(prompts, params)``, ``.chat(...)`` and
+registered chunks (``register_chunk``, then ``generate_from_chunks`` by id)."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from chunkstore.chunking import Message, chunk_conversation, chunk_prompt
+from workers.chunk_registry import ChunkInfo, ChunkRegistry
 from workers.config import EngineConfig
 from workers.engine import Engine
 from workers.sampling_params import SamplingParams
@@ -37,14 +40,23 @@ class _Collected:
 
 class LLM:
     """Runs the engine in-process. ``enable_reuse=False`` turns chunk reuse off (for
-    comparisons); every other keyword is an ``EngineConfig`` field."""
+    comparisons); ``clock`` times chunk TTLs; every other keyword is an
+    ``EngineConfig`` field."""
 
-    def __init__(self, model_dir: str, device: str | None = None, dtype: str | None = None, **kw):
+    def __init__(
+        self,
+        model_dir: str,
+        device: str | None = None,
+        dtype: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        **kw,
+    ):
         self.engine = Engine(
             EngineConfig(model_dir=str(model_dir), device=device, dtype=dtype, **kw)
         )
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        self._chunks = ChunkRegistry(self.engine, self._prefill, clock)
 
     def generate(
         self,
@@ -70,6 +82,39 @@ class LLM:
         """The canonical (chunk-by-chunk) tokenization of a conversation."""
         chunks = chunk_conversation(self.tokenizer, messages)
         return [t for chunk in chunks for t in chunk.token_ids]
+
+    # -- registered chunks (see workers.chunk_registry) ---------------------------
+    def register_chunk(
+        self,
+        content: str | Sequence[Message],
+        role: str = "context",
+        ttl_s: float | None = None,
+        after: Sequence[str] = (),
+    ) -> str:
+        """Compute and pin the KV of ``content`` (a string, or messages taken as is)
+        preceded by the chunks ``after``; returns its id. ``role``: system (a system
+        message), context or query (a user message). Identical registrations return
+        the same id and refresh its TTL."""
+        return self._chunks.register(content, role, ttl_s, after)
+
+    def generate_from_chunks(
+        self, chunk_ids: Sequence[str], params: SamplingParams | None = None
+    ) -> RequestOutput:
+        """Generate from the registered chunks' messages in order, as ``chat`` would."""
+        messages = self._chunks.compose(chunk_ids)
+        out = self.generate_tokens([self.chat_tokens(messages)], params)[0]
+        self._chunks.record_use(chunk_ids, out.prompt_token_ids, out.num_cached_tokens)
+        return out
+
+    def list_chunks(self) -> list[ChunkInfo]:
+        return self._chunks.infos()
+
+    def unregister_chunk(self, chunk_id: str) -> None:
+        """Unpin the chunk and evict its pages that nothing else uses."""
+        self._chunks.unregister(chunk_id)
+
+    def _prefill(self, tokens: list[int]) -> None:
+        self.generate_tokens([tokens], SamplingParams(max_tokens=1, temperature=0))
 
     def generate_tokens(
         self,

@@ -1,0 +1,245 @@
+"""Registered chunks: content named by id whose KV stays pinned in the pool.
+
+Exact mode: a chunk registered ``after`` other chunks has its KV computed in their
+context, so it is reused exactly when a request's tokens start with theirs and its
+own (its *prefix*). Invariants:
+- A chunk's id is SHA-256 of (namespace, role, content, after ids): identical
+  registrations share one chunk, which pins its pages once.
+- A registered chunk pins every full page of its prefix until it is unregistered
+  or its TTL ends; pinned pages are never evicted.
+- At most ``num_pages - ceil(max_model_len / page_size)`` pages are pinned, so a
+  max-length request always fits beside them.
+- Expired chunks are dropped lazily, at the start of every registry call.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from chunkstore.chunking import Message, chunk_conversation, validate_messages
+from chunkstore.hashing import page_keys
+from workers.engine import Engine
+
+ROLES = {"system": "system", "context": "user", "query": "user"}  # chunk role -> chat role
+
+
+class UnknownChunkError(ValueError):
+    """A chunk id that is not registered (never was, expired, or unregistered)."""
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    chunk_id: str
+    role: str  # system | context | query
+    num_tokens: int  # the chunk's own tokens (after its ``after`` chunks)
+    pinned_tokens: int  # tokens in the pages it pins: full pages of its whole prefix
+    hits: int  # requests from chunk ids whose cached tokens covered its pinned pages
+    tokens_saved: int  # of its own tokens, how many those hits served from the cache
+    expires_at: float | None  # on the registry's clock; None: until unregistered
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    info: ChunkInfo
+    messages: tuple[Message, ...]  # its own messages
+    prefix_tokens: tuple[int, ...]  # canonical tokens of the after-chunks' messages + its own
+    start: int  # where its own tokens begin in ``prefix_tokens``
+    page_ids: tuple[int, ...]  # pinned: the full pages of ``prefix_tokens``
+
+
+class ChunkRegistry:
+    """``compute(tokens)`` runs the engine over ``tokens`` so that their full pages
+    are cached when it returns (the caller serializes engine access)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        compute: Callable[[list[int]], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._engine = engine
+        self._compute = compute
+        self._clock = clock
+        self._chunks: dict[str, _Chunk] = {}  # registration order
+
+    @property
+    def max_pinned_pages(self) -> int:
+        pool = self._engine.pool
+        return max(0, pool.num_pages - math.ceil(self._engine.max_model_len / pool.page_size))
+
+    # -- API -----------------------------------------------------------------
+    def register(
+        self,
+        content: str | Sequence[Message],
+        role: str = "context",
+        ttl_s: float | None = None,
+        after: Sequence[str] = (),
+    ) -> str:
+        self.expire()
+        messages = _messages(content, role)
+        _check_ttl(ttl_s)
+        before = self._resolve(after)
+        chunk_id = self._chunk_id(role, content, after)
+        expires_at = None if ttl_s is None else self._clock() + ttl_s
+        if chunk_id in self._chunks:  # deduplicated: refresh the TTL, pin nothing more
+            self._update(chunk_id, expires_at=expires_at)
+        else:
+            self._chunks[chunk_id] = self._create(chunk_id, role, messages, before, expires_at)
+        return chunk_id
+
+    def unregister(self, chunk_id: str) -> None:
+        self.expire()
+        self._get(chunk_id)
+        self._drop(chunk_id)
+
+    def compose(self, chunk_ids: Sequence[str]) -> list[Message]:
+        """The messages of ``chunk_ids``, in order."""
+        self.expire()
+        if isinstance(chunk_ids, str) or not chunk_ids:
+            raise ValueError("chunk_ids must be a non-empty list of chunk ids")
+        return [m for chunk_id in chunk_ids for m in self._get(chunk_id).messages]
+
+    def record_use(self, chunk_ids: Sequence[str], prompt: Sequence[int], num_cached: int) -> None:
+        """Count a hit for each chunk of a request whose prompt starts with the chunk's
+        prefix and whose cached tokens cover the chunk's pinned pages."""
+        for chunk_id in dict.fromkeys(chunk_ids):
+            chunk = self._chunks.get(chunk_id)
+            if chunk is None or tuple(prompt[: len(chunk.prefix_tokens)]) != chunk.prefix_tokens:
+                continue
+            saved = max(0, min(num_cached, len(chunk.prefix_tokens)) - chunk.start)
+            if num_cached >= chunk.info.pinned_tokens and saved > 0:
+                info = chunk.info
+                self._update(chunk_id, hits=info.hits + 1, tokens_saved=info.tokens_saved + saved)
+
+    def infos(self) -> list[ChunkInfo]:
+        self.expire()
+        return [chunk.info for chunk in self._chunks.values()]
+
+    def expire(self) -> None:
+        now = self._clock()
+        for chunk_id, chunk in list(self._chunks.items()):
+            if chunk.info.expires_at is not None and chunk.info.expires_at <= now:
+                self._drop(chunk_id)
+
+    # -- internals -----------------------------------------------------------
+    @property
+    def _page_size(self) -> int:
+        return self._engine.pool.page_size
+
+    def _get(self, chunk_id: str) -> _Chunk:
+        chunk = self._chunks.get(chunk_id)
+        if chunk is None:
+            raise UnknownChunkError(
+                f"unknown chunk id {chunk_id!r}: it was never registered here, "
+                "was unregistered, or its TTL ended"
+            )
+        return chunk
+
+    def _resolve(self, after: Sequence[str]) -> list[_Chunk]:
+        if isinstance(after, str) or not all(isinstance(a, str) for a in after):
+            raise ValueError("after must be a list of chunk ids")
+        return [self._get(chunk_id) for chunk_id in after]
+
+    def _create(
+        self,
+        chunk_id: str,
+        role: str,
+        messages: list[Message],
+        before: list[_Chunk],
+        expires_at: float | None,
+    ) -> _Chunk:
+        """Compute the KV of the chunk's prefix and pin its full pages."""
+        if not self._engine.config.enable_reuse:
+            raise ValueError("registering chunks needs an engine with enable_reuse=True")
+        history = [m for chunk in before for m in chunk.messages]
+        start = len(self._tokens(history)) if history else 0
+        prefix = self._tokens([*history, *messages])
+        self._check_room(prefix)
+        self._compute(list(prefix))
+        page_ids = self._pin(prefix)
+        pinned_tokens = len(page_ids) * self._page_size
+        info = ChunkInfo(chunk_id, role, len(prefix) - start, pinned_tokens, 0, 0, expires_at)
+        return _Chunk(info, tuple(messages), prefix, start, page_ids)
+
+    def _update(self, chunk_id: str, **changes: object) -> None:
+        chunk = self._chunks[chunk_id]
+        self._chunks[chunk_id] = replace(chunk, info=replace(chunk.info, **changes))
+
+    def _drop(self, chunk_id: str) -> None:
+        """Unpin the chunk's pages and evict those no request or other chunk holds."""
+        chunk = self._chunks.pop(chunk_id)
+        self._engine.pool.unpin(chunk.page_ids)
+        self._engine.pool.evict(chunk.page_ids)
+
+    def _chunk_id(self, role: str, content: str | Sequence[Message], after: Sequence[str]) -> str:
+        h = hashlib.sha256(b"chunkserve-chunk-v1")
+        canonical = json.dumps(content, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        for part in (
+            self._engine.namespace().digest,
+            role.encode(),
+            canonical.encode(),
+            *(a.encode() for a in after),
+        ):
+            h.update(struct.pack("<I", len(part)))
+            h.update(part)
+        return h.hexdigest()
+
+    def _tokens(self, messages: Sequence[Message]) -> tuple[int, ...]:
+        chunks = chunk_conversation(self._engine.tokenizer, messages, add_generation_prompt=False)
+        return tuple(t for chunk in chunks for t in chunk.token_ids)
+
+    def _full_pages(self, tokens: Sequence[int]) -> list[int]:
+        """Pool pages holding the full pages of ``tokens`` (a prefix of them)."""
+        size = self._page_size
+        seq_keys = page_keys(tokens, size, self._engine.namespace())
+        token_pages = [tokens[i * size : (i + 1) * size] for i in range(len(seq_keys))]
+        return self._engine.pool.match_prefix(seq_keys, token_pages)
+
+    def _check_room(self, prefix: Sequence[int]) -> None:
+        """Refuse (nothing pinned) a chunk whose new pins would exceed the limit."""
+        pool = self._engine.pool
+        already = sum(1 for p in self._full_pages(prefix) if pool.pin_count(p) > 0)
+        new = len(prefix) // self._page_size - already
+        limit = self.max_pinned_pages
+        if pool.num_pinned + new > limit:
+            size = self._page_size
+            raise ValueError(
+                f"cannot pin this chunk: it needs {new * size} more pinned tokens, "
+                f"{pool.num_pinned * size} are pinned already, and at most {limit * size} tokens "
+                f"({limit} pages of {size}) may be pinned so that a max-length request "
+                f"({self._engine.max_model_len} tokens) still fits; unregister chunks or "
+                "give the engine more pages"
+            )
+
+    def _pin(self, prefix: Sequence[int]) -> tuple[int, ...]:
+        pages = self._full_pages(prefix)
+        self._engine.pool.pin(pages)
+        return tuple(pages)
+
+
+def _messages(content: str | Sequence[Message], role: str) -> list[Message]:
+    """The chunk's own chat messages (a copy: later edits by the caller change nothing)."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
+    if isinstance(content, str):
+        if not content.strip():
+            raise ValueError("chunk content is empty")
+        return [{"role": ROLES[role], "content": content}]
+    if not isinstance(content, Sequence) or not content:
+        raise ValueError("chunk content must be a non-empty string or list of messages")
+    messages = copy.deepcopy(list(content))
+    validate_messages(messages)
+    return messages
+
+
+def _check_ttl(ttl_s: float | None) -> None:
+    number = isinstance(ttl_s, int | float) and not isinstance(ttl_s, bool)
+    if ttl_s is not None and not (number and 0 < ttl_s < math.inf):
+        raise ValueError(f"ttl_s must be a positive number of seconds or None, got {ttl_s!r}")
