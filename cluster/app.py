@@ -25,6 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.actors import ensure_cluster
 from cluster.assembly import build_service
+from cluster.chunk_protocol import ChunkList, RegisterChunkRequest
+from cluster.chunk_service import ChunkService
 from cluster.completions import Reply
 from cluster.config import ClusterConfig, load_config
 from cluster.errors import APIError, HTTPStatusError, NoHealthyWorker, NotFound
@@ -40,6 +42,8 @@ from cluster.openai_protocol import (
 from cluster.tenancy import Authenticator
 
 logger = logging.getLogger(__name__)
+
+CHUNK_CALL_TIMEOUT_S = 300  # registering computes the chunk's KV (slow on CPU)
 
 WORKER_HEADER = "X-Chunkserve-Worker"
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -80,13 +84,37 @@ class ChunkserveServer:
         actors = ensure_cluster(config, model_dir, detached=True)
         self._metrics = Metrics()
         self._service = build_service(config, model_dir, actors, self._metrics)
+        self._chunks = ChunkService(self._service.router.pool, CHUNK_CALL_TIMEOUT_S)
         self._auth = Authenticator(config.server.api_keys)
         self._model = config.model.name
         self._created = int(time.time())
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        return await self._complete(request, "chat", ChatCompletionRequest, self._service.chat)
+        return await self._complete(request, "chat", ChatCompletionRequest, self._chat)
+
+    @api.post("/v1/chunks")
+    async def register_chunk(self, request: Request) -> Response:
+        async def run(tenant: str) -> BaseModel:
+            body = parse_request(RegisterChunkRequest, await request.body())
+            return await self._chunks.register(body, tenant)
+
+        return await self._chunk_call(request, run)
+
+    @api.get("/v1/chunks")
+    async def list_chunks(self, request: Request) -> Response:
+        async def run(tenant: str) -> BaseModel:
+            return ChunkList(data=await self._chunks.list_chunks(tenant))
+
+        return await self._chunk_call(request, run)
+
+    @api.get("/v1/chunks/{chunk_id}")
+    async def get_chunk(self, chunk_id: str, request: Request) -> Response:
+        return await self._chunk_call(request, lambda tenant: self._chunks.get(tenant, chunk_id))
+
+    @api.delete("/v1/chunks/{chunk_id}")
+    async def delete_chunk(self, chunk_id: str, request: Request) -> Response:
+        return await self._chunk_call(request, lambda tenant: self._chunks.delete(tenant, chunk_id))
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -115,6 +143,19 @@ class ChunkserveServer:
     @api.get("/metrics")
     async def metrics(self) -> Response:
         return Response(self._metrics.render(), media_type=PROMETHEUS_TEXT)
+
+    async def _chat(self, body: ChatCompletionRequest, tenant: str) -> Reply:
+        messages = await self._chunks.expand(body.messages, tenant) if body.chunk_ids else None
+        return await self._service.chat(body, tenant, messages)
+
+    async def _chunk_call(
+        self, request: Request, run: Callable[[str], Awaitable[BaseModel]]
+    ) -> Response:
+        try:
+            tenant = self._auth.tenant(request.headers.get("authorization"))
+            return _json(await run(tenant))
+        except APIError as error:
+            return error_response(error)
 
     async def _complete(
         self,

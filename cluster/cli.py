@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(subparsers)
     _add_batch(subparsers)
     _add_status(subparsers)
+    _add_chat(subparsers)
     return parser
 
 
@@ -181,6 +182,39 @@ def _run_status(args: argparse.Namespace) -> int:
 
     cfg = _load_config(args)
     print(format_status(cfg, cluster_status(cfg)), flush=True)
+    return EXIT_OK
+
+
+def _add_chat(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "chat",
+        help="chat in the terminal; shows reused vs computed prompt tokens per reply",
+        description="An interactive chat against a running server (--url) or an in-process "
+        "engine (--model DIR). After each reply it prints the prompt tokens reused from the "
+        "KV cache, those computed, and the time to first token. Commands: /system TEXT, "
+        "/register, /register-file PATH, /chunks, /quit.",
+    )
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="the server's API base, e.g. http://127.0.0.1:8000/v1")
+    target.add_argument("--model", help="a checkpoint directory to run in this process")
+    p.add_argument("--api-key", default="none", help="API key for --url (default: none)")
+    p.add_argument("--model-name", help="model id for --url (default: the server's first)")
+    p.add_argument("--device", help="cuda or cpu, for --model (default: cuda if available)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per reply (default 64)")
+    p.set_defaults(handler=_run_chat)
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from cluster.chat_backends import LocalBackend, RemoteBackend
+    from cluster.chat_cli import run_chat
+
+    if args.max_tokens < 1:
+        raise ValueError("--max-tokens must be at least 1")
+    if args.url:
+        backend = RemoteBackend(args.url, args.api_key, args.max_tokens, args.model_name)
+    else:
+        backend = LocalBackend(args.model, args.max_tokens, args.device)
+    run_chat(backend)
     return EXIT_OK
 
 

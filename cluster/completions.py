@@ -15,13 +15,13 @@ import dataclasses
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from chunkstore.chunking import ChatTokenizer, Chunk
+from chunkstore.chunking import ChatTokenizer, Chunk, Message
 from chunkstore.hashing import Namespace
 from cluster.errors import APIError, BadRequest, ModelNotFound, WorkerLost
 from cluster.metrics import Metrics
@@ -76,9 +76,19 @@ class CompletionService:
         # calls at once (Hugging Face fast tokenizers are not safe to share across threads).
         self._prepare_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompts")
 
-    async def chat(self, body: ChatCompletionRequest, tenant_salt: str) -> Reply:
+    async def chat(
+        self,
+        body: ChatCompletionRequest,
+        tenant_salt: str,
+        messages: Sequence[Message] | None = None,
+    ) -> Reply:
+        """``messages``: the body's messages with chunk parts expanded (required when
+        the body uses chunks)."""
         self._check_model(body.model)
-        messages = [m.as_chunking_message() for m in body.messages]
+        if messages is None:
+            if body.chunk_ids:
+                raise BadRequest("chunk parts are only served by the HTTP server")
+            messages = [m.as_chunking_message() for m in body.messages]
         namespace = Namespace(self._settings.namespace_model, tenant_salt)
         page_size = self._settings.page_size
         prompt = await self._prepare(
@@ -124,6 +134,7 @@ class CompletionService:
             prompt_token_ids=prompt.token_ids,
             params=self._sampling(body, len(prompt.token_ids), param),
             tenant_salt=tenant_salt,
+            chunk_ids=body.chunk_ids if isinstance(body, ChatCompletionRequest) else (),
         )
         if body.stream:
             stream = await self.router.open(prompt, request)

@@ -8,7 +8,7 @@ other than it asked for.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -93,12 +93,20 @@ class TextPart(_Request):
     text: str = Field(description="the text; each part of a message is its own chunk")
 
 
+class ChunkPart(_Request):
+    type: Literal["chunk"] = Field(description="a registered chunk (POST /v1/chunks)")
+    chunk_id: str = Field(description="the chunk's id; stands for its registered content")
+
+
+ContentPart = Annotated[TextPart | ChunkPart, Field(discriminator="type")]
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
         description="who wrote the message"
     )
-    content: str | list[TextPart] = Field(
-        description="text, or a list of text parts (one reusable chunk per part)"
+    content: str | list[ContentPart] = Field(
+        description="text, or a list of text or chunk parts (one reusable chunk per part)"
     )
     name: str | None = Field(None, description="participant name (accepted, unused)")
 
@@ -108,9 +116,18 @@ class ChatMessage(_Request):
             raise ValueError("content must be a string or a non-empty list of text parts")
         return self
 
+    @property
+    def chunk_ids(self) -> list[str]:
+        if isinstance(self.content, str):
+            return []
+        return [part.chunk_id for part in self.content if isinstance(part, ChunkPart)]
+
     def as_chunking_message(self) -> dict[str, str | list[dict[str, str]]]:
+        """Only for messages without chunk parts (``cluster.chunk_service`` expands those)."""
         if isinstance(self.content, str):
             return {"role": self.role, "content": self.content}
+        if self.chunk_ids:
+            raise ValueError("chunk parts must be expanded before tokenizing")
         parts = [{"type": "text", "text": part.text} for part in self.content]
         return {"role": self.role, "content": parts}
 
@@ -128,6 +145,11 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def chunk_ids(self) -> tuple[str, ...]:
+        """Registered chunks the messages use, distinct, in order."""
+        return tuple(dict.fromkeys(i for m in self.messages for i in m.chunk_ids))
 
     @property
     def num_logprobs(self) -> int:

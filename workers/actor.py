@@ -11,6 +11,9 @@ Invariants:
 - ``generate`` yields ``WorkerRefusal`` only as its first and last item; a request
   that yielded nothing had no visible effect, so the router may retry it elsewhere.
 - A fatal engine error kills the process, so Ray restarts the actor (new epoch).
+- Registered chunks live in ``WorkerChunks``, reached only through the loop thread;
+  they die with the actor (a restarted worker holds none). A chunk whose TTL ended
+  is unpinned within ``_EXPIRE_INTERVAL_S`` (a timer thread enqueues the check).
 """
 
 from __future__ import annotations
@@ -18,17 +21,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import ray
 import torch
 
+from chunkstore.chunking import Message
 from chunkstore.publisher import EventPublisher
 from workers.cache_mirror import CacheMirror
+from workers.chunk_registry import ChunkInfo
 from workers.directory_client import connect_directory
 from workers.engine import Engine, StepOutput
 from workers.engine_loop import EngineLoop, Rejected
+from workers.worker_chunks import ChunkFailure, Registered, WorkerChunks
 from workers.worker_types import (
     WorkerDelta,
     WorkerInfo,
@@ -41,6 +48,7 @@ from workers.worker_types import (
 logger = logging.getLogger(__name__)
 
 _DRAIN_POLL_S = 0.05
+_EXPIRE_INTERVAL_S = 1.0
 
 
 def new_epoch() -> int:
@@ -62,6 +70,7 @@ class Worker:
         )
         self._mirror = CacheMirror()
         self._loop = EngineLoop(engine, self._mirror.absorb, _crash)
+        self._chunks = WorkerChunks(engine, self._loop)
         self._publisher = EventPublisher(
             connect_directory(spec.directory),
             spec.worker_id,
@@ -73,6 +82,7 @@ class Worker:
         self._draining = False
         self._loop.start()
         self._publisher.start()
+        threading.Thread(target=self._expire_forever, name="chunk-expiry", daemon=True).start()
         logger.info("worker %s started (epoch %d)", spec.worker_id, self._epoch)
 
     async def generate(self, request: WorkerRequest) -> AsyncIterator[WorkerDelta | WorkerRefusal]:
@@ -87,12 +97,57 @@ class Worker:
             self._loop.submit(
                 request_id, request.prompt_token_ids, params, request.tenant_salt, sink
             )
+        recorded = not request.chunk_ids
         try:
             async for item in _collect(outputs, ids):
+                if not recorded and isinstance(item, WorkerDelta):
+                    recorded = True  # before the client sees output: later calls see the hit
+                    self._record_use(request, item.cached_tokens)
                 yield item
         finally:  # finished, failed or cancelled by the caller: free the engine's work
             for request_id in ids:
                 self._loop.abort(request_id)
+
+    def _expire_forever(self) -> None:
+        while True:
+            time.sleep(_EXPIRE_INTERVAL_S)
+            self._loop.call(self._chunks.expire)
+
+    def _record_use(self, request: WorkerRequest, cached: int) -> None:
+        chunks, tenant, prompt = self._chunks, request.tenant_salt, request.prompt_token_ids
+        self._loop.call(lambda: chunks.record_use(tenant, request.chunk_ids, prompt, cached))
+
+    # -- registered chunks (see workers.worker_chunks) ------------------------------
+    async def register_chunk(
+        self,
+        tenant_salt: str,
+        content: str | Sequence[Message],
+        role: str,
+        ttl_s: float | None,
+        after: Sequence[str],
+    ) -> Registered | ChunkFailure:
+        chunks = self._chunks
+        return await asyncio.wrap_future(
+            self._loop.call(lambda: chunks.register(tenant_salt, content, role, ttl_s, after))
+        )
+
+    async def unregister_chunk(self, tenant_salt: str, chunk_id: str) -> bool:
+        chunks = self._chunks
+        return await asyncio.wrap_future(
+            self._loop.call(lambda: chunks.unregister(tenant_salt, chunk_id))
+        )
+
+    async def list_chunks(self, tenant_salt: str) -> list[ChunkInfo]:
+        chunks = self._chunks
+        return await asyncio.wrap_future(self._loop.call(lambda: chunks.infos(tenant_salt)))
+
+    async def chunk_messages(
+        self, tenant_salt: str, chunk_ids: Sequence[str]
+    ) -> dict[str, list[Message]]:
+        chunks = self._chunks
+        return await asyncio.wrap_future(
+            self._loop.call(lambda: chunks.messages(tenant_salt, chunk_ids))
+        )
 
     async def info(self) -> WorkerInfo:
         return self._info

@@ -10,6 +10,8 @@ own (its *prefix*). Invariants:
 - At most ``num_pages - ceil(max_model_len / page_size)`` pages are pinned, so a
   max-length request always fits beside them.
 - Expired chunks are dropped lazily, at the start of every registry call.
+- A registry keys ids and pages by one tenant's namespace (``tenant_salt``), so
+  another tenant's registry never finds its ids and its requests never hit its pages.
 """
 
 from __future__ import annotations
@@ -63,8 +65,10 @@ class ChunkRegistry:
         engine: Engine,
         compute: Callable[[list[int]], None],
         clock: Callable[[], float] = time.monotonic,
+        tenant_salt: str | None = None,
     ) -> None:
         self._engine = engine
+        self._tenant_salt = tenant_salt  # None: the engine's configured salt
         self._compute = compute
         self._clock = clock
         self._chunks: dict[str, _Chunk] = {}  # registration order
@@ -182,7 +186,7 @@ class ChunkRegistry:
         h = hashlib.sha256(b"chunkserve-chunk-v1")
         canonical = json.dumps(content, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
         for part in (
-            self._engine.namespace().digest,
+            self._engine.namespace(self._tenant_salt).digest,
             role.encode(),
             canonical.encode(),
             *(a.encode() for a in after),
@@ -198,7 +202,7 @@ class ChunkRegistry:
     def _full_pages(self, tokens: Sequence[int]) -> list[int]:
         """Pool pages holding the full pages of ``tokens`` (a prefix of them)."""
         size = self._page_size
-        seq_keys = page_keys(tokens, size, self._engine.namespace())
+        seq_keys = page_keys(tokens, size, self._engine.namespace(self._tenant_salt))
         token_pages = [tokens[i * size : (i + 1) * size] for i in range(len(seq_keys))]
         return self._engine.pool.match_prefix(seq_keys, token_pages)
 

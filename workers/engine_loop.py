@@ -11,14 +11,21 @@ Invariants:
 - Pool events are handed to ``on_events`` after every iteration, in order.
 - An exception from the engine leaves it in an unknown state: ``on_fatal`` is
   called and the loop stops (the actor then crashes and Ray restarts it).
+- ``call(fn)`` runs ``fn`` on the loop thread between iterations (how the chunk
+  registry reaches the engine). A ``ValueError`` from ``fn`` is a refusal, returned
+  through its future; any other exception is fatal, as from the engine.
+- ``prefill`` (loop thread only, inside a ``call``) steps the engine until its own
+  request finishes, delivering other requests' outputs as usual.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from chunkstore.events import CacheEvent
@@ -52,6 +59,12 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[], object]
+    future: Future
+
+
 _STOP = None
 
 
@@ -82,7 +95,8 @@ class EngineLoop:
         self._engine = engine
         self._on_events = on_events
         self._on_fatal = on_fatal
-        self._commands: queue.SimpleQueue[_Submit | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()
+        self._prefill_ids = itertools.count()
         self._active: dict[str, _Active] = {}  # loop thread only
         self._lock = threading.Lock()  # guards _counters
         self._counters = _Counters()
@@ -108,6 +122,25 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         """Stop a choice (a no-op once it finished)."""
         self._commands.put(_Abort(request_id))
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn()`` on the loop thread; its result (or ValueError) on the future."""
+        future: Future = Future()
+        self._commands.put(_Call(fn, future))
+        return future
+
+    def prefill(self, tokens: list[int], tenant_salt: str) -> None:
+        """Loop thread only: compute ``tokens`` so their full pages are cached."""
+        request_id = f"prefill-{next(self._prefill_ids)}"
+        params = SamplingParams(max_tokens=1, temperature=0)
+        self._engine.add_request(request_id, tokens, params, tenant_salt=tenant_salt)
+        finished = False
+        while not finished:
+            for output in self._engine.step():
+                if output.request_id == request_id:
+                    finished = finished or output.finished
+                else:
+                    self._deliver(output)
 
     def load(self) -> EngineLoad:
         with self._lock:
@@ -136,6 +169,8 @@ class EngineLoop:
                 return False
             if isinstance(command, _Submit):
                 self._add(command)
+            elif isinstance(command, _Call):
+                self._call(command)
             else:
                 self._cancel(command.request_id)
         if self._engine.has_unfinished():
@@ -144,7 +179,18 @@ class EngineLoop:
         self._on_events(self._engine.pool.drain_events())
         return True
 
-    def _take(self, block: bool) -> list[_Submit | _Abort | None]:
+    def _call(self, command: _Call) -> None:
+        try:
+            result = command.fn()
+        except ValueError as error:
+            command.future.set_exception(error)
+            return
+        except BaseException as error:
+            command.future.set_exception(error)
+            raise
+        command.future.set_result(result)
+
+    def _take(self, block: bool) -> list[_Submit | _Abort | _Call | None]:
         commands = [self._commands.get()] if block else []
         while True:
             try:

@@ -35,6 +35,7 @@ class WorkerRequest:
     prompt_token_ids: tuple[int, ...]
     params: tuple[SamplingParams, ...]
     tenant_salt: str  # derived by the server from the caller's identity
+    chunk_ids: tuple[str, ...] = ()  # registered chunks the prompt uses (hit counting)
 
     def __post_init__(self) -> None:
         if not self.params:

@@ -91,3 +91,26 @@ def test_coalesce_merges_consecutive_outputs_per_choice():
         (0, (1, 3), "ac", True),
         (1, (2,), "b", False),
     ]
+
+
+def test_call_runs_on_the_loop_thread_and_prefill_keeps_others_streaming(loop):
+    loop, mirror = loop
+    items: queue.SimpleQueue = queue.SimpleQueue()
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    loop.submit("other", tuple(range(300, 340)), params, "", items.put)
+    thread = loop.call(lambda: threading.current_thread().name).result(timeout=30)
+    assert thread == "engine-loop"
+    loop.call(lambda: loop.prefill(list(range(200, 264)), "")).result(timeout=30)
+    out = collect(loop, "reuse", list(range(200, 264)), SamplingParams(max_tokens=1))
+    assert out[0].num_cached_tokens == 48  # the prefill's pages were cached
+    other = []
+    while not (other and other[-1].finished):
+        other.append(items.get(timeout=30))
+    assert sum(len(o.new_token_ids) for o in other) == 20  # delivered despite the prefill
+
+    def refuse():
+        raise ValueError("no")
+
+    with pytest.raises(ValueError, match="no"):
+        loop.call(refuse).result(timeout=30)
+    assert loop.call(lambda: 1).result(timeout=30) == 1  # the loop lives on

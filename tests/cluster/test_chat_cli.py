@@ -1,0 +1,53 @@
+"""``chunkserve chat --model DIR`` driven through a pseudo-terminal: every reply is
+followed by the reuse line, and later turns reuse the registered chunks' KV."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pexpect
+
+PROMPT = "you> "
+REUSE = re.compile(rb"reused (\d+) / computed (\d+) prompt tokens, TTFT (\d+) ms")
+SYSTEM = "You are a precise assistant for the Harbor Analytics handbook; answer briefly."
+DOC = "Handbook: Starter costs 29 dollars a month for five seats; backups run every six hours."
+
+
+def test_chat_shows_reuse_after_each_turn(tiny_qwen3, tmp_path):
+    doc = tmp_path / "handbook.txt"
+    doc.write_text(DOC)
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "cluster.cli", "chat", "--model", str(tiny_qwen3), "--device", "cpu"]
+        + ["--max-tokens", "6"],
+        timeout=120,
+    )
+    try:
+        child.expect_exact(PROMPT)
+        child.sendline(f"/system {SYSTEM}")
+        child.expect_exact("system prompt set")
+        child.sendline("/register")
+        child.expect(r"registered system prompt as [0-9a-f]{64}")
+        child.sendline(f"/register-file {doc}")
+        child.expect(r"registered .*handbook.txt as [0-9a-f]{64}")
+
+        reused = []
+        for question in ("How much is Starter?", "And how often do backups run?"):
+            child.expect_exact(PROMPT)
+            child.sendline(question)
+            child.expect(REUSE)
+            reused.append(int(child.match.group(1)))
+        assert reused[0] > 0  # the registered chunks
+        assert reused[1] > reused[0]  # ... and the first turn
+
+        child.sendline("/chunks")
+        child.expect(r"system +\d+ tokens, \d+ pinned")
+        child.expect(r"context +\d+ tokens, \d+ pinned")
+        child.sendline("/nonsense")
+        child.expect_exact("commands:")
+        child.sendline("/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0

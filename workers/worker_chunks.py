@@ -1,0 +1,98 @@
+"""A worker's registered chunks, one ``ChunkRegistry`` per tenant.
+
+Invariants:
+- Every registry call runs on the engine loop thread (``EngineLoop.call``); this
+  object is touched by no other thread, so it needs no lock.
+- Registries are keyed by tenant salt and each keys ids and pages by its tenant's
+  namespace: a tenant can neither find nor hit another tenant's chunks.
+- Expiry times are Unix seconds (``time.time``), so routers can report them.
+- Refusals come back as ``ChunkFailure`` values, never as exceptions across Ray.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from chunkstore.chunking import Message
+from workers.chunk_registry import ChunkInfo, ChunkRegistry, UnknownChunkError
+from workers.engine import Engine
+from workers.engine_loop import EngineLoop
+
+
+@dataclass(frozen=True)
+class ChunkFailure:
+    message: str  # for the client
+    unknown: bool  # an unknown chunk id (404) rather than bad input (400)
+
+
+@dataclass(frozen=True)
+class Registered:
+    info: ChunkInfo
+    created: bool  # False: the chunk was registered here already (TTL refreshed)
+
+
+class WorkerChunks:
+    def __init__(self, engine: Engine, loop: EngineLoop) -> None:
+        self._engine = engine
+        self._loop = loop
+        self._registries: dict[str, ChunkRegistry] = {}  # tenant salt -> registry
+
+    # -- run on the loop thread (pass to ``EngineLoop.call``) ---------------------
+    def register(
+        self,
+        tenant_salt: str,
+        content: str | Sequence[Message],
+        role: str,
+        ttl_s: float | None,
+        after: Sequence[str],
+    ) -> Registered | ChunkFailure:
+        registry = self._registry(tenant_salt)
+        before = {info.chunk_id for info in registry.infos()}
+        try:
+            chunk_id = registry.register(content, role, ttl_s, tuple(after))
+        except UnknownChunkError as error:
+            return ChunkFailure(str(error), unknown=True)
+        except ValueError as error:
+            return ChunkFailure(str(error), unknown=False)
+        info = next(i for i in registry.infos() if i.chunk_id == chunk_id)
+        return Registered(info, created=chunk_id not in before)
+
+    def unregister(self, tenant_salt: str, chunk_id: str) -> bool:
+        """False if the tenant has no such chunk here."""
+        try:
+            self._registry(tenant_salt).unregister(chunk_id)
+        except UnknownChunkError:
+            return False
+        return True
+
+    def infos(self, tenant_salt: str) -> list[ChunkInfo]:
+        return self._registry(tenant_salt).infos()
+
+    def messages(self, tenant_salt: str, chunk_ids: Sequence[str]) -> dict[str, list[Message]]:
+        """The own messages of those of ``chunk_ids`` registered here."""
+        registry = self._registry(tenant_salt)
+        known = {info.chunk_id for info in registry.infos()}
+        return {i: list(registry.compose([i])) for i in dict.fromkeys(chunk_ids) if i in known}
+
+    def record_use(
+        self, tenant_salt: str, chunk_ids: Sequence[str], prompt: Sequence[int], cached: int
+    ) -> None:
+        self._registry(tenant_salt).record_use(chunk_ids, prompt, cached)
+
+    def expire(self) -> None:
+        """Drop every tenant's chunks whose TTL ended (unpinning their pages)."""
+        for registry in self._registries.values():
+            registry.expire()
+
+    def _registry(self, tenant_salt: str) -> ChunkRegistry:
+        registry = self._registries.get(tenant_salt)
+        if registry is None:
+
+            def compute(tokens: list[int]) -> None:
+                self._loop.prefill(tokens, tenant_salt)
+
+            registry = ChunkRegistry(self._engine, compute, time.time, tenant_salt=tenant_salt)
+            self._registries[tenant_salt] = registry
+        return registry
