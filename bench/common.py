@@ -55,8 +55,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
+    from workers.model_runner import ModelRunner
+
+    return ModelRunner.bytes_per_page(config, 1, dtype)
 
 
 def bench_model(path: str | None) -> Path:

@@ -125,28 +125,18 @@ class ModelRunner:
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Logits [S, vocab] (float32) for the sequences in ``batch`` that sample."""
         inputs = build_inputs(batch, self.page_size)
-        if self._use_graph(inputs.layout):
-            return self.graphs.run(
-                inputs.input_ids.to(self.device, non_blocking=True),
-                inputs.positions.to(self.device, non_blocking=True),
-                inputs.layout,
-            )[inputs.logits_indices.to(self.device)]
-        if self.prefill_graphs is not None and self.prefill_graphs.can_run(inputs.layout):
-            hidden = self.prefill_graphs.run(
-                inputs.input_ids.to(self.device, non_blocking=True),
-                inputs.positions.to(self.device, non_blocking=True),
-                inputs.layout,
-            )
-            return self.model.compute_logits(hidden[inputs.logits_indices.to(self.device)])
-        metadata = self.backend.plan(inputs.layout)
-        hidden = self.model(
-            inputs.input_ids.to(self.device, non_blocking=True),
-            inputs.positions.to(self.device, non_blocking=True),
-            self.kv_caches,
-            self.backend,
-            metadata,
-        )
-        return self.model.compute_logits(hidden[inputs.logits_indices.to(self.device)])
+        layout = inputs.layout
+        input_ids = inputs.input_ids.to(self.device, non_blocking=True)
+        positions = inputs.positions.to(self.device, non_blocking=True)
+        rows = inputs.logits_indices.to(self.device, non_blocking=True)
+        if self._use_graph(layout):
+            return self.graphs.run(input_ids, positions, layout)[rows]
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(layout):
+            hidden = self.prefill_graphs.run(input_ids, positions, layout)
+        else:
+            metadata = self.backend.plan(layout)
+            hidden = self.model(input_ids, positions, self.kv_caches, self.backend, metadata)
+        return self.model.compute_logits(hidden[rows])
 
     def _use_graph(self, layout: BatchLayout) -> bool:
         return (
