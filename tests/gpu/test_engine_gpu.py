@@ -50,33 +50,11 @@ def _last_logits(llm: LLM, prompt: list[int], chunks: tuple[int, ...] = ()) -> t
     """Full-vocabulary logits at the prompt's last position, through our model runner;
     ``chunks`` splits the prefill (later chunks read earlier ones from the paged cache,
     the path a cache hit takes)."""
-    from chunkstore.hashing import Namespace
-    from workers.model_runner import build_inputs
-    from workers.request import Sequence
-    from workers.scheduler import ScheduledSeq
+    from tests.workers.reference import prefill_hidden
 
-    engine = llm.engine
-    page = engine.pool.page_size
-    seq = Sequence("probe", 0, prompt, SamplingParams(), Namespace("probe"))
-    seq.page_ids = engine.pool.allocate(-(-len(prompt) // page))
-    sizes = list(chunks) + [len(prompt) - sum(chunks)]
-    try:
-        start = 0
-        with torch.inference_mode():
-            for size in sizes:
-                inputs = build_inputs([ScheduledSeq(seq, start, size)], page)
-                meta = engine.runner.backend.plan(inputs.layout)
-                hidden = engine.runner.model(
-                    inputs.input_ids.cuda(),
-                    inputs.positions.cuda(),
-                    engine.runner.kv_caches,
-                    engine.runner.backend,
-                    meta,
-                )
-                start += size
-            return engine.runner.model.compute_logits(hidden[-1:])[0].float()
-    finally:
-        engine.pool.release(seq.page_ids)
+    hidden = prefill_hidden(llm, prompt, list(chunks) + [len(prompt) - sum(chunks)])
+    with torch.inference_mode():
+        return llm.engine.runner.model.compute_logits(hidden[-1:])[0].float()
 
 
 def _rel_full(a: torch.Tensor, b: torch.Tensor) -> float:

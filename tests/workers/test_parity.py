@@ -7,41 +7,11 @@ import random
 import pytest
 import torch
 
-from chunkstore.hashing import Namespace
-from tests.workers.reference import reference_greedy, reference_logits
+from tests.workers.reference import prefill_hidden, reference_greedy, reference_logits
 from workers import LLM, SamplingParams
-from workers.model_runner import build_inputs
-from workers.request import Sequence
-from workers.scheduler import ScheduledSeq
 
 VARIANTS = [("qwen3", False), ("qwen3", True), ("llama", False), ("llama", True)]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-
-
-def _all_logits(llm: LLM, tokens: list[int], chunk_sizes: list[int]) -> torch.Tensor:
-    """Logits at every position, computed in prefill chunks of the given sizes (later
-    chunks attend to the earlier chunks' KV through the paged cache)."""
-    engine = llm.engine
-    page_size = engine.pool.page_size
-    seq = Sequence("probe", 0, tokens, GREEDY, Namespace("probe"))
-    seq.page_ids = engine.pool.allocate(-(-len(tokens) // page_size))
-    rows = []
-    start = 0
-    with torch.inference_mode():
-        for size in chunk_sizes:
-            inputs = build_inputs([ScheduledSeq(seq, start, size)], page_size)
-            metadata = engine.runner.backend.plan(inputs.layout)
-            hidden = engine.runner.model(
-                inputs.input_ids,
-                inputs.positions,
-                engine.runner.kv_caches,
-                engine.runner.backend,
-                metadata,
-            )
-            rows.append(engine.runner.model.compute_logits(hidden))
-            start += size
-    engine.pool.release(seq.page_ids)
-    return torch.cat(rows)
 
 
 @pytest.mark.parametrize("family,tied", VARIANTS)
@@ -52,7 +22,8 @@ def test_logits_match_transformers(model_factory, hf_reference, family, tied):
     tokens = random.Random(1).choices(range(10, llm.engine.model_config.vocab_size), k=300)
     expected = reference_logits(ref, tokens)
     for chunks in ([300], [37, 100, 163], [16, 16, 268]):
-        got = _all_logits(llm, tokens, chunks)
+        with torch.inference_mode():
+            got = llm.engine.runner.model.compute_logits(prefill_hidden(llm, tokens, chunks))
         rel = ((got - expected).norm() / expected.norm()).item()
         assert rel <= 1e-4, f"chunks {chunks}: relative error {rel:.2e}"
 
