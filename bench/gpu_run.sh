@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Everything the GPU host runs, in one place: GPU tests, then every benchmark.
+# Everything the GPU host runs, in one place: GPU tests, benchmarks, the cluster run.
 # Usage on the device (from the repository root):
-#   bash bench/gpu_run.sh tests   # GPU tests (first FlashInfer JIT compiles happen here)
-#   bash bench/gpu_run.sh bench   # benchmarks, tables printed last
+#   bash bench/gpu_run.sh tests     # GPU tests (first FlashInfer JIT compiles happen here)
+#   bash bench/gpu_run.sh bench     # benchmarks, tables printed last
+#   bash bench/gpu_run.sh cluster   # bench/cluster_rag.py on Ray (needs both ray halves)
+# Wheel bundles that arrived with this call are installed into /tmp/site (see
+# .whl/install.sh); ones installed by an earlier call on the same machine stay.
 # Results go to $OUT (or /tmp/chunkserve-results).
 set -uo pipefail
 out=${OUT:-/tmp/chunkserve-results}
 mkdir -p "$out"
-source .whl/install.sh >/dev/null
-export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+for bundle in .whl .whl-ray-a .whl-ray-b; do
+  if [ -f $bundle/install.sh ]; then source $bundle/install.sh >/dev/null; fi
+done
+export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}"
 model=/tmp/chunkserve-bench/qwen3-0.6b
 [ -f $model/config.json ] || python3 -m cluster.cli make-model $model --preset qwen3-0.6b >/dev/null
 export CHUNKSERVE_QWEN3_06B=$model CHUNKSERVE_RESULTS_DIR=$out
@@ -18,4 +23,9 @@ case "${1:-all}" in
     for b in ${BENCHES:-decode_kernel cascade chunk_reuse latency throughput}; do
       python3 bench/$b.py --model $model 2>&1 | grep -v Warning | tee "$out/$b.txt"
     done ;;
+  cluster)
+    # A private, single-user machine: Ray's token auth is not needed.
+    RAY_AUTH_MODE=disabled python3 bench/cluster_rag.py --model $model \
+      --workers "${WORKERS:-1,2,4}" --gpus-per-worker "${GPUS_PER_WORKER:-1}" --kill \
+      ${CLUSTER_ARGS:-} 2>&1 | grep -v -e Warning -e '^(' | tee "$out/cluster_rag.txt" ;;
 esac

@@ -10,7 +10,7 @@ from cluster.config import ClusterConfig
 from cluster.directory_access import open_directory
 from cluster.metrics import Metrics
 from cluster.router import Router, RouterSettings
-from cluster.routing_policy import RoutingWeights
+from cluster.routing_policy import Policy, RoutingWeights
 from cluster.worker_pool import WorkerPool
 from workers.checkpoint import checkpoint_fingerprint, load_tokenizer
 
@@ -36,7 +36,11 @@ def build_service(
     router = Router(
         pool,
         open_directory(actors.directory),
-        RouterSettings(weights=weights, max_attempts=cfg.router.max_attempts),
+        RouterSettings(
+            weights=weights,
+            max_attempts=cfg.router.max_attempts,
+            policy=Policy(cfg.router.policy),
+        ),
         metrics,
     )
     settings = ServiceSettings(

@@ -35,12 +35,22 @@ from cluster.openai_format import (
     usage,
 )
 from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest, Usage
-from cluster.prompts import PreparedPrompt, prepare_chat, prepare_chunks, prepare_text
+from cluster.prompts import (
+    EncodeCache,
+    PreparedPrompt,
+    prepare_chat,
+    prepare_chunks,
+    prepare_text,
+)
 from cluster.router import Router, WorkerStream
 from workers.sampling_params import SamplingParams
 from workers.worker_types import WorkerRequest
 
 Body = ChatCompletionRequest | CompletionRequest
+
+# Characters of repeated chunk texts whose tokens a router keeps (~1.4 bytes a char
+# with their token ids).
+_ENCODE_CACHE_CHARS = 32 * 2**20
 
 
 @dataclass(frozen=True)
@@ -69,8 +79,9 @@ class CompletionService:
     ) -> None:
         self.router = router
         self._tokenizer = tokenizer
+        self._encoder = EncodeCache(tokenizer, _ENCODE_CACHE_CHARS)  # prompt thread only
         self._settings = settings
-        self._metrics = metrics
+        self.metrics = metrics
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode)
         # One thread prepares prompts: off the event loop, and never two tokenizer
         # calls at once (Hugging Face fast tokenizers are not safe to share across threads).
@@ -92,7 +103,7 @@ class CompletionService:
         namespace = Namespace(self._settings.namespace_model, tenant_salt)
         page_size = self._settings.page_size
         prompt = await self._prepare(
-            lambda: prepare_chat(self._tokenizer, messages, namespace, page_size), "messages"
+            lambda: prepare_chat(self._encoder, messages, namespace, page_size), "messages"
         )
         fmt = ChatFormat(body.model, self._token_text, body.top_logprobs or 0)
         return await self._run(body, prompt, tenant_salt, fmt, "messages")
@@ -105,7 +116,7 @@ class CompletionService:
             text = body.prompt
 
             def prepare() -> PreparedPrompt:
-                return prepare_text(self._tokenizer, text, namespace, page_size)
+                return prepare_text(self._encoder, text, namespace, page_size)
         else:
             chunk = Chunk("query", tuple(body.prompt))
 
@@ -138,7 +149,7 @@ class CompletionService:
         )
         if body.stream:
             stream = await self.router.open(prompt, request)
-            self._metrics.ttft.observe(time.monotonic() - started)
+            self.metrics.ttft.observe(time.monotonic() - started)
             events = self._events(stream, fmt, body, len(prompt.token_ids))
             return Reply(stream.worker_id, events=events)
         worker_id, choices = await self._buffered(prompt, request, started)
@@ -153,7 +164,7 @@ class CompletionService:
             request = dataclasses.replace(request, request_id=uuid.uuid4().hex)
             stream = await self.router.open(prompt, request)
             if attempt == 0:
-                self._metrics.ttft.observe(time.monotonic() - started)
+                self.metrics.ttft.observe(time.monotonic() - started)
             choices = [ChoiceOutput() for _ in request.params]
             try:
                 async for delta in stream.deltas():
@@ -162,7 +173,7 @@ class CompletionService:
             except WorkerLost:
                 if attempt + 1 == self._settings.max_attempts:
                     raise
-                self._metrics.retries.inc()
+                self.metrics.retries.inc()
             finally:
                 stream.close()
         raise AssertionError("unreachable: max_attempts >= 1")
@@ -230,9 +241,9 @@ class CompletionService:
             )
 
     def _count(self, answer: Usage) -> None:
-        self._metrics.prompt_tokens.inc(by=answer.prompt_tokens)
-        self._metrics.cached_tokens.inc(by=answer.prompt_tokens_details.cached_tokens)
-        self._metrics.generated_tokens.inc(by=answer.completion_tokens)
+        self.metrics.prompt_tokens.inc(by=answer.prompt_tokens)
+        self.metrics.cached_tokens.inc(by=answer.prompt_tokens_details.cached_tokens)
+        self.metrics.generated_tokens.inc(by=answer.completion_tokens)
 
     def _decode(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id])

@@ -123,6 +123,12 @@ class DirectorySection(_Section):
 
 
 class RouterSection(_Section):
+    policy: Literal["chunk_aware", "round_robin"] = Field(
+        "chunk_aware",
+        description="chunk_aware: send a request where its prompt's chunks are cached, "
+        "weighed against load; round_robin: ignore caches and load, rotate over workers "
+        "(a baseline for comparisons)",
+    )
     load_penalty_tokens: float = Field(
         128,
         ge=0,

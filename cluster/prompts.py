@@ -8,12 +8,56 @@ key the router looks up is exactly a key a worker published.
 
 from __future__ import annotations
 
+from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from chunkstore.chunking import ChatTokenizer, Chunk, Message, chunk_conversation, chunk_prompt
 from chunkstore.directory import MAX_LOOKUP_KEYS
 from chunkstore.hashing import Namespace, PageKey, page_keys
+
+
+class EncodeCache:
+    """A tokenizer whose ``encode`` remembers long texts (system prompts, documents).
+
+    Chunks are tokenized on their own, so a document's tokens are the same in every
+    request that carries it; repeated chunks are what this system serves, and
+    tokenizing them again was most of a router's work per request. Invariants:
+    ``encode`` returns exactly what the wrapped tokenizer returns; texts shorter than
+    ``min_chars`` (questions, template pieces) are not kept; the kept texts total at
+    most ``max_chars`` characters, least recently used dropped first. Not thread-safe:
+    use from one thread (the completion service's prompt thread).
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer, max_chars: int, min_chars: int = 512) -> None:
+        self._tokenizer = tokenizer
+        self._max_chars = max_chars
+        self._min_chars = min_chars
+        self._kept: OrderedDict[tuple[str, bool], array] = OrderedDict()  # token ids
+        self._chars = 0
+        self.hits = 0
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
+        return self._tokenizer.apply_chat_template(conversation, **kwargs)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) < self._min_chars or len(text) > self._max_chars:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        key = (text, add_special_tokens)
+        kept = self._kept.get(key)
+        if kept is not None:
+            self._kept.move_to_end(key)
+            self.hits += 1
+            return kept.tolist()
+        tokens = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        self._kept[key] = array("i", tokens)
+        self._chars += len(text)
+        while self._chars > self._max_chars:
+            (old, _), _ = self._kept.popitem(last=False)
+            self._chars -= len(old)
+        return tokens
 
 
 @dataclass(frozen=True)

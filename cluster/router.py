@@ -29,7 +29,15 @@ from cluster.directory_access import AsyncDirectory
 from cluster.errors import BadRequest, NoHealthyWorker, Overloaded, WorkerLost
 from cluster.metrics import Metrics
 from cluster.prompts import PreparedPrompt
-from cluster.routing_policy import Decision, RoutingWeights, Unroutable, choose_worker
+from cluster.routing_policy import (
+    Decision,
+    Policy,
+    RoutingWeights,
+    Unroutable,
+    WorkerView,
+    choose_worker,
+    round_robin,
+)
 from cluster.worker_pool import WorkerPool
 from workers.worker_types import WorkerDelta, WorkerRefusal, WorkerRequest
 
@@ -92,6 +100,7 @@ class WorkerStream:
 class RouterSettings:
     weights: RoutingWeights
     max_attempts: int
+    policy: Policy = Policy.CHUNK_AWARE
 
 
 class Router:
@@ -112,11 +121,11 @@ class Router:
     async def open(self, prompt: PreparedPrompt, request: WorkerRequest) -> WorkerStream:
         """Route ``request`` and wait for its first delta (see the module invariants)."""
         await self.pool.start()
-        holdings = await self._lookup(prompt)
+        holdings = await self._lookup(prompt) if self._chunk_aware else None
         tried: set[str] = set()
         for attempt in range(self._settings.max_attempts):
             views = [v for v in self.pool.views() if v.worker_id not in tried]
-            decision = choose_worker(views, holdings, self._settings.weights, next(self._rotation))
+            decision = self._choose(views, holdings)
             if decision is Unroutable.OVERLOADED:
                 raise Overloaded("every worker is at its request limit; retry later")
             if isinstance(decision, Unroutable):
@@ -131,6 +140,18 @@ class Router:
             tried.add(decision.worker_id)
             self._metrics.retries.inc()
         raise NoHealthyWorker(self._no_worker_message(tried))
+
+    @property
+    def _chunk_aware(self) -> bool:
+        return self._settings.policy is Policy.CHUNK_AWARE
+
+    def _choose(
+        self, views: list[WorkerView], holdings: dict[str, int] | None
+    ) -> Decision | Unroutable:
+        weights, rotation = self._settings.weights, next(self._rotation)
+        if self._chunk_aware:
+            return choose_worker(views, holdings, weights, rotation)
+        return round_robin(views, weights.max_requests_per_worker, rotation)
 
     async def _lookup(self, prompt: PreparedPrompt) -> dict[str, int] | None:
         if not prompt.lookup_keys:

@@ -13,6 +13,9 @@ Policy:
 4. Else the least-loaded worker (``LOAD``).
 Ties go to fewer requests, then fewer tokens in flight, then ``rotation`` picks
 among the still tied, so equal workers share requests evenly.
+
+``round_robin`` is the baseline that ignores caches and load: the open workers in id
+order, one after another (``rotation`` counts requests).
 """
 
 from __future__ import annotations
@@ -36,10 +39,16 @@ class RoutingWeights:
     max_requests_per_worker: int
 
 
+class Policy(StrEnum):
+    CHUNK_AWARE = "chunk_aware"  # choose_worker: cache holdings against load
+    ROUND_ROBIN = "round_robin"  # round_robin: blind rotation (a baseline)
+
+
 class Reason(StrEnum):
     AFFINITY = "affinity"  # the worker holds a prefix of the prompt
     LOAD = "load"  # nobody holds a useful prefix, or load is too imbalanced
     NO_DIRECTORY = "no_directory"  # the directory had no information
+    ROTATION = "rotation"  # round-robin: the next worker in turn
 
 
 class Unroutable(StrEnum):
@@ -84,6 +93,20 @@ def choose_worker(
         if score(best) > -penalty * least:
             return Decision(best.worker_id, Reason.AFFINITY, holdings[best.worker_id])
     return _least_loaded(open_, rotation, Reason.LOAD)
+
+
+def round_robin(
+    workers: Sequence[WorkerView], max_requests_per_worker: int, rotation: int
+) -> Decision | Unroutable:
+    """The ``rotation``-th open worker in id order, whatever it holds or carries."""
+    if not workers:
+        return Unroutable.NO_WORKER
+    open_ = sorted(
+        (w for w in workers if w.requests < max_requests_per_worker), key=lambda w: w.worker_id
+    )
+    if not open_:
+        return Unroutable.OVERLOADED
+    return Decision(open_[rotation % len(open_)].worker_id, Reason.ROTATION, 0)
 
 
 def _least_loaded(workers: Sequence[WorkerView], rotation: int, reason: Reason) -> Decision:

@@ -7,7 +7,8 @@ from chunkstore.events import EventKind
 from chunkstore.hashing import Namespace
 from cluster.assembly import namespace_model
 from cluster.config import parse_config
-from cluster.prompts import prepare_chat
+from cluster.prompts import EncodeCache, prepare_chat
+from workers.checkpoint import load_tokenizer
 from workers.config import EngineConfig
 from workers.engine import Engine
 from workers.sampling_params import SamplingParams
@@ -40,3 +41,29 @@ def test_router_keys_are_engine_keys(tiny_qwen3):
     assert list(prompt.token_ends) == sorted(set(e for e in ends if e))
     other_tenant = prepare_chat(engine.tokenizer, messages("Q?"), Namespace(namespace.model_id), 16)
     assert not set(other_tenant.lookup_keys) & stored
+
+
+def test_encode_cache_gives_the_tokenizer_tokens_and_stays_within_its_bound(tiny_qwen3):
+    tokenizer = load_tokenizer(tiny_qwen3)
+    cache = EncodeCache(tokenizer, max_chars=3 * len(DOC), min_chars=64)
+    namespace = Namespace("tiny@x", "")
+    for question in ("Q: one?", "Q: two?", "Q: one?"):
+        cached = prepare_chat(cache, messages(question), namespace, 16)
+        assert cached == prepare_chat(tokenizer, messages(question), namespace, 16)
+    # the system prompt and document are kept from the first request on; questions never
+    assert cache.hits == 4
+    docs = [f"Document {i}: " + DOC for i in range(5)]
+    for doc in docs:
+        assert cache.encode(doc, add_special_tokens=False) == tokenizer.encode(
+            doc, add_special_tokens=False
+        )
+    assert cache.encode(docs[-1], add_special_tokens=False) == tokenizer.encode(
+        docs[-1], add_special_tokens=False
+    )
+    assert cache.hits == 5
+    before = cache.hits
+    cache.encode(docs[0], add_special_tokens=False)  # dropped: the bound holds 2 of these
+    assert cache.hits == before
+    returned = cache.encode(docs[0], add_special_tokens=False)
+    returned.append(-1)  # callers own what they get
+    assert cache.encode(docs[0], add_special_tokens=False)[-1] != -1

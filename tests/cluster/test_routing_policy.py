@@ -11,6 +11,7 @@ from cluster.routing_policy import (
     Unroutable,
     WorkerView,
     choose_worker,
+    round_robin,
 )
 
 WEIGHTS = RoutingWeights(load_penalty_tokens=100, imbalance_slack=4, max_requests_per_worker=10)
@@ -67,3 +68,13 @@ def test_ties_rotate_so_equal_workers_share_requests():
 def test_ties_on_requests_go_to_fewer_tokens_in_flight():
     workers = [WorkerView("a", 1, 900), WorkerView("b", 1, 100)]
     assert choose_worker(workers, {}, WEIGHTS).worker_id == "b"
+
+
+def test_round_robin_rotates_over_open_workers_ignoring_caches_and_load():
+    workers = [WorkerView("w2", 0, 0), WorkerView("w0", 9, 900), WorkerView("w1", 3, 10)]
+    chosen = [round_robin(workers, 10, r) for r in range(6)]
+    assert [d.worker_id for d in chosen] == ["w0", "w1", "w2", "w0", "w1", "w2"]
+    assert {d.reason for d in chosen} == {Reason.ROTATION}
+    assert round_robin(views(10, 0, 10), 10, 5).worker_id == "w1"  # full ones are skipped
+    assert round_robin([], 10, 0) is Unroutable.NO_WORKER
+    assert round_robin(views(10, 11), 10, 0) is Unroutable.OVERLOADED

@@ -1,0 +1,464 @@
+"""A RAG workload through a real cluster: chunk-aware routing against round-robin for
+1, 2, ... workers, and a worker killed mid-run.
+
+The path is the one ``chunkserve batch`` and every HTTP router replica take, minus
+HTTP: Ray worker actors (``cluster.actors``; one per GPU with ``--gpus-per-worker 1``),
+the embedded chunk directory, and the project's router and completion service
+(``cluster.assembly.build_service``), driven from this process by a closed loop of
+clients (``--concurrency`` per worker) sending streamed chat requests.
+
+Workload: each request is a system prompt (one of 3) + one document (of ``--docs``,
+drawn Zipf(``--zipf``)) as a content part + a unique question part, the shape of
+``configs/examples/rag_requests.jsonl``. Each worker's KV pool is capped at
+``--pages`` pages, so one worker cannot hold every document but several together can:
+where a request lands decides whether its document is cached.
+
+Every (workers, policy) run uses fresh texts (nothing cached from earlier runs) over the
+same sequence of document indices, so runs start equally cold and see the same
+workload. The workers start once (the most asked for); a run with fewer uses the
+first ones only.
+
+Kill test (``--kill``): all workers, chunk-aware, buffered (non-streamed) requests like
+the batch job's; when ``--kill-at`` of the requests are answered, one worker is killed
+(Ray restarts it). Every request must still be answered: the router skips the dead
+worker and a request bound to it is retried elsewhere.
+
+    python bench/cluster_rag.py --model DIR --workers 1,2,4 [--gpus-per-worker 1] [--kill]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from itertools import accumulate
+from pathlib import Path
+
+import ray
+from ray.actor import ActorHandle
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import print_table  # noqa: E402
+from cluster.actors import ClusterActors, ensure_cluster, kill_cluster, wait_ready  # noqa: E402
+from cluster.assembly import build_service  # noqa: E402
+from cluster.completions import CompletionService  # noqa: E402
+from cluster.config import ClusterConfig  # noqa: E402
+from cluster.errors import APIError  # noqa: E402
+from cluster.metrics import Metrics  # noqa: E402
+from cluster.openai_protocol import ChatCompletionRequest  # noqa: E402
+from workers.checkpoint import load_tokenizer  # noqa: E402
+
+MODEL_NAME = "bench"
+CORPUS = Path(__file__).resolve().parents[1] / "workers/models/data/corpus.txt"
+POLICIES = ("chunk_aware", "round_robin")
+
+
+@dataclass(frozen=True)
+class Shape:
+    docs: int
+    zipf: float
+    system_tokens: int
+    doc_tokens: int
+    question_tokens: int
+    max_tokens: int
+
+
+@dataclass
+class RequestResult:
+    worker: str
+    ttft_s: float
+    latency_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+
+@dataclass
+class RunResult:
+    label: str
+    workers: int
+    policy: str
+    seconds: float
+    results: list[RequestResult] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    retries: int = 0
+
+    def requests_per_s(self) -> float:
+        return len(self.results) / self.seconds
+
+    def output_tokens_per_s(self) -> float:
+        return sum(r.output_tokens for r in self.results) / self.seconds
+
+    def prompt_tokens_per_s(self) -> float:
+        return sum(r.prompt_tokens for r in self.results) / self.seconds
+
+    def hit_rate(self) -> float:
+        prompt = sum(r.prompt_tokens for r in self.results)
+        return sum(r.cached_tokens for r in self.results) / prompt if prompt else 0.0
+
+    def ttft_ms(self, q: float) -> float:
+        ttfts = sorted(r.ttft_s for r in self.results)
+        return 1000 * ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else float("nan")
+
+    def worker_shares(self) -> str:
+        counts = Counter(r.worker.rsplit("-", 1)[-1] for r in self.results)
+        return "/".join(str(counts[k]) for k in sorted(counts))
+
+
+# -- workload --------------------------------------------------------------------------
+class TextMaker:
+    """Random prose of about a given token count, from the model's corpus words."""
+
+    def __init__(self, tokenizer) -> None:
+        self.words = CORPUS.read_text().split()
+        sample = " ".join(self.words[:1000])
+        self.tokens_per_word = len(tokenizer.encode(sample, add_special_tokens=False)) / 1000
+
+    def text(self, rng: random.Random, tokens: int) -> str:
+        count = max(1, round(tokens / self.tokens_per_word))
+        return " ".join(rng.choices(self.words, k=count))
+
+
+def document_sequence(shape: Shape, requests: int, seed: int) -> list[tuple[int, int]]:
+    """(system index, document index) per request: the same for every run."""
+    rng = random.Random(seed)
+    weights = list(accumulate(1 / (k + 1) ** shape.zipf for k in range(shape.docs)))
+    docs = rng.choices(range(shape.docs), cum_weights=weights, k=requests)
+    return [(rng.randrange(3), d) for d in docs]
+
+
+def make_bodies(
+    maker: TextMaker, shape: Shape, sequence: list[tuple[int, int]], seed: int, stream: bool
+) -> list[ChatCompletionRequest]:
+    """Requests over texts of their own (``seed``): a run's chunks are new to every pool."""
+    rng = random.Random(seed)
+    systems = [maker.text(rng, shape.system_tokens) for _ in range(3)]
+    docs = [f"Document {d}: " + maker.text(rng, shape.doc_tokens) for d in range(shape.docs)]
+    bodies = []
+    for system, doc in sequence:
+        question = "Question: " + maker.text(rng, shape.question_tokens)
+        content = [{"type": "text", "text": docs[doc]}, {"type": "text", "text": question}]
+        messages = [
+            {"role": "system", "content": systems[system]},
+            {"role": "user", "content": content},
+        ]
+        body = {"model": MODEL_NAME, "messages": messages, "max_tokens": shape.max_tokens}
+        body |= {"temperature": 0, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        bodies.append(ChatCompletionRequest.model_validate(body))
+    return bodies
+
+
+# -- running ---------------------------------------------------------------------------
+async def run_workload(
+    service: CompletionService,
+    bodies: list[ChatCompletionRequest],
+    clients: int,
+    label: str,
+    on_answered=None,
+) -> RunResult:
+    """``clients`` concurrent clients over ``bodies`` in order; ``on_answered(count)``
+    is awaited after each answer."""
+    run = RunResult(label, len(service.router.pool.views()), "", 0.0)
+    queue = list(reversed(bodies))
+    retries = service.metrics.retries
+    retries_before = retries.total()
+
+    async def client() -> None:
+        while queue:
+            body = queue.pop()
+            started = time.perf_counter()
+            try:
+                result = await answer(service, body, started)
+            except APIError as error:
+                run.errors.append(f"{type(error).__name__}: {error}")
+            else:
+                run.results.append(result)
+            if on_answered is not None:
+                await on_answered(len(run.results) + len(run.errors))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    run.seconds = time.perf_counter() - started
+    run.retries = int(retries.total() - retries_before)
+    return run
+
+
+async def answer(
+    service: CompletionService, body: ChatCompletionRequest, started: float
+) -> RequestResult:
+    reply = await service.chat(body, "")
+    if reply.events is None:  # buffered: TTFT is not visible, count the whole answer
+        done = time.perf_counter() - started
+        usage = reply.body.usage
+        return RequestResult(
+            reply.worker_id,
+            done,
+            done,
+            usage.prompt_tokens,
+            usage.prompt_tokens_details.cached_tokens,
+            usage.completion_tokens,
+        )
+    ttft = time.perf_counter() - started
+    usage = None
+    async for event in reply.events:
+        payload = event.removeprefix("data: ").strip()
+        if payload.startswith("{"):
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                raise APIError(chunk["error"]["message"])
+            usage = chunk.get("usage") or usage
+    if usage is None:
+        raise APIError("the stream ended without a usage chunk")
+    return RequestResult(
+        reply.worker_id,
+        ttft,
+        time.perf_counter() - started,
+        usage["prompt_tokens"],
+        usage["prompt_tokens_details"]["cached_tokens"],
+        usage["completion_tokens"],
+    )
+
+
+def subset_service(
+    cfg: ClusterConfig, model_dir: Path, actors: ClusterActors, count: int, policy: str
+) -> CompletionService:
+    workers = dict(list(actors.workers.items())[:count])
+    subset = ClusterActors(workers, actors.directory, actors.directory_host)
+    policy_cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"policy": policy})})
+    return build_service(policy_cfg, model_dir, subset, Metrics())
+
+
+async def kill_test(
+    service: CompletionService,
+    bodies: list[ChatCompletionRequest],
+    clients: int,
+    kill_at: int,
+    victim: ActorHandle,
+) -> tuple[RunResult, dict]:
+    events: dict = {}
+
+    async def on_answered(count: int) -> None:
+        if count >= kill_at and "killed_at_s" not in events:
+            events["killed_at_s"] = time.perf_counter()
+            events["answered_before_kill"] = count
+            ray.kill(victim, no_restart=False)
+            asyncio.get_running_loop().create_task(wait_back(victim, events))
+
+    run = await run_workload(service, bodies, clients, "kill", on_answered)
+    while "back_after_s" not in events and "back_error" not in events:
+        await asyncio.sleep(0.5)
+    return run, events
+
+
+async def wait_back(victim: ActorHandle, events: dict, timeout_s: float = 600) -> None:
+    """Record when the restarted worker answers again."""
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        try:
+            await asyncio.wait_for(victim.health.remote(), 5)
+        except Exception:
+            await asyncio.sleep(0.5)
+            continue
+        events["back_after_s"] = time.perf_counter() - events["killed_at_s"]
+        return
+    events["back_error"] = f"not back within {timeout_s:.0f} s"
+
+
+# -- main ------------------------------------------------------------------------------
+def cluster_config(args: argparse.Namespace, count: int) -> ClusterConfig:
+    engine = {"page_size": 16, "num_pages": args.pages}
+    if args.gpus_per_worker > 0:
+        engine |= {"device": "cuda", "dtype": "bfloat16", "attention_backend": "flashinfer"}
+        engine |= {"gpu_memory_utilization": 0.9 * args.gpus_per_worker}
+    else:
+        engine |= {"device": "cpu", "dtype": "float32"}
+    return ClusterConfig.model_validate(
+        {
+            "name": f"bench-{random.randrange(16**6):06x}",
+            "model": {"name": MODEL_NAME, "path": str(args.model)},
+            "engine": engine,
+            "workers": {
+                "count": count,
+                "num_gpus": args.gpus_per_worker,
+                "num_cpus": 1,
+                "max_restarts": 3,
+                "startup_timeout_s": 600,
+            },
+            "directory": {"kind": "embedded"},
+            "router": {"max_requests_per_worker": 4096},
+            "server": {"default_max_tokens": args.max_tokens},
+        }
+    )
+
+
+def main() -> None:
+    args = parse_args()
+    shape = Shape(args.docs, args.zipf, args.system_tokens, args.doc_tokens, 32, args.max_tokens)
+    counts = sorted({int(n) for n in args.workers.split(",")})
+    gpus = {}
+    if args.gpus_per_worker > 0:  # counted here: Ray's own detection may miss a VM's GPUs
+        import torch
+
+        gpus = {"num_gpus": torch.cuda.device_count()}
+    ray.init(namespace="chunkserve-bench", log_to_driver=False, **gpus)
+    cfg = cluster_config(args, max(counts))
+    tokenizer = load_tokenizer(args.model)
+    maker = TextMaker(tokenizer)
+    started = time.perf_counter()
+    actors = ensure_cluster(cfg, args.model, detached=False)
+    try:
+        wait_ready(actors, cfg.workers.startup_timeout_s)
+        print(f"{max(counts)} workers ready in {time.perf_counter() - started:.1f} s", flush=True)
+        runs = asyncio.run(measure(args, cfg, actors, shape, counts, maker))
+        report(args, shape, runs)
+    finally:
+        kill_cluster(cfg)
+
+
+async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
+    sequence = document_sequence(shape, args.requests_per_worker * max(counts), args.seed)
+    warm = make_bodies(maker, shape, sequence[: 4 * max(counts)], seed=10**6, stream=True)
+    warm_service = subset_service(cfg, args.model, actors, max(counts), "round_robin")
+    await run_workload(warm_service, warm, max(counts) * 2, "warm-up")  # kernels, graphs
+    await warm_service.router.pool.close()
+    runs = []
+    for run_index, (count, policy) in enumerate((c, p) for c in counts for p in POLICIES):
+        service = subset_service(cfg, args.model, actors, count, policy)
+        requests = sequence[: args.requests_per_worker * count]
+        bodies = make_bodies(maker, shape, requests, seed=run_index + 1, stream=True)
+        run = await run_workload(service, bodies, args.concurrency * count, f"{count} × {policy}")
+        run.workers, run.policy = count, policy
+        await service.router.pool.close()
+        print(summary_line(run), flush=True)
+        runs.append(run)
+    if args.kill:
+        count = max(counts)
+        service = subset_service(cfg, args.model, actors, count, "chunk_aware")
+        requests = sequence[: args.requests_per_worker * count]
+        bodies = make_bodies(maker, shape, requests, seed=99, stream=False)
+        victim = list(actors.workers)[count - 1]
+        run, events = await kill_test(
+            service,
+            bodies,
+            args.concurrency * count,
+            int(args.kill_at * len(bodies)),
+            actors.workers[victim],
+        )
+        run.workers, run.policy = count, "chunk_aware (kill)"
+        await service.router.pool.close()
+        print(summary_line(run), flush=True)
+        print(kill_line(run, events, len(bodies), victim), flush=True)
+        runs.append(run)
+    return runs
+
+
+def summary_line(run: RunResult) -> str:
+    return (
+        f"{run.label}: {len(run.results)} ok, {len(run.errors)} errors, {run.seconds:.1f} s, "
+        f"{run.requests_per_s():.1f} req/s, hit {run.hit_rate():.1%}, "
+        f"TTFT p50 {run.ttft_ms(0.5):.0f} ms p90 {run.ttft_ms(0.9):.0f} ms, "
+        f"per worker {run.worker_shares()}"
+    )
+
+
+def kill_line(run: RunResult, events: dict, sent: int, victim: str) -> str:
+    back = events.get("back_after_s")
+    back_text = f"answered again after {back:.1f} s" if back else events.get("back_error")
+    return (
+        f"kill test: {victim} killed once {events.get('answered_before_kill')} of {sent} "
+        f"requests were answered; {len(run.results)}/{sent} answered, "
+        f"{len(run.errors)} errors, {run.retries} retried on another worker; "
+        f"the worker {back_text}" + (f"; first errors: {run.errors[:3]}" if run.errors else "")
+    )
+
+
+def report(args, shape: Shape, runs: list[RunResult]) -> None:
+    base = {r.policy: r for r in runs if r.workers == min(r.workers for r in runs)}
+    rows = []
+    for run in runs:
+        one = base.get(run.policy)
+        scaling = (
+            run.requests_per_s() / (run.workers / one.workers * one.requests_per_s())
+            if one is not None
+            else None
+        )
+        rows.append(
+            [
+                run.workers,
+                run.policy,
+                len(run.results),
+                len(run.errors),
+                f"{run.hit_rate():.1%}",
+                run.requests_per_s(),
+                run.output_tokens_per_s(),
+                run.prompt_tokens_per_s(),
+                run.ttft_ms(0.5),
+                run.ttft_ms(0.9),
+                run.ttft_ms(0.99),
+                "—" if scaling is None else f"{scaling:.2f}",
+                run.worker_shares(),
+            ]
+        )
+    print_table(
+        f"RAG through the cluster: system {shape.system_tokens} + document {shape.doc_tokens} "
+        f"(of {shape.docs}, Zipf {shape.zipf}) + question {shape.question_tokens} tokens, "
+        f"{shape.max_tokens} output tokens; {args.pages} KV pages per worker; "
+        f"{args.concurrency} clients per worker",
+        [
+            "workers",
+            "policy",
+            "ok",
+            "errors",
+            "hit",
+            "req/s",
+            "out tok/s",
+            "prompt tok/s",
+            "TTFT p50 ms",
+            "p90",
+            "p99",
+            "scaling",
+            "requests per worker",
+        ],
+        rows,
+    )
+    by_key = {(r.workers, r.policy): r for r in runs}
+    for count in sorted({r.workers for r in runs}):
+        aware, rr = by_key.get((count, "chunk_aware")), by_key.get((count, "round_robin"))
+        if aware and rr:
+            print(
+                f"{count} workers: chunk-aware / round-robin = "
+                f"{aware.requests_per_s() / rr.requests_per_s():.2f}× req/s; TTFT p50 "
+                f"{aware.ttft_ms(0.5):.0f} vs {rr.ttft_ms(0.5):.0f} ms, p90 "
+                f"{aware.ttft_ms(0.9):.0f} vs {rr.ttft_ms(0.9):.0f} ms"
+            )
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, required=True, help="checkpoint directory")
+    ap.add_argument("--workers", default="1,2", help="worker counts to compare, e.g. 1,2,4")
+    ap.add_argument("--gpus-per-worker", type=float, default=1.0, help="0: CPU workers")
+    ap.add_argument("--pages", type=int, default=24576, help="KV pages per worker")
+    ap.add_argument("--docs", type=int, default=192)
+    ap.add_argument("--zipf", type=float, default=1.0)
+    ap.add_argument("--system-tokens", type=int, default=512)
+    ap.add_argument("--doc-tokens", type=int, default=2048)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--requests-per-worker", type=int, default=600)
+    ap.add_argument("--concurrency", type=int, default=32, help="clients per worker")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kill", action="store_true", help="also run the kill test")
+    ap.add_argument("--kill-at", type=float, default=0.3, help="share answered before the kill")
+    return ap.parse_args()
+
+
+if __name__ == "__main__":
+    main()
