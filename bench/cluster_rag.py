@@ -4,8 +4,10 @@
 The path is the one ``chunkserve batch`` and every HTTP router replica take, minus
 HTTP: Ray worker actors (``cluster.actors``; one per GPU with ``--gpus-per-worker 1``),
 the embedded chunk directory, and the project's router and completion service
-(``cluster.assembly.build_service``), driven from this process by a closed loop of
-clients (``--concurrency`` per worker) sending streamed chat requests.
+(``cluster.assembly.build_service``). Each run has ``--routers-per-worker`` router
+replicas, each an actor of its own as the HTTP app's replicas are, and a closed loop
+of clients (``--concurrency`` per worker, split over the replicas) sends streamed chat
+requests; TTFT is measured where the client would see it (the router's first delta).
 
 Workload: each request is a system prompt (one of 3) + one document (of ``--docs``,
 drawn Zipf(``--zipf``)) as a content part + a unique question part, the shape of
@@ -19,8 +21,8 @@ workload. The workers start once (the most asked for); a run with fewer uses the
 first ones only.
 
 Kill test (``--kill``): all workers, chunk-aware, buffered (non-streamed) requests like
-the batch job's; when ``--kill-at`` of the requests are answered, one worker is killed
-(Ray restarts it). Every request must still be answered: the router skips the dead
+the batch job's, from one router in this process; when ``--kill-at`` of the requests
+are answered, one worker is killed (Ray restarts it). Every request must still be answered: the router skips the dead
 worker and a request bound to it is retried elsewhere.
 
     python bench/cluster_rag.py --model DIR --workers 1,2,4 [--gpus-per-worker 1] [--kill]
@@ -236,6 +238,44 @@ def subset_service(
     return build_service(policy_cfg, model_dir, subset, Metrics())
 
 
+class RouterReplica:
+    """One router in a process of its own, as each replica of the HTTP app is: its own
+    tokenizer thread, worker-load view and directory client over the shared workers."""
+
+    def __init__(
+        self, cfg: ClusterConfig, model_dir: Path, actors: ClusterActors, count: int, policy: str
+    ) -> None:
+        self.service = subset_service(cfg, model_dir, actors, count, policy)
+
+    async def ready(self) -> None:
+        await self.service.router.pool.start()  # first load poll of every worker
+
+    async def run(self, bodies: list[ChatCompletionRequest], clients: int) -> RunResult:
+        return await run_workload(self.service, bodies, clients, "replica")
+
+    async def close(self) -> None:
+        await self.service.router.pool.close()
+
+
+async def run_replicated(
+    replicas: list[ActorHandle], bodies: list[ChatCompletionRequest], clients: int, label: str
+) -> RunResult:
+    """The requests dealt over the replicas (clients split evenly), run at once."""
+    shares = [bodies[i :: len(replicas)] for i in range(len(replicas))]
+    per_replica = max(1, clients // len(replicas))
+    await asyncio.gather(*(r.ready.remote() for r in replicas))
+    started = time.perf_counter()
+    parts = await asyncio.gather(
+        *(r.run.remote(share, per_replica) for r, share in zip(replicas, shares, strict=True))
+    )
+    run = RunResult(label, 0, "", time.perf_counter() - started)
+    for part in parts:
+        run.results += part.results
+        run.errors += part.errors
+        run.retries += part.retries
+    return run
+
+
 async def kill_test(
     service: CompletionService,
     bodies: list[ChatCompletionRequest],
@@ -315,8 +355,13 @@ def main() -> None:
     started = time.perf_counter()
     actors = ensure_cluster(cfg, args.model, detached=False)
     try:
-        wait_ready(actors, cfg.workers.startup_timeout_s)
-        print(f"{max(counts)} workers ready in {time.perf_counter() - started:.1f} s", flush=True)
+        infos = wait_ready(actors, cfg.workers.startup_timeout_s)
+        print(
+            f"{max(counts)} workers ready in {time.perf_counter() - started:.1f} s; each "
+            f"worker's own start (engine, graphs): "
+            + ", ".join(f"{info.startup_s:.1f} s" for info in infos),
+            flush=True,
+        )
         runs = asyncio.run(measure(args, cfg, actors, shape, counts, maker))
         report(args, shape, runs)
     finally:
@@ -331,13 +376,21 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
     await warm_service.router.pool.close()
     runs = []
     for run_index, (count, policy) in enumerate((c, p) for c in counts for p in POLICIES):
-        service = subset_service(cfg, args.model, actors, count, policy)
+        routers = max(1, round(count * args.routers_per_worker))
+        replicas = [
+            ray.remote(num_cpus=0)(RouterReplica).remote(cfg, args.model, actors, count, policy)
+            for _ in range(routers)
+        ]
         requests = sequence[: args.requests_per_worker * count]
         bodies = make_bodies(maker, shape, requests, seed=run_index + 1, stream=True)
-        run = await run_workload(service, bodies, args.concurrency * count, f"{count} × {policy}")
+        run = await run_replicated(
+            replicas, bodies, args.concurrency * count, f"{count} × {policy}"
+        )
         run.workers, run.policy = count, policy
-        await service.router.pool.close()
-        print(summary_line(run), flush=True)
+        await asyncio.gather(*(r.close.remote() for r in replicas))
+        for replica in replicas:
+            ray.kill(replica)
+        print(summary_line(run) + f", {routers} router replica(s)", flush=True)
         runs.append(run)
     if args.kill:
         count = max(counts)
@@ -454,6 +507,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--requests-per-worker", type=int, default=600)
     ap.add_argument("--concurrency", type=int, default=32, help="clients per worker")
+    ap.add_argument(
+        "--routers-per-worker",
+        type=float,
+        default=1.0,
+        help="router replicas (processes) per worker, at least one",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kill", action="store_true", help="also run the kill test")
     ap.add_argument("--kill-at", type=float, default=0.3, help="share answered before the kill")

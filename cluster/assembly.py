@@ -49,5 +49,6 @@ def build_service(
         page_size=cfg.engine.page_size,
         default_max_tokens=cfg.server.default_max_tokens,
         max_attempts=cfg.router.max_attempts,
+        stream_interval_s=cfg.server.stream_interval_s,
     )
     return CompletionService(router, load_tokenizer(model_dir), settings, metrics)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -60,6 +61,7 @@ class ServiceSettings:
     page_size: int
     default_max_tokens: int
     max_attempts: int  # buffered answers: workers tried when one dies mid-answer
+    stream_interval_s: float = 0.0  # streamed answers: least time between worker deltas
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,8 @@ class CompletionService:
             params=self._sampling(body, len(prompt.token_ids), param),
             tenant_salt=tenant_salt,
             chunk_ids=body.chunk_ids if isinstance(body, ChatCompletionRequest) else (),
+            # buffered: nothing to show before the end, so no deltas in between
+            stream_interval_s=self._settings.stream_interval_s if body.stream else math.inf,
         )
         if body.stream:
             stream = await self.router.open(prompt, request)

@@ -170,6 +170,14 @@ class ServerSection(_Section):
     default_max_tokens: int = Field(
         256, gt=0, description="max_tokens of requests that give none (capped by context)"
     )
+    stream_interval_s: float = Field(
+        0.02,
+        ge=0,
+        description="streamed answers: after the first token, at most one update per this "
+        "many seconds per choice, carrying every token made meanwhile (0: one per token). "
+        "Fewer, larger updates cost workers and routers less per token; the first token is "
+        "never held back",
+    )
 
     @model_validator(mode="after")
     def _check_prefix(self) -> ServerSection:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import threading
 import time
@@ -59,6 +60,7 @@ class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         if spec.cpu_threads is not None:
             torch.set_num_threads(spec.cpu_threads)
+        started = time.monotonic()
         self._epoch = new_epoch()
         engine = Engine(spec.engine, stream_text=True)
         self._info = WorkerInfo(
@@ -67,6 +69,7 @@ class Worker:
             namespace_model=engine.namespace_model,
             max_model_len=engine.max_model_len,
             page_size=engine.pool.page_size,
+            startup_s=time.monotonic() - started,
         )
         self._mirror = CacheMirror()
         self._loop = EngineLoop(engine, self._mirror.absorb, _crash)
@@ -83,7 +86,12 @@ class Worker:
         self._loop.start()
         self._publisher.start()
         threading.Thread(target=self._expire_forever, name="chunk-expiry", daemon=True).start()
-        logger.info("worker %s started (epoch %d)", spec.worker_id, self._epoch)
+        logger.info(
+            "worker %s started in %.1f s (epoch %d)",
+            spec.worker_id,
+            self._info.startup_s,
+            self._epoch,
+        )
 
     async def generate(self, request: WorkerRequest) -> AsyncIterator[WorkerDelta | WorkerRefusal]:
         """Stream the request's output; call with ``.options(num_returns="streaming")``."""
@@ -99,7 +107,7 @@ class Worker:
             )
         recorded = not request.chunk_ids
         try:
-            async for item in _collect(outputs, ids):
+            async for item in _collect(outputs, ids, request.stream_interval_s):
                 if not recorded and isinstance(item, WorkerDelta):
                     recorded = True  # before the client sees output: later calls see the hit
                     self._record_use(request, item.cached_tokens)
@@ -199,13 +207,25 @@ def _threadsafe_sink(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue):
 
 
 async def _collect(
-    outputs: asyncio.Queue[StepOutput | Rejected], ids: list[str]
+    outputs: asyncio.Queue[StepOutput | Rejected], ids: list[str], interval_s: float
 ) -> AsyncIterator[WorkerDelta | WorkerRefusal]:
-    """Deltas until every choice finished, coalescing what arrived meanwhile."""
+    """Deltas until every choice finished: the first as soon as it exists, then at
+    most one per choice every ``interval_s``, coalescing what arrived meanwhile (a
+    choice's last delta is never held back past the moment every choice finished)."""
     index_of = {request_id: i for i, request_id in enumerate(ids)}
     unfinished = len(ids)
+    loop = asyncio.get_running_loop()
+    next_yield = -math.inf  # the first output goes out at once
     while unfinished:
         items = [await outputs.get()]
+        ending = _ends(items[0])
+        while ending < unfinished and loop.time() < next_yield:
+            try:
+                item = await asyncio.wait_for(outputs.get(), _timeout(next_yield - loop.time()))
+            except TimeoutError:
+                break
+            items.append(item)
+            ending += _ends(item)
         while not outputs.empty():
             items.append(outputs.get_nowait())
         rejected = next((item for item in items if isinstance(item, Rejected)), None)
@@ -215,6 +235,16 @@ async def _collect(
         for delta in coalesce(items, index_of):
             yield delta
             unfinished -= delta.finished
+        next_yield = loop.time() + interval_s
+
+
+def _ends(item: StepOutput | Rejected) -> float:
+    """Choices this item ends (a rejection ends them all)."""
+    return math.inf if isinstance(item, Rejected) else float(item.finished)
+
+
+def _timeout(seconds: float) -> float | None:
+    return None if math.isinf(seconds) else max(0.0, seconds)
 
 
 def coalesce(outputs: list[StepOutput], index_of: dict[str, int]) -> list[WorkerDelta]:

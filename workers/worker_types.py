@@ -36,10 +36,15 @@ class WorkerRequest:
     params: tuple[SamplingParams, ...]
     tenant_salt: str  # derived by the server from the caller's identity
     chunk_ids: tuple[str, ...] = ()  # registered chunks the prompt uses (hit counting)
+    # After the first delta, at least this long between deltas (what arrives meanwhile
+    # is coalesced); math.inf: only the first and the last (callers that buffer).
+    stream_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.params:
             raise ValueError("a worker request needs at least one choice")
+        if not self.stream_interval_s >= 0:
+            raise ValueError(f"stream_interval_s must be >= 0, got {self.stream_interval_s}")
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class WorkerInfo:
     namespace_model: str  # model id + checkpoint fingerprint: routers must key with it
     max_model_len: int
     page_size: int
+    startup_s: float  # this incarnation's start: model load, KV pool, graph capture
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
 import queue
 import threading
 
 import pytest
 
 from chunkstore.events import CacheEvent, EventKind
-from workers.actor import coalesce
+from workers.actor import _collect, coalesce
 from workers.cache_mirror import CacheMirror
 from workers.config import EngineConfig
 from workers.engine import Engine, StepOutput
@@ -91,6 +93,64 @@ def test_coalesce_merges_consecutive_outputs_per_choice():
         (0, (1, 3), "ac", True),
         (1, (2,), "b", False),
     ]
+
+
+def _out(rid: str, token: int, finished: bool = False) -> StepOutput:
+    return StepOutput(rid, (token,), str(token), finished, "length" if finished else None, 10, 4)
+
+
+async def _stream(interval_s: float, schedule: list[tuple[float, object]]) -> list[tuple]:
+    """Feed ``schedule`` ((delay, item)) into ``_collect``; the deltas and when they came."""
+    outputs: asyncio.Queue = asyncio.Queue()
+
+    async def feed() -> None:
+        for delay, item in schedule:
+            await asyncio.sleep(delay)
+            outputs.put_nowait(item)
+
+    feeder = asyncio.create_task(feed())
+    start = asyncio.get_running_loop().time()
+    got = []
+    async for delta in _collect(outputs, ["r#0", "r#1"], interval_s):
+        got.append((asyncio.get_running_loop().time() - start, delta))
+    await feeder
+    return got
+
+
+def test_deltas_come_at_most_once_per_interval_and_the_first_at_once():
+    # two choices, a token each every 10 ms; choice 1 ends after 3 tokens, choice 0 after 8
+    schedule = []
+    for step in range(8):
+        schedule.append((0.01, _out("r#0", step, finished=step == 7)))
+        if step < 3:
+            schedule.append((0.0, _out("r#1", 100 + step, finished=step == 2)))
+    every = asyncio.run(_stream(0.0, schedule))
+    held = asyncio.run(_stream(0.035, schedule))
+    buffered = asyncio.run(_stream(math.inf, schedule))
+    for got in (every, held, buffered):
+        tokens = {0: [], 1: []}
+        for _, delta in got:
+            tokens[delta.index] += delta.token_ids
+        assert tokens == {0: list(range(8)), 1: [100, 101, 102]}  # nothing lost or repeated
+        assert got[0][1].token_ids == (0,)
+        assert got[0][0] < got[-1][0] - 0.04  # the first token is never held back
+        assert [d.finished for _, d in got if d.index == 0][-1]
+    assert len(every) == 11
+    # held: a batch (one delta per choice) at most every 35 ms after the first
+    batches = sorted({round(t, 3) for t, _ in held})
+    assert 3 <= len(batches) <= 4
+    assert all(b - a > 0.03 for a, b in zip(batches[1:], batches[2:], strict=False))
+    # buffered: the first delta, then everything else once both choices ended
+    assert all(t > 0.07 for t, d in buffered[1:] if d.token_ids != (100,))
+    assert len(buffered) <= 4
+
+
+def test_a_rejection_is_not_held_back():
+    got = asyncio.run(
+        _stream(math.inf, [(0.01, _out("r#0", 1)), (0.01, Rejected("r#1", "prompt too long"))])
+    )
+    assert [type(d).__name__ for _, d in got] == ["WorkerDelta", "WorkerRefusal"]
+    assert got[1][0] < 0.5
 
 
 def test_call_runs_on_the_loop_thread_and_prefill_keeps_others_streaming(loop):
