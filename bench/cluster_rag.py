@@ -90,6 +90,23 @@ class RunResult:
     results: list[RequestResult] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     retries: int = 0
+    kill: dict | None = None  # the kill test's events
+
+    def summary(self) -> dict:
+        return {
+            "workers": self.workers,
+            "policy": self.policy,
+            "answered": len(self.results),
+            "errors": self.errors,
+            "retries": self.retries,
+            "seconds": self.seconds,
+            "requests_per_s": self.requests_per_s(),
+            "output_tokens_per_s": self.output_tokens_per_s(),
+            "hit_rate": self.hit_rate(),
+            "ttft_ms": {q: self.ttft_ms(q) for q in (0.5, 0.9, 0.99)},
+            "requests_per_worker": dict(Counter(r.worker for r in self.results)),
+            "kill": self.kill,
+        }
 
     def requests_per_s(self) -> float:
         return len(self.results) / self.seconds
@@ -286,9 +303,10 @@ async def kill_test(
     events: dict = {}
 
     async def on_answered(count: int) -> None:
-        if count >= kill_at and "killed_at_s" not in events:
-            events["killed_at_s"] = time.perf_counter()
+        if count >= kill_at and "answered_before_kill" not in events:
             events["answered_before_kill"] = count
+            events["epoch_before"] = (await victim.info.remote()).epoch
+            events["killed_at_s"] = time.perf_counter()
             ray.kill(victim, no_restart=False)
             asyncio.get_running_loop().create_task(wait_back(victim, events))
 
@@ -299,15 +317,18 @@ async def kill_test(
 
 
 async def wait_back(victim: ActorHandle, events: dict, timeout_s: float = 600) -> None:
-    """Record when the restarted worker answers again."""
+    """Record when the worker answers again as a new incarnation (a new epoch)."""
     deadline = time.perf_counter() + timeout_s
     while time.perf_counter() < deadline:
         try:
-            await asyncio.wait_for(victim.health.remote(), 5)
+            info = await asyncio.wait_for(victim.info.remote(), 5)
         except Exception:
+            info = None
+        if info is None or info.epoch == events["epoch_before"]:
             await asyncio.sleep(0.5)
             continue
         events["back_after_s"] = time.perf_counter() - events["killed_at_s"]
+        events["epoch_after"] = info.epoch
         return
     events["back_error"] = f"not back within {timeout_s:.0f} s"
 
@@ -364,6 +385,8 @@ def main() -> None:
         )
         runs = asyncio.run(measure(args, cfg, actors, shape, counts, maker))
         report(args, shape, runs)
+        if args.json:
+            args.json.write_text(json.dumps([run.summary() for run in runs], indent=1))
     finally:
         kill_cluster(cfg)
 
@@ -406,6 +429,9 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
             actors.workers[victim],
         )
         run.workers, run.policy = count, "chunk_aware (kill)"
+        run.kill = {"victim": victim, "sent": len(bodies)} | {
+            k: v for k, v in events.items() if k != "killed_at_s"
+        }
         await service.router.pool.close()
         print(summary_line(run), flush=True)
         print(kill_line(run, events, len(bodies), victim), flush=True)
@@ -515,6 +541,7 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kill", action="store_true", help="also run the kill test")
+    ap.add_argument("--json", type=Path, help="also write each run's summary here")
     ap.add_argument("--kill-at", type=float, default=0.3, help="share answered before the kill")
     return ap.parse_args()
 

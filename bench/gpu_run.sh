@@ -6,12 +6,18 @@
 #   bash bench/gpu_run.sh cluster   # bench/cluster_rag.py on Ray (needs both ray halves)
 # Wheel bundles that arrived with this call are installed into /tmp/site (see
 # .whl/install.sh); ones installed by an earlier call on the same machine stay.
+# The cluster run needs ray, which arrives in two calls: tests (or any mode) with
+# .whl and .whl-ray-a carried, then cluster with .whl-ray-b.
 # Results go to $OUT (or /tmp/chunkserve-results).
 set -uo pipefail
 out=${OUT:-/tmp/chunkserve-results}
 mkdir -p "$out"
+# Each bundle is installed once per machine: installing flashinfer again renews its
+# source files' times, and its JIT then rebuilds every kernel (about two minutes).
 for bundle in .whl .whl-ray-a .whl-ray-b; do
-  if [ -f $bundle/install.sh ]; then source $bundle/install.sh >/dev/null; fi
+  if [ -f $bundle/install.sh ] && [ ! -f /tmp/site/.installed$bundle ]; then
+    source $bundle/install.sh >/dev/null && touch /tmp/site/.installed$bundle
+  fi
 done
 export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}"
 model=/tmp/chunkserve-bench/qwen3-0.6b

@@ -65,6 +65,8 @@ def test_overrides_parse_values_as_yaml():
         ("model: [unclosed\n", [], "not valid YAML"),
         ("- a list\n", [], "the top level must be a mapping"),
         ("model: {name: m, path: /x}\n", ["model.name.x=1"], "is not a section"),
+        ("model: {name: m, path: /x}\n", ["router.policy=random"], "router.policy: Input should be 'chunk_aware' or 'round_robin'"),
+        ("model: {name: m, path: /x}\n", ["server.stream_interval_s=-1"], "server.stream_interval_s: Input should be greater than or equal to 0"),
     ],
 )  # fmt: skip
 def test_bad_configs_say_what_is_wrong(tmp_path, text, overrides, expected):

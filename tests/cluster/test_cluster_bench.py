@@ -1,0 +1,48 @@
+"""``bench/cluster_rag.py`` on the test Ray cluster with CPU workers: both routing
+policies through real worker actors and router replicas, and a worker killed
+mid-run with nothing lost. Counts only: speed is measured by the bench, never asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.cluster.conftest import REPO
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def test_cluster_bench_answers_everything_and_survives_a_killed_worker(
+    ray_cluster, tiny_qwen3, tmp_path
+):
+    out = tmp_path / "runs.json"
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address, "RAY_AUTH_MODE": "disabled"}
+    args = ["--model", str(tiny_qwen3), "--workers", "1,2", "--gpus-per-worker", "0",
+            "--pages", "400", "--docs", "12", "--system-tokens", "48", "--doc-tokens", "160",
+            "--max-tokens", "4", "--requests-per-worker", "24", "--concurrency", "3",
+            "--kill", "--kill-at", "0.3", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "cluster_rag.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = {(r["workers"], r["policy"]): r for r in json.loads(out.read_text())}
+    assert set(runs) == {
+        (1, "chunk_aware"), (1, "round_robin"), (2, "chunk_aware"), (2, "round_robin"),
+        (2, "chunk_aware (kill)"),
+    }  # fmt: skip
+    for (workers, _), run in runs.items():
+        assert run["answered"] == 24 * workers and run["errors"] == []
+        assert len(run["requests_per_worker"]) == workers
+    assert sorted(runs[2, "round_robin"]["requests_per_worker"].values()) == [24, 24]
+    assert runs[2, "chunk_aware"]["hit_rate"] > 0
+    kill = runs[2, "chunk_aware (kill)"]["kill"]
+    assert kill["answered_before_kill"] >= 14 and "back_after_s" in kill
+    assert kill["epoch_after"] != kill["epoch_before"]  # it was killed and restarted
