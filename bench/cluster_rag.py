@@ -42,6 +42,7 @@ from itertools import accumulate
 from pathlib import Path
 
 import ray
+import yaml
 from ray.actor import ActorHandle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -50,7 +51,7 @@ from bench.common import print_table  # noqa: E402
 from cluster.actors import ClusterActors, ensure_cluster, kill_cluster, wait_ready  # noqa: E402
 from cluster.assembly import build_service  # noqa: E402
 from cluster.completions import CompletionService  # noqa: E402
-from cluster.config import ClusterConfig  # noqa: E402
+from cluster.config import ClusterConfig, RouterSection  # noqa: E402
 from cluster.errors import APIError  # noqa: E402
 from cluster.metrics import Metrics  # noqa: E402
 from cluster.openai_protocol import ChatCompletionRequest  # noqa: E402
@@ -59,6 +60,7 @@ from workers.checkpoint import load_tokenizer  # noqa: E402
 MODEL_NAME = "bench"
 CORPUS = Path(__file__).resolve().parents[1] / "workers/models/data/corpus.txt"
 POLICIES = ("chunk_aware", "round_robin")
+HIT_SHARE = 0.5  # a request with at least this share of its prompt cached counts as a hit
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,14 @@ class RunResult:
             "output_tokens_per_s": self.output_tokens_per_s(),
             "hit_rate": self.hit_rate(),
             "ttft_ms": {q: self.ttft_ms(q) for q in (0.5, 0.9, 0.99)},
+            "ttft_ms_hits": {q: self.ttft_ms(q, hits=True) for q in (0.5, 0.9)},
+            "ttft_ms_misses": {q: self.ttft_ms(q, hits=False) for q in (0.5, 0.9)},
+            # per request: worker, TTFT ms, latency ms, prompt tokens, cached tokens
+            "requests": [
+                [r.worker, round(1000 * r.ttft_s, 2), round(1000 * r.latency_s, 2)]
+                + [r.prompt_tokens, r.cached_tokens]
+                for r in self.results
+            ],
             "requests_per_worker": dict(Counter(r.worker for r in self.results)),
             "kill": self.kill,
         }
@@ -121,8 +131,13 @@ class RunResult:
         prompt = sum(r.prompt_tokens for r in self.results)
         return sum(r.cached_tokens for r in self.results) / prompt if prompt else 0.0
 
-    def ttft_ms(self, q: float) -> float:
-        ttfts = sorted(r.ttft_s for r in self.results)
+    def ttft_ms(self, q: float, hits: bool | None = None) -> float:
+        """The ``q`` quantile of TTFT over all requests, or over hits or misses only."""
+        ttfts = sorted(
+            r.ttft_s
+            for r in self.results
+            if hits is None or (r.cached_tokens >= HIT_SHARE * r.prompt_tokens) == hits
+        )
         return 1000 * ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else float("nan")
 
     def worker_shares(self) -> str:
@@ -249,9 +264,16 @@ async def answer(
 def subset_service(
     cfg: ClusterConfig, model_dir: Path, actors: ClusterActors, count: int, policy: str
 ) -> CompletionService:
+    """A router over the first ``count`` workers. ``policy``: a router policy, optionally
+    with router settings, e.g. ``chunk_aware,load_penalty_tokens=1024``."""
     workers = dict(list(actors.workers.items())[:count])
     subset = ClusterActors(workers, actors.directory, actors.directory_host)
-    policy_cfg = cfg.model_copy(update={"router": cfg.router.model_copy(update={"policy": policy})})
+    name, *settings = policy.split(",")
+    router = cfg.router.model_dump() | {"policy": name}
+    for setting in settings:
+        key, value = setting.split("=")
+        router[key] = yaml.safe_load(value)
+    policy_cfg = cfg.model_copy(update={"router": RouterSection.model_validate(router)})
     return build_service(policy_cfg, model_dir, subset, Metrics())
 
 
@@ -398,7 +420,7 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
     await run_workload(warm_service, warm, max(counts) * 2, "warm-up")  # kernels, graphs
     await warm_service.router.pool.close()
     runs = []
-    for run_index, (count, policy) in enumerate((c, p) for c in counts for p in POLICIES):
+    for run_index, (count, policy) in enumerate((c, p) for c in counts for p in args.policies):
         routers = max(1, round(count * args.routers_per_worker))
         replicas = [
             ray.remote(num_cpus=0)(RouterReplica).remote(cfg, args.model, actors, count, policy)
@@ -443,7 +465,9 @@ def summary_line(run: RunResult) -> str:
     return (
         f"{run.label}: {len(run.results)} ok, {len(run.errors)} errors, {run.seconds:.1f} s, "
         f"{run.requests_per_s():.1f} req/s, hit {run.hit_rate():.1%}, "
-        f"TTFT p50 {run.ttft_ms(0.5):.0f} ms p90 {run.ttft_ms(0.9):.0f} ms, "
+        f"TTFT p50 {run.ttft_ms(0.5):.0f} ms p90 {run.ttft_ms(0.9):.0f} ms (hits "
+        f"{run.ttft_ms(0.5, True):.0f}/{run.ttft_ms(0.9, True):.0f}, misses "
+        f"{run.ttft_ms(0.5, False):.0f}/{run.ttft_ms(0.9, False):.0f}), "
         f"per worker {run.worker_shares()}"
     )
 
@@ -524,6 +548,13 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, required=True, help="checkpoint directory")
     ap.add_argument("--workers", default="1,2", help="worker counts to compare, e.g. 1,2,4")
+    ap.add_argument(
+        "--policies",
+        nargs="+",
+        default=list(POLICIES),
+        help="router policies to compare, each optionally with router settings: "
+        "chunk_aware,load_penalty_tokens=1024,imbalance_slack=4",
+    )
     ap.add_argument("--gpus-per-worker", type=float, default=1.0, help="0: CPU workers")
     ap.add_argument("--pages", type=int, default=24576, help="KV pages per worker")
     ap.add_argument("--docs", type=int, default=192)
