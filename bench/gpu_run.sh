@@ -12,13 +12,17 @@
 set -uo pipefail
 out=${OUT:-/tmp/chunkserve-results}
 mkdir -p "$out"
-# Each bundle is installed once per machine: installing flashinfer again renews its
-# source files' times, and its JIT then rebuilds every kernel (about two minutes).
-for bundle in .whl .whl-ray-a .whl-ray-b; do
-  if [ -f $bundle/install.sh ] && [ ! -f /tmp/site/.installed$bundle ]; then
-    source $bundle/install.sh >/dev/null && touch /tmp/site/.installed$bundle
-  fi
-done
+# Each bundle is installed once per machine, and on its own: install.sh installs every
+# bundle folder present, and a repeated flashinfer install renews its source files'
+# times, after which its JIT rebuilds every kernel (two to three minutes per start).
+install_once() {
+  local bundle=$1 tmp
+  [ -f $bundle/install.sh ] && [ ! -f /tmp/site/.installed$bundle ] || return 0
+  tmp=$(mktemp -d) && ln -s "$PWD/$bundle" "$tmp/$bundle"
+  (cd "$tmp" && source $bundle/install.sh >/dev/null) && touch /tmp/site/.installed$bundle
+  rm -rf "$tmp"
+}
+for bundle in .whl .whl-ray-a .whl-ray-b; do install_once $bundle; done
 export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}"
 model=/tmp/chunkserve-bench/qwen3-0.6b
 [ -f $model/config.json ] || python3 -m cluster.cli make-model $model --preset qwen3-0.6b >/dev/null
