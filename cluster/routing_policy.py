@@ -70,11 +70,9 @@ def choose_worker(
     rotation: int = 0,
 ) -> Decision | Unroutable:
     """``holdings``: worker id -> cached prompt tokens (None: no directory answer)."""
-    if not workers:
-        return Unroutable.NO_WORKER
-    open_ = [w for w in workers if w.requests < weights.max_requests_per_worker]
-    if not open_:
-        return Unroutable.OVERLOADED
+    open_ = _open_workers(workers, weights.max_requests_per_worker)
+    if isinstance(open_, Unroutable):
+        return open_
     if holdings is None:
         return _least_loaded(open_, rotation, Reason.NO_DIRECTORY)
     least = min(w.requests for w in open_)
@@ -99,14 +97,21 @@ def round_robin(
     workers: Sequence[WorkerView], max_requests_per_worker: int, rotation: int
 ) -> Decision | Unroutable:
     """The ``rotation``-th open worker in id order, whatever it holds or carries."""
+    open_ = _open_workers(workers, max_requests_per_worker)
+    if isinstance(open_, Unroutable):
+        return open_
+    in_order = sorted(open_, key=lambda w: w.worker_id)
+    return Decision(in_order[rotation % len(in_order)].worker_id, Reason.ROTATION, 0)
+
+
+def _open_workers(
+    workers: Sequence[WorkerView], max_requests_per_worker: int
+) -> list[WorkerView] | Unroutable:
+    """The workers below their request limit (rule 1 of the module's policy)."""
     if not workers:
         return Unroutable.NO_WORKER
-    open_ = sorted(
-        (w for w in workers if w.requests < max_requests_per_worker), key=lambda w: w.worker_id
-    )
-    if not open_:
-        return Unroutable.OVERLOADED
-    return Decision(open_[rotation % len(open_)].worker_id, Reason.ROTATION, 0)
+    open_ = [w for w in workers if w.requests < max_requests_per_worker]
+    return open_ or Unroutable.OVERLOADED
 
 
 def _least_loaded(workers: Sequence[WorkerView], rotation: int, reason: Reason) -> Decision:
