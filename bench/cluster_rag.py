@@ -42,7 +42,6 @@ from itertools import accumulate
 from pathlib import Path
 
 import ray
-import yaml
 from ray.actor import ActorHandle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,7 +50,7 @@ from bench.common import print_table  # noqa: E402
 from cluster.actors import ClusterActors, ensure_cluster, kill_cluster, wait_ready  # noqa: E402
 from cluster.assembly import build_service  # noqa: E402
 from cluster.completions import CompletionService  # noqa: E402
-from cluster.config import ClusterConfig, RouterSection  # noqa: E402
+from cluster.config import ClusterConfig, apply_override, parse_config  # noqa: E402
 from cluster.errors import APIError  # noqa: E402
 from cluster.metrics import Metrics  # noqa: E402
 from cluster.openai_protocol import ChatCompletionRequest  # noqa: E402
@@ -200,7 +199,7 @@ async def run_workload(
 ) -> RunResult:
     """``clients`` concurrent clients over ``bodies`` in order; ``on_answered(count)``
     is awaited after each answer."""
-    run = RunResult(label, len(service.router.pool.views()), "", 0.0)
+    run = RunResult(label, 0, "", 0.0)  # the caller names its workers and policy
     queue = list(reversed(bodies))
     retries = service.metrics.retries
     retries_before = retries.total()
@@ -268,12 +267,11 @@ def subset_service(
     with router settings, e.g. ``chunk_aware,load_penalty_tokens=1024``."""
     workers = dict(list(actors.workers.items())[:count])
     subset = ClusterActors(workers, actors.directory, actors.directory_host)
+    raw = cfg.model_dump()
     name, *settings = policy.split(",")
-    router = cfg.router.model_dump() | {"policy": name}
-    for setting in settings:
-        key, value = setting.split("=")
-        router[key] = yaml.safe_load(value)
-    policy_cfg = cfg.model_copy(update={"router": RouterSection.model_validate(router)})
+    for setting in [f"policy={name}", *settings]:
+        apply_override(raw, f"router.{setting}")
+    policy_cfg = parse_config(raw, source=f"policy {policy!r}")
     return build_service(policy_cfg, model_dir, subset, Metrics())
 
 
@@ -323,6 +321,7 @@ async def kill_test(
     victim: ActorHandle,
 ) -> tuple[RunResult, dict]:
     events: dict = {}
+    recovery: list[asyncio.Task] = []  # wait_back, once the worker is killed
 
     async def on_answered(count: int) -> None:
         if count >= kill_at and "answered_before_kill" not in events:
@@ -330,11 +329,10 @@ async def kill_test(
             events["epoch_before"] = (await victim.info.remote()).epoch
             events["killed_at_s"] = time.perf_counter()
             ray.kill(victim, no_restart=False)
-            asyncio.get_running_loop().create_task(wait_back(victim, events))
+            recovery.append(asyncio.create_task(wait_back(victim, events)))
 
     run = await run_workload(service, bodies, clients, "kill", on_answered)
-    while "back_after_s" not in events and "back_error" not in events:
-        await asyncio.sleep(0.5)
+    await asyncio.gather(*recovery)
     return run, events
 
 
@@ -484,10 +482,11 @@ def kill_line(run: RunResult, events: dict, sent: int, victim: str) -> str:
 
 
 def report(args, shape: Shape, runs: list[RunResult]) -> None:
-    base = {r.policy: r for r in runs if r.workers == min(r.workers for r in runs)}
+    measured = [r for r in runs if r.kill is None]  # the kill run is not a scaling point
+    base = {r.policy: r for r in measured if r.workers == min(r.workers for r in measured)}
     rows = []
     for run in runs:
-        one = base.get(run.policy)
+        one = base.get(run.policy) if run.kill is None else None
         scaling = (
             run.requests_per_s() / (run.workers / one.workers * one.requests_per_s())
             if one is not None
