@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import bench_model, device_line, median_time, print_table  # noqa: E402
 from chunkstore.hashing import Namespace  # noqa: E402
 from workers import LLM, SamplingParams  # noqa: E402
-from workers.request import Sequence  # noqa: E402
-from workers.scheduler import ScheduledSeq  # noqa: E402
+from workers.engine.request import Sequence  # noqa: E402
+from workers.engine.scheduler import ScheduledSeq  # noqa: E402
 
 PAGE = 16
 SHAPES = [(64, 4096), (64, 16384), (256, 4096), (256, 16384)]
@@ -63,7 +63,7 @@ def main() -> None:
         return ms, kind
 
     def _layout(items):
-        from workers.model_runner import build_inputs
+        from workers.engine.model_runner import build_inputs
 
         return build_inputs(items, PAGE).layout
 

@@ -54,10 +54,10 @@ from cluster.config import ClusterConfig, apply_override, parse_config  # noqa: 
 from cluster.errors import APIError  # noqa: E402
 from cluster.metrics import Metrics  # noqa: E402
 from cluster.openai_protocol import ChatCompletionRequest  # noqa: E402
-from workers.checkpoint import load_tokenizer  # noqa: E402
+from workers.engine.checkpoint import load_tokenizer  # noqa: E402
 
 MODEL_NAME = "bench"
-CORPUS = Path(__file__).resolve().parents[1] / "workers/models/data/corpus.txt"
+CORPUS = Path(__file__).resolve().parents[1] / "modeltools/data/corpus.txt"
 POLICIES = ("chunk_aware", "round_robin")
 HIT_SHARE = 0.5  # a request with at least this share of its prompt cached counts as a hit
 

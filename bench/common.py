@@ -55,7 +55,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype = torch.bfloat16) -> int:
-    from workers.model_runner import ModelRunner
+    from workers.engine.model_runner import ModelRunner
 
     return ModelRunner.bytes_per_page(config, 1, dtype)
 
@@ -64,7 +64,7 @@ def bench_model(path: str | None) -> Path:
     """The checkpoint to benchmark: ``path`` or a qwen3-0.6b-shaped random one."""
     if path:
         return Path(path)
-    from workers.models.make_model import make_model
+    from modeltools.make_model import make_model
 
     out = Path("/tmp/chunkserve-bench/qwen3-0.6b")
     if not (out / "config.json").exists():

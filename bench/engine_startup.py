@@ -19,9 +19,9 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workers.config import EngineConfig  # noqa: E402
-from workers.engine import Engine  # noqa: E402
-from workers.sampling_params import SamplingParams  # noqa: E402
+from workers.engine.config import EngineConfig  # noqa: E402
+from workers.engine.engine import Engine  # noqa: E402
+from workers.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Chunk-aware routing against round-robin and an oracle, on a Zipf workload over
 shared chunks.
 
-Workers are in-process engines (``workers.engine.Engine`` on the tiny random-weight
+Workers are in-process engines (``workers.engine.engine.Engine`` on the tiny random-weight
 model, CPU), not Ray actors: this compares where requests go, not transport. Each
 engine's KV pool holds only a few of the chunk sets, so where a request lands decides
 whether its prefix is cached. Policies:
@@ -46,11 +46,11 @@ from chunkstore.publisher import EventPublisher
 from cluster.config import RouterSection
 from cluster.prompts import PreparedPrompt, prepare_chunks
 from cluster.routing_policy import Decision, Reason, RoutingWeights, WorkerView, choose_worker
-from workers.cache_mirror import CacheMirror
-from workers.config import EngineConfig
-from workers.engine import Engine, StepOutput
-from workers.models.make_model import make_model
-from workers.sampling_params import SamplingParams
+from modeltools.make_model import make_model
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine, StepOutput
+from workers.engine.sampling_params import SamplingParams
+from workers.runtime.cache_mirror import CacheMirror
 
 DEFAULT_MODEL_DIR = Path("/tmp/chunkserve-bench/tiny-qwen3")
 PAGE_SIZE = 16
@@ -339,7 +339,7 @@ def report(args: argparse.Namespace, requests: list[Request], results: list[Resu
     )
     prompt = sum(len(r.prompt.token_ids) for r in requests)
     print(
-        f"\n- Workers: {args.workers} in-process engines (workers.engine.Engine), not Ray; "
+        f"\n- Workers: {args.workers} in-process engines (workers.engine.engine.Engine), not Ray; "
         f"tiny random-weight model, CPU float32, torch 1 thread; {args.num_pages} KV pages "
         f"of {PAGE_SIZE} tokens each.\n"
         f"- Workload: {prompt:,} prompt tokens; system prompt ({args.system_tokens} tokens, "

@@ -22,10 +22,10 @@ from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from cluster.config import ClusterConfig
-from workers.actor import WorkerActor
-from workers.config import EngineConfig
-from workers.directory_client import DirectoryHostActor, DirectoryKind, DirectorySpec
-from workers.worker_types import WorkerInfo, WorkerSpec
+from workers.engine.config import EngineConfig
+from workers.runtime.actor import WorkerActor
+from workers.runtime.directory_client import DirectoryHostActor, DirectoryKind, DirectorySpec
+from workers.runtime.worker_types import WorkerInfo, WorkerSpec
 
 # An async actor runs this many method calls at once (streams included).
 _WORKER_CONCURRENCY = 4096

@@ -12,7 +12,7 @@ from cluster.metrics import Metrics
 from cluster.router import Router, RouterSettings
 from cluster.routing_policy import Policy, RoutingWeights
 from cluster.worker_pool import WorkerPool
-from workers.checkpoint import checkpoint_fingerprint, load_tokenizer
+from workers.engine.checkpoint import checkpoint_fingerprint, load_tokenizer
 
 
 def namespace_model(cfg: ClusterConfig, model_dir: Path) -> str:

@@ -115,7 +115,7 @@ class LocalBackend:
         self._ids = itertools.count()
 
     def reply(self, messages: Sequence[Message], on_text: Callable[[str], None]) -> Turn:
-        from workers.sampling_params import SamplingParams
+        from workers.engine.sampling_params import SamplingParams
 
         expanded = [
             {"role": m["role"], "content": self._contents[m["chunk_id"]]} if "chunk_id" in m else m

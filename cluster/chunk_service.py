@@ -24,8 +24,8 @@ from cluster.chunk_protocol import Chunk, DeletedChunk, RegisterChunkRequest
 from cluster.errors import BadRequest, NoHealthyWorker, NotFound
 from cluster.openai_protocol import ChatMessage, ChunkPart
 from cluster.worker_pool import WorkerPool
-from workers.chunk_registry import ChunkInfo
-from workers.worker_chunks import ChunkFailure, Registered
+from workers.engine.chunk_registry import ChunkInfo
+from workers.runtime.worker_chunks import ChunkFailure, Registered
 
 logger = logging.getLogger(__name__)
 

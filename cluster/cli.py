@@ -88,7 +88,7 @@ def _parse_assignment(text: str) -> tuple[str, object]:
 
 
 def _run_make_model(args: argparse.Namespace) -> int:
-    from workers.models.make_model import make_model
+    from modeltools.make_model import make_model
 
     optional = {"dtype": args.dtype, "shard_size_mb": args.shard_size_mb}
     out = make_model(

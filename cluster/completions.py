@@ -44,8 +44,8 @@ from cluster.prompts import (
     prepare_text,
 )
 from cluster.router import Router, WorkerStream
-from workers.sampling_params import SamplingParams
-from workers.worker_types import WorkerRequest
+from workers.engine.sampling_params import SamplingParams
+from workers.runtime.worker_types import WorkerRequest
 
 Body = ChatCompletionRequest | CompletionRequest
 

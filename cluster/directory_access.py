@@ -18,7 +18,7 @@ from ray.exceptions import RayError
 from chunkstore import directory as d
 from chunkstore.hashing import PageKey
 from chunkstore.redis_directory import RedisChunkDirectory
-from workers.directory_client import DirectoryKind, DirectorySpec
+from workers.runtime.directory_client import DirectoryKind, DirectorySpec
 
 logger = logging.getLogger(__name__)
 

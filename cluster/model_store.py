@@ -24,7 +24,7 @@ def ensure_model(model: ModelSection) -> Path:
             f"model.path {str(path)!r} has no checkpoint (config.json); point it at a "
             "Hugging Face checkpoint directory or set model.make_if_missing"
         )
-    from workers.models.make_model import make_model
+    from modeltools.make_model import make_model
 
     spec = model.make_if_missing
     path.parent.mkdir(parents=True, exist_ok=True)

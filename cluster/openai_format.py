@@ -27,7 +27,7 @@ from cluster.openai_protocol import (
     TopLogprob,
     Usage,
 )
-from workers.worker_types import TokenLogprobs, WorkerDelta
+from workers.runtime.worker_types import TokenLogprobs, WorkerDelta
 
 TokenText = Callable[[int], str]
 

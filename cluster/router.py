@@ -39,7 +39,7 @@ from cluster.routing_policy import (
     round_robin,
 )
 from cluster.worker_pool import WorkerPool
-from workers.worker_types import WorkerDelta, WorkerRefusal, WorkerRequest
+from workers.runtime.worker_types import WorkerDelta, WorkerRefusal, WorkerRequest
 
 logger = logging.getLogger(__name__)
 

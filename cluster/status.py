@@ -12,8 +12,8 @@ from chunkstore.directory import DirectoryStats
 from cluster.actors import directory_spec, find_workers
 from cluster.config import ClusterConfig
 from cluster.ray_session import connect_ray
-from workers.directory_client import connect_directory
-from workers.worker_types import WorkerStatus
+from workers.runtime.directory_client import connect_directory
+from workers.runtime.worker_types import WorkerStatus
 
 _TIMEOUT_S = 5.0
 

@@ -24,7 +24,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayError
 
 from cluster.routing_policy import WorkerView
-from workers.worker_types import WorkerStatus
+from workers.runtime.worker_types import WorkerStatus
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """Returns ``make(family="qwen3", tied=False, **overrides) -> Path``, cached."""
-    from workers.models.make_model import make_model
+    from modeltools.make_model import make_model
 
     cache: dict[tuple, Path] = {}
 

@@ -9,10 +9,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from chunkstore.chunking import Message, chunk_conversation, chunk_prompt
-from workers.chunk_registry import ChunkInfo, ChunkRegistry
-from workers.config import EngineConfig
-from workers.engine import Engine
-from workers.sampling_params import SamplingParams
+from workers.engine.chunk_registry import ChunkInfo, ChunkRegistry
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 
@@ -83,7 +83,7 @@ class LLM:
         chunks = chunk_conversation(self.tokenizer, messages)
         return [t for chunk in chunks for t in chunk.token_ids]
 
-    # -- registered chunks (see workers.chunk_registry) ---------------------------
+    # -- registered chunks (see workers.engine.chunk_registry) ---------------------------
     def register_chunk(
         self,
         content: str | Sequence[Message],

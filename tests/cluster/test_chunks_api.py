@@ -24,7 +24,7 @@ from cluster.model_store import ensure_model
 from cluster.prompts import prepare_chat
 from cluster.tenancy import tenant_salt
 from tests.cluster.conftest import cluster_config, stop_app, unique_name
-from workers.checkpoint import load_tokenizer
+from workers.engine.checkpoint import load_tokenizer
 
 pytestmark = pytest.mark.ray
 

@@ -10,12 +10,12 @@ import threading
 import pytest
 
 from chunkstore.events import CacheEvent, EventKind
-from workers.actor import _collect, coalesce
-from workers.cache_mirror import CacheMirror
-from workers.config import EngineConfig
-from workers.engine import Engine, StepOutput
-from workers.engine_loop import EngineLoop, Rejected
-from workers.sampling_params import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine, StepOutput
+from workers.engine.sampling_params import SamplingParams
+from workers.runtime.actor import _collect, coalesce
+from workers.runtime.cache_mirror import CacheMirror
+from workers.runtime.engine_loop import EngineLoop, Rejected
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ import ray
 
 from chunkstore.chunking import chunk_conversation
 from tests.cluster.conftest import cluster_config, stop_app, unique_name, wait_healthy
-from workers.config import EngineConfig
-from workers.engine import Engine
-from workers.sampling_params import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.ray
 

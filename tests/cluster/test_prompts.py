@@ -8,10 +8,10 @@ from chunkstore.hashing import Namespace
 from cluster.assembly import namespace_model
 from cluster.config import parse_config
 from cluster.prompts import EncodeCache, prepare_chat
-from workers.checkpoint import load_tokenizer
-from workers.config import EngineConfig
-from workers.engine import Engine
-from workers.sampling_params import SamplingParams
+from workers.engine.checkpoint import load_tokenizer
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.engine.sampling_params import SamplingParams
 
 SYSTEM = "You answer from the documents. " * 8
 DOC = "Document: the harbor opens at six and closes at nine. " * 6

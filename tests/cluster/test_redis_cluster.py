@@ -23,7 +23,7 @@ from cluster.config import load_config
 from cluster.prompts import prepare_chat
 from tests.chunkstore.testkit import RedisProcess, wait_until
 from tests.cluster.conftest import REPO, cluster_config, stop_app, unique_name, wait_healthy
-from workers.checkpoint import load_tokenizer
+from workers.engine.checkpoint import load_tokenizer
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 

@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def qwen3_06b(tmp_path_factory) -> Path:
     """A random-weight checkpoint with the real Qwen3-0.6B shapes (bf16)."""
-    from workers.models.make_model import make_model
+    from modeltools.make_model import make_model
 
     existing = os.environ.get("CHUNKSERVE_QWEN3_06B")
     if existing:

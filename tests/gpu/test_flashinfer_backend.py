@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from workers.attention.base import AttentionShape, BatchLayout
+from workers.engine.attention.base import AttentionShape, BatchLayout
 
 PAGE = 16
 HEADS, KV_HEADS, DIM = 16, 8, 128
@@ -36,7 +36,7 @@ def _run(backend, layout, q, k, v, cache):
 
 
 def _compare(layout, fi_backend):
-    from workers.attention.torch_backend import TorchAttentionBackend
+    from workers.engine.attention.torch_backend import TorchAttentionBackend
 
     torch.manual_seed(0)
     num_pages = int(layout.kv_page_indices.max()) + 1
@@ -58,7 +58,7 @@ def _random_pages(rng, n_seqs, max_pages, shared=()):
 
 
 def test_prefill_with_cached_prefix():
-    from workers.attention.flashinfer_backend import FlashInferBackend
+    from workers.engine.attention.flashinfer_backend import FlashInferBackend
 
     rng = random.Random(0)
     kv_lens, new = [100, 300, 17, 1000, 64], [10, 300, 1, 50, 64]
@@ -69,7 +69,7 @@ def test_prefill_with_cached_prefix():
 
 
 def test_decode():
-    from workers.attention.flashinfer_backend import FlashInferBackend
+    from workers.engine.attention.flashinfer_backend import FlashInferBackend
 
     rng = random.Random(1)
     kv_lens = [rng.randint(1, 900) for _ in range(32)]
@@ -81,7 +81,7 @@ def test_decode():
 
 @pytest.mark.parametrize("levels", [2, 3])
 def test_cascade_decode(levels):
-    from workers.attention.flashinfer_backend import FlashInferBackend
+    from workers.engine.attention.flashinfer_backend import FlashInferBackend
 
     rng = random.Random(2)
     system = list(range(10))  # 160 shared tokens

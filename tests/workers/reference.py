@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from chunkstore.hashing import Namespace
-from workers.model_runner import build_inputs
-from workers.request import Sequence
-from workers.sampling_params import SamplingParams
-from workers.scheduler import ScheduledSeq
+from workers.engine.model_runner import build_inputs
+from workers.engine.request import Sequence
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.scheduler import ScheduledSeq
 
 
 @torch.no_grad()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from workers.attention.base import BatchLayout
-from workers.attention.cascade_plan import plan_cascade
+from workers.engine.attention.base import BatchLayout
+from workers.engine.attention.cascade_plan import plan_cascade
 
 PAGE = 16
 

@@ -11,7 +11,7 @@ from chunkstore.chunking import chunk_conversation
 from chunkstore.events import EventKind
 from chunkstore.hashing import page_keys
 from workers import LLM, SamplingParams
-from workers.chunk_registry import UnknownChunkError
+from workers.engine.chunk_registry import UnknownChunkError
 
 PAGE = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -6,7 +6,7 @@ import pytest
 
 from chunkstore.events import CacheEvent, EventKind
 from chunkstore.hashing import Namespace, page_keys
-from workers.kv_pool import KVPool
+from workers.engine.kv_pool import KVPool
 
 NS = Namespace("m")
 TOKENS = list(range(12))

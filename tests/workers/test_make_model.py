@@ -12,14 +12,14 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cluster.cli import main
-from workers.models.make_model import (
+from modeltools.make_model import (
     PRESETS,
     build_config,
     check_names_against_transformers,
     make_model,
     parameter_specs,
 )
-from workers.models.tokenizer_builder import build_tokenizer
+from modeltools.tokenizer_builder import build_tokenizer
 
 FAMILIES = ["qwen3", "llama"]
 CONVERSATION = [

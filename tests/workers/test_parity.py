@@ -51,7 +51,7 @@ def test_text_prompt_and_chat_decode(tiny_qwen3, hf_reference):
 
 
 def test_sharded_checkpoint_loads_identically(tmp_path, tiny_qwen3):
-    from workers.models.make_model import make_model
+    from modeltools.make_model import make_model
 
     sharded = make_model(tmp_path / "sharded", preset="tiny", seed=0, shard_size_mb=0.05)
     assert (sharded / "model.safetensors.index.json").is_file()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from workers import LLM, SamplingParams
-from workers.sampler import sample
+from workers.engine.sampler import sample
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
 

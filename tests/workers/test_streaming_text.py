@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 from workers import LLM, SamplingParams
-from workers.config import EngineConfig
-from workers.engine import Engine
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
 
 
 def test_streamed_text_equals_final_decode(tiny_qwen3):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.config import EngineConfig
-from workers.directory_client import DirectorySpec
-from workers.sampling_params import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.engine.sampling_params import SamplingParams
+from workers.runtime.directory_client import DirectorySpec
 
 # Per generated token: (chosen token, logprob), then the top alternatives.
 TokenLogprobs = tuple[tuple[int, float], ...]

@@ -41,7 +41,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from workers.models.tokenizer_builder import build_tokenizer, chat_family, save_tokenizer
+from modeltools.tokenizer_builder import build_tokenizer, chat_family, save_tokenizer
 
 LM_HEAD_LOGIT_STD = 6.0
 NORM_WEIGHT_STD = 0.1

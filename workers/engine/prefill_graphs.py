@@ -16,14 +16,14 @@ from dataclasses import dataclass
 import flashinfer
 import torch
 
-from workers.attention.base import BatchLayout, kv_write_rows
-from workers.attention.flashinfer_backend import (
+from workers.engine.attention.base import BatchLayout, kv_write_rows
+from workers.engine.attention.flashinfer_backend import (
     FlashInferBackend,
     FlashInferMetadata,
     plan_prefill,
 )
-from workers.cuda_graphs import capture
-from workers.models.decoder import DecoderModel
+from workers.engine.cuda_graphs import capture
+from workers.engine.models.decoder import DecoderModel
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256)
 

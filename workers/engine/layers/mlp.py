@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.layers.ops import silu_and_mul
+from workers.engine.layers.ops import silu_and_mul
 
 
 class GatedMLP(nn.Module):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from chunkstore.hashing import Namespace, PageKey, page_key, root_key
-from workers.sampling_params import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

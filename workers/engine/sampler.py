@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from workers.sampling_params import SamplingParams
+from workers.engine.sampling_params import SamplingParams
 
 
 def sample(

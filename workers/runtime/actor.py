@@ -31,13 +31,13 @@ import torch
 
 from chunkstore.chunking import Message
 from chunkstore.publisher import EventPublisher
-from workers.cache_mirror import CacheMirror
-from workers.chunk_registry import ChunkInfo
-from workers.directory_client import connect_directory
-from workers.engine import Engine, StepOutput
-from workers.engine_loop import EngineLoop, Rejected
-from workers.worker_chunks import ChunkFailure, Registered, WorkerChunks
-from workers.worker_types import (
+from workers.engine.chunk_registry import ChunkInfo
+from workers.engine.engine import Engine, StepOutput
+from workers.runtime.cache_mirror import CacheMirror
+from workers.runtime.directory_client import connect_directory
+from workers.runtime.engine_loop import EngineLoop, Rejected
+from workers.runtime.worker_chunks import ChunkFailure, Registered, WorkerChunks
+from workers.runtime.worker_types import (
     WorkerDelta,
     WorkerInfo,
     WorkerRefusal,
@@ -125,7 +125,7 @@ class Worker:
         chunks, tenant, prompt = self._chunks, request.tenant_salt, request.prompt_token_ids
         self._loop.call(lambda: chunks.record_use(tenant, request.chunk_ids, prompt, cached))
 
-    # -- registered chunks (see workers.worker_chunks) ------------------------------
+    # -- registered chunks (see workers.runtime.worker_chunks) ------------------------------
     async def register_chunk(
         self,
         tenant_salt: str,

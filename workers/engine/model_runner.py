@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.attention.base import AttentionBackend, BatchLayout
-from workers.models.decoder import DecoderModel
-from workers.scheduler import ScheduledSeq
+from workers.engine.attention.base import AttentionBackend, BatchLayout
+from workers.engine.models.decoder import DecoderModel
+from workers.engine.scheduler import ScheduledSeq
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,8 @@ class ModelRunner:
         self.graphs = None
         self.prefill_graphs = None
         if enable_cuda_graphs and self.device.type == "cuda" and backend.name == "flashinfer":
-            from workers.cuda_graphs import DecodeGraphs
-            from workers.prefill_graphs import PrefillGraphs
+            from workers.engine.cuda_graphs import DecodeGraphs
+            from workers.engine.prefill_graphs import PrefillGraphs
 
             max_pages_per_seq = -(-max_model_len // page_size)
             self.graphs = DecodeGraphs(

@@ -11,8 +11,12 @@ from dataclasses import dataclass
 import flashinfer
 import torch
 
-from workers.attention.base import AttentionShape, BatchLayout, kv_write_rows, write_kv
-from workers.attention.cascade_plan import MIN_SAVED_BYTES_PER_LAYER, CascadePlan, plan_cascade
+from workers.engine.attention.base import AttentionShape, BatchLayout, kv_write_rows, write_kv
+from workers.engine.attention.cascade_plan import (
+    MIN_SAVED_BYTES_PER_LAYER,
+    CascadePlan,
+    plan_cascade,
+)
 
 WORKSPACE_BYTES = 256 * 2**20
 

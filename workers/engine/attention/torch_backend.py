@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.attention.base import AttentionShape, BatchLayout, kv_write_rows, write_kv
+from workers.engine.attention.base import AttentionShape, BatchLayout, kv_write_rows, write_kv
 
 
 @dataclass(frozen=True)

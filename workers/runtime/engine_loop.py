@@ -29,9 +29,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from chunkstore.events import CacheEvent
-from workers.engine import Engine, StepOutput
-from workers.sampling_params import SamplingParams
-from workers.worker_types import EngineLoad
+from workers.engine.engine import Engine, StepOutput
+from workers.engine.sampling_params import SamplingParams
+from workers.runtime.worker_types import EngineLoad
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from array import array
 from collections import deque
 from dataclasses import dataclass
 
-from workers.kv_pool import KVPool
-from workers.request import Sequence, Status
+from workers.engine.kv_pool import KVPool
+from workers.engine.request import Sequence, Status
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from workers.models.config import RopeScaling
+from workers.engine.models.config import RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

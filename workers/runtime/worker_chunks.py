@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from chunkstore.chunking import Message
-from workers.chunk_registry import ChunkInfo, ChunkRegistry, UnknownChunkError
-from workers.engine import Engine
-from workers.engine_loop import EngineLoop
+from workers.engine.chunk_registry import ChunkInfo, ChunkRegistry, UnknownChunkError
+from workers.engine.engine import Engine
+from workers.runtime.engine_loop import EngineLoop
 
 
 @dataclass(frozen=True)

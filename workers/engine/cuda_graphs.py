@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import flashinfer
 import torch
 
-from workers.attention.base import BatchLayout, kv_write_rows
-from workers.attention.flashinfer_backend import (
+from workers.engine.attention.base import BatchLayout, kv_write_rows
+from workers.engine.attention.flashinfer_backend import (
     FlashInferBackend,
     FlashInferMetadata,
     plan_decode,
 )
-from workers.models.decoder import DecoderModel
+from workers.engine.models.decoder import DecoderModel
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 512)
 

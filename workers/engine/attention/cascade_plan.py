@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.attention.base import BatchLayout
+from workers.engine.attention.base import BatchLayout
 
 # Cascade pays when the KV reads it saves outweigh its fixed cost. A cascade step runs
 # eagerly (plain decode replays a CUDA graph) and costs about 0.6 ms more per layer

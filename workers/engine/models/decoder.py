@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.attention.base import AttentionBackend, AttentionMetadata
-from workers.layers.attention import SelfAttention
-from workers.layers.mlp import GatedMLP
-from workers.layers.norm import RMSNorm
-from workers.layers.ops import add_rms_norm
-from workers.layers.rotary import cos_sin_cache
-from workers.models.config import ModelConfig
+from workers.engine.attention.base import AttentionBackend, AttentionMetadata
+from workers.engine.layers.attention import SelfAttention
+from workers.engine.layers.mlp import GatedMLP
+from workers.engine.layers.norm import RMSNorm
+from workers.engine.layers.ops import add_rms_norm
+from workers.engine.layers.rotary import cos_sin_cache
+from workers.engine.models.config import ModelConfig
 
 
 class DecoderLayer(nn.Module):

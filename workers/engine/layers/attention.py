@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.attention.base import AttentionBackend, AttentionMetadata
-from workers.layers.norm import RMSNorm
-from workers.layers.ops import apply_rope
-from workers.models.config import ModelConfig
+from workers.engine.attention.base import AttentionBackend, AttentionMetadata
+from workers.engine.layers.norm import RMSNorm
+from workers.engine.layers.ops import apply_rope
+from workers.engine.models.config import ModelConfig
 
 
 class SelfAttention(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from workers.attention.base import AttentionBackend, AttentionShape
+from workers.engine.attention.base import AttentionBackend, AttentionShape
 
 
 def default_backend_name(device_type: str) -> str:
@@ -18,13 +18,13 @@ def make_backend(
 ) -> AttentionBackend:
     name = name or default_backend_name(shape.device.type)
     if name == "torch":
-        from workers.attention.torch_backend import TorchAttentionBackend
+        from workers.engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(shape)
     if name == "flashinfer":
         if shape.device.type != "cuda":
             raise ValueError("the flashinfer attention backend needs a CUDA device")
-        from workers.attention.flashinfer_backend import FlashInferBackend
+        from workers.engine.attention.flashinfer_backend import FlashInferBackend
 
         return FlashInferBackend(shape, enable_cascade=enable_cascade)
     raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'flashinfer'")

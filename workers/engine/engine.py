@@ -11,19 +11,19 @@ import numpy as np
 import torch
 
 from chunkstore.hashing import Namespace
-from workers.attention import make_backend
-from workers.attention.base import AttentionShape
-from workers.checkpoint import checkpoint_fingerprint, load_tokenizer
-from workers.config import EngineConfig
-from workers.detokenizer import detokenize_step
-from workers.kv_pool import KVPool
-from workers.model_runner import ModelRunner
-from workers.models.config import ModelConfig
-from workers.models.loader import load_model
-from workers.request import Sequence
-from workers.sampler import sample, top_logprobs
-from workers.sampling_params import SamplingParams
-from workers.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
+from workers.engine.attention import make_backend
+from workers.engine.attention.base import AttentionShape
+from workers.engine.checkpoint import checkpoint_fingerprint, load_tokenizer
+from workers.engine.config import EngineConfig
+from workers.engine.detokenizer import detokenize_step
+from workers.engine.kv_pool import KVPool
+from workers.engine.model_runner import ModelRunner
+from workers.engine.models.config import ModelConfig
+from workers.engine.models.loader import load_model
+from workers.engine.request import Sequence
+from workers.engine.sampler import sample, top_logprobs
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 
 
 @dataclass(frozen=True)

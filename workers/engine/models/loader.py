@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from workers.models.config import ModelConfig
-from workers.models.decoder import DecoderModel
+from workers.engine.models.config import ModelConfig
+from workers.engine.models.decoder import DecoderModel
 
 # source suffix -> (our parameter suffix, slice index within the fused weight)
 _FUSED = {

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from chunkstore.chunking import Message, chunk_conversation, validate_messages
 from chunkstore.hashing import page_keys
-from workers.engine import Engine
+from workers.engine.engine import Engine
 
 ROLES = {"system": "system", "context": "user", "query": "user"}  # chunk role -> chat role
 

@@ -3,7 +3,7 @@ re-decoding the whole output, and without emitting half a multi-byte character."
 
 from __future__ import annotations
 
-from workers.request import Sequence
+from workers.engine.request import Sequence
 
 
 def detokenize_step(tokenizer, seq: Sequence, final: bool = False) -> str:
