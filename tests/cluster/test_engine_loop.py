@@ -12,6 +12,7 @@ import pytest
 from chunkstore.events import CacheEvent, EventKind
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, StepOutput
+from workers.engine.reuse_info import ReuseInfo
 from workers.engine.sampling_params import SamplingParams
 from workers.runtime.actor import _collect, coalesce
 from workers.runtime.cache_mirror import CacheMirror
@@ -85,7 +86,7 @@ def test_mirror_applies_events_in_order():
 
 def test_coalesce_merges_consecutive_outputs_per_choice():
     def out(rid, token, text, finished=False):
-        return StepOutput(rid, (token,), text, finished, "length" if finished else None, 10, 4)
+        return StepOutput(rid, (token,), text, finished, "length" if finished else None, 10, 4, ReuseInfo("exact", 4))
 
     deltas = coalesce([out("r#0", 1, "a"), out("r#1", 2, "b"), out("r#0", 3, "c", True)],
                       {"r#0": 0, "r#1": 1})  # fmt: skip
@@ -96,7 +97,7 @@ def test_coalesce_merges_consecutive_outputs_per_choice():
 
 
 def _out(rid: str, token: int, finished: bool = False) -> StepOutput:
-    return StepOutput(rid, (token,), str(token), finished, "length" if finished else None, 10, 4)
+    return StepOutput(rid, (token,), str(token), finished, "length" if finished else None, 10, 4, ReuseInfo("exact", 4))
 
 
 async def _stream(interval_s: float, schedule: list[tuple[float, object]]) -> list[tuple]:

@@ -21,6 +21,7 @@ from workers.engine.model_runner import ModelRunner
 from workers.engine.models.config import ModelConfig
 from workers.engine.models.loader import load_model
 from workers.engine.request import Sequence
+from workers.engine.reuse_info import ReuseInfo
 from workers.engine.sampler import sample, top_logprobs
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
@@ -37,6 +38,7 @@ class StepOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    reuse: ReuseInfo  # how the prompt was served (num_cached_tokens == reuse.reused_tokens)
     # (chosen token, logprob), then the top alternatives; None unless requested
     logprobs: tuple[tuple[int, float], ...] | None = None
 
@@ -192,6 +194,9 @@ class Engine:
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens or 0,
+            reuse=ReuseInfo(
+                "exact" if self.config.enable_reuse else "off", seq.num_cached_tokens or 0
+            ),
             logprobs=logprobs,
         )
 
