@@ -9,23 +9,30 @@ from torch import nn
 from workers.engine.attention.base import AttentionBackend, AttentionMetadata
 from workers.engine.layers.norm import RMSNorm
 from workers.engine.layers.ops import apply_rope
-from workers.engine.models.config import ModelConfig
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        hidden_size: int,
+        attention_bias: bool,
+        qk_norm: bool,
+        rms_norm_eps: float,
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=attention_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=attention_bias)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
 
     def forward(
         self,

@@ -8,10 +8,19 @@ computed for (exact reuse keeps positions; see DESIGN.md).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from workers.engine.models.config import RopeScaling
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 frequency-dependent RoPE scaling."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

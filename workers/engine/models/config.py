@@ -11,20 +11,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers.engine.layers.rotary import RopeScaling
+
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
 }
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3 frequency-dependent RoPE scaling."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,15 @@ from workers.engine.models.config import ModelConfig
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(config)
+        self.self_attn = SelfAttention(
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            hidden_size=config.hidden_size,
+            attention_bias=config.attention_bias,
+            qk_norm=config.qk_norm,
+            rms_norm_eps=config.rms_norm_eps,
+        )
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
