@@ -160,8 +160,11 @@ class ChunkRegistry:
         expires_at: float | None,
     ) -> _Chunk:
         """Compute the KV of the chunk's prefix and pin its full pages."""
-        if not self._engine.config.enable_reuse:
-            raise ValueError("registering chunks needs an engine with enable_reuse=True")
+        if self._engine.reuse.mode != "exact":
+            raise ValueError(
+                "registering chunks needs exact reuse (enable_reuse=True); "
+                f"this engine's reuse mode is {self._engine.reuse.mode!r}"
+            )
         history = [m for chunk in before for m in chunk.messages]
         start = len(self._tokens(history)) if history else 0
         prefix = self._tokens([*history, *messages])

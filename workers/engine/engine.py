@@ -4,6 +4,7 @@ one step at a time. Single-threaded: callers serialize access."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from workers.engine.model_runner import ModelRunner
 from workers.engine.models.config import ModelConfig
 from workers.engine.models.loader import load_model
 from workers.engine.request import Sequence
+from workers.engine.reuse import Reuse, make_reuse
 from workers.engine.reuse_info import ReuseInfo
 from workers.engine.sampler import sample, top_logprobs
 from workers.engine.sampling_params import SamplingParams
@@ -43,11 +45,21 @@ class StepOutput:
     logprobs: tuple[tuple[int, float], ...] | None = None
 
 
+def default_reuse(engine: Engine) -> Reuse:
+    return make_reuse(engine.config.enable_reuse, engine.pool)
+
+
 class Engine:
-    def __init__(self, config: EngineConfig, stream_text: bool = False) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        stream_text: bool = False,
+        reuse_factory: Callable[[Engine], Reuse] | None = None,
+    ) -> None:
         """``stream_text``: produce text deltas every step (for streaming clients);
         otherwise text comes with the final output only (and where stop strings
-        need it)."""
+        need it). ``reuse_factory``: builds the reuse component from the engine
+        (default: exact prefix reuse, or none when ``config.enable_reuse`` is off)."""
         self.config = config
         self.stream_text = stream_text
         self.model_config = ModelConfig.from_dir(config.model_dir)
@@ -83,11 +95,11 @@ class Engine:
             config.max_num_seqs,
             config.enable_cuda_graphs,
         )
+        self.reuse = (reuse_factory or default_reuse)(self)
         self.scheduler = Scheduler(
             self.pool,
-            SchedulerLimits(
-                config.max_num_seqs, config.max_num_batched_tokens, config.enable_reuse
-            ),
+            self.reuse,
+            SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens),
         )
         self.model_id = config.model_id or Path(config.model_dir).resolve().name
         self.namespace_model = f"{self.model_id}@{checkpoint_fingerprint(config.model_dir)}"
@@ -139,7 +151,6 @@ class Engine:
         if not batch:
             return []
         logits = self.runner.run(batch)
-        self._publish_pages(batch)
         sampling = [item for item in batch if item.samples]
         tokens = sample(
             logits,
@@ -148,23 +159,22 @@ class Engine:
         )
         logprobs = top_logprobs(logits, tokens, [item.seq.params for item in sampling])
         for item in batch:
-            item.seq.num_computed = item.end
+            self._record_computed(item)
         return [
             self._append_token(item.seq, token, lp)
             for item, token, lp in zip(sampling, tokens, logprobs, strict=True)
         ]
 
-    def _publish_pages(self, batch: list[ScheduledSeq]) -> None:
-        if not self.config.enable_reuse:
-            return
-        page_size = self.pool.page_size
-        for item in batch:
-            seq = item.seq
-            keys = seq.extend_page_keys(page_size, item.end)
-            for index in range(item.start // page_size, item.end // page_size):
-                self.pool.publish(
-                    seq.page_ids[index], keys[index], seq.page_tokens(index, page_size)
-                )
+    def _record_computed(self, item: ScheduledSeq) -> None:
+        """Advance ``item.seq`` past what this step computed and offer the pages that
+        now hold final KV to the reuse component (none past a pending position)."""
+        seq = item.seq
+        if item.scattered is not None:
+            seq.pending = seq.pending[len(item.scattered) :]
+        seq.num_computed = item.end
+        ready = int(seq.pending[0]) if len(seq.pending) else item.end
+        if ready > item.first_position:
+            self.reuse.publish(seq, item.first_position, ready)
 
     def _append_token(
         self, seq: Sequence, token: int, logprobs: tuple[tuple[int, float], ...] | None
@@ -193,10 +203,8 @@ class Engine:
             finished=reason is not None,
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens or 0,
-            reuse=ReuseInfo(
-                "exact" if self.config.enable_reuse else "off", seq.num_cached_tokens or 0
-            ),
+            num_cached_tokens=seq.num_cached_tokens,
+            reuse=seq.reuse,
             logprobs=logprobs,
         )
 

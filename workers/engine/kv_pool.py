@@ -10,7 +10,10 @@ takes one reference and unpinning drops it, so a pinned page is in use and never
 evicted. Pins nest; ``pins <= ref_count`` always.
 
 A key names a full page's tokens and everything before them (see
-``chunkstore.hashing``); at most one page holds a given key. Key changes are queued
+``chunkstore.hashing``); at most one page holds a given key. A page marked *inexact*
+(its KV differs from what plain generation computes, e.g. after approximate reuse)
+is never keyed, so it is never matched and never reaches the directory; the mark
+lasts until the page is freed. Key changes are queued
 as ``CacheEvent``s for the chunk directory.
 """
 
@@ -30,6 +33,7 @@ class _Page:
     pins: int = 0
     key: PageKey | None = None
     token_ids: tuple[int, ...] = ()
+    exact: bool = True  # False: never keyed (see mark_inexact)
 
 
 class KVPool:
@@ -61,6 +65,9 @@ class KVPool:
 
     def pin_count(self, page_id: int) -> int:
         return self._pages[page_id].pins
+
+    def is_exact(self, page_id: int) -> bool:
+        return self._pages[page_id].exact
 
     def match_prefix(
         self, keys: Sequence[PageKey], token_pages: Sequence[Sequence[int]]
@@ -102,7 +109,8 @@ class KVPool:
             else:
                 page_id, _ = self._lru.popitem(last=False)
                 evicted.append(self._unkey(page_id))
-            self._pages[page_id].ref_count = 1
+            page = self._pages[page_id]
+            page.ref_count, page.exact = 1, True
             taken.append(page_id)
         if evicted:
             self._events.append(CacheEvent(EventKind.REMOVED, tuple(evicted)))
@@ -133,6 +141,8 @@ class KVPool:
             raise ValueError(f"page {page_id} must be in use to be published")
         if len(token_ids) != self.page_size:
             raise ValueError("only full pages can be published")
+        if not page.exact:
+            raise ValueError(f"page {page_id} holds inexact KV and can never be published")
         if key in self._by_key or page.key is not None:
             return False
         page.key = key
@@ -140,6 +150,16 @@ class KVPool:
         self._by_key[key] = page_id
         self._events.append(CacheEvent(EventKind.STORED, (key,)))
         return True
+
+    def mark_inexact(self, page_ids: Sequence[int]) -> None:
+        """Record that these in-use, unkeyed pages hold KV that plain generation would
+        not compute: they are never keyed (so never matched or announced)."""
+        for page_id in page_ids:
+            page = self._pages[page_id]
+            if page.ref_count == 0 or page.key is not None:
+                raise ValueError(f"page {page_id} must be in use and unkeyed to be marked inexact")
+        for page_id in page_ids:
+            self._pages[page_id].exact = False
 
     def pin(self, page_ids: Sequence[int]) -> None:
         """Pin cached or in-use pages: each pin is one more reference, so the page is

@@ -27,12 +27,20 @@ def build_inputs(batch: list[ScheduledSeq], page_size: int) -> StepInputs:
     Page tables are copied as int32 buffers (this runs every step, for every request)."""
     input_ids: list[int] = []
     tables, positions, counts, ends, logits_indices = [], [], [], [], []
+    scattered = False
     for item in batch:
         seq = item.seq
+        run = np.arange(item.start, item.end, dtype=np.int64)
+        if item.scattered is not None:
+            scattered = True
+            token_ids = np.asarray(seq.token_ids, dtype=np.int64)
+            input_ids += token_ids[item.scattered].tolist()
+            positions.append(np.concatenate((item.scattered, run)))
+        else:
+            positions.append(run)
         input_ids += seq.token_ids[item.start : item.end]
         num_pages = -(-item.end // page_size)
         tables.append(_int32(seq.page_ids)[:num_pages])
-        positions.append(np.arange(item.start, item.end, dtype=np.int64))
         counts.append(num_pages)
         ends.append(item.end)
         if item.samples:
@@ -43,12 +51,13 @@ def build_inputs(batch: list[ScheduledSeq], page_size: int) -> StepInputs:
     page_indptr = np.zeros(len(batch) + 1, dtype=np.int32)
     np.cumsum(counts_np, out=page_indptr[1:])
     qo_indptr = np.zeros(len(batch) + 1, dtype=np.int32)
-    np.cumsum([item.num_tokens for item in batch], out=qo_indptr[1:])
+    np.cumsum([item.num_computed_tokens for item in batch], out=qo_indptr[1:])
     page_indices = np.concatenate(tables)
     # slot of each new token: its sequence's page for that position, plus the offset
     owner = np.repeat(np.arange(len(batch)), np.diff(qo_indptr))
     pages = page_indices[page_indptr[owner] + pos // page_size]
     slots = (pages.astype(np.int64) * page_size + pos % page_size).astype(np.int32)
+    pos_tensor = torch.from_numpy(pos)
     layout = BatchLayout(
         qo_indptr=torch.from_numpy(qo_indptr),
         kv_page_indptr=torch.from_numpy(page_indptr),
@@ -57,10 +66,12 @@ def build_inputs(batch: list[ScheduledSeq], page_size: int) -> StepInputs:
         kv_lens=torch.from_numpy(ends_np),
         slot_mapping=torch.from_numpy(slots),
         page_size=page_size,
+        positions=pos_tensor.to(torch.int32),
+        causal_tail=not scattered,
     )
     return StepInputs(
         torch.tensor(input_ids, dtype=torch.long),
-        torch.from_numpy(pos),
+        pos_tensor,
         layout,
         torch.tensor(logits_indices, dtype=torch.long),
     )

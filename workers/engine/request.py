@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import enum
+import sys
 from array import array
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from chunkstore.hashing import Namespace, PageKey, page_key, root_key
+from workers.engine.reuse_info import ReuseInfo
 from workers.engine.sampling_params import SamplingParams
+
+ALL_EXACT = sys.maxsize  # ``exact_until`` of a sequence with no approximated position
 
 
 class Status(enum.Enum):
@@ -20,9 +25,12 @@ class Status(enum.Enum):
 
 @dataclass
 class Sequence:
-    """Invariants: ``num_computed <= len(token_ids)``; tokens ``[0, num_computed)``
-    have their KV in ``page_ids``; ``page_keys[i]`` is the chain key of page i and
-    exists only for full computed pages."""
+    """Invariants: ``num_computed <= len(token_ids)``; positions ``[0, num_computed)``
+    have their KV in ``page_ids`` except those in ``pending`` (sorted, all below
+    ``num_computed``: placed chunks' gaps and repairs, computed before anything after
+    them); positions before ``exact_until`` hold exactly the KV plain generation
+    computes (``ALL_EXACT``: every position); ``page_keys[i]`` is the chain key of
+    page i (a function of the tokens alone, whether or not page i is exact)."""
 
     request_id: str
     arrival: int
@@ -34,7 +42,9 @@ class Sequence:
     # int32 array: build_inputs copies page tables with memcpy, not per element
     page_ids: array = field(default_factory=lambda: array("i"))
     num_computed: int = 0
-    num_cached_tokens: int | None = None  # prompt tokens served from cache, set on admission
+    pending: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    exact_until: int = ALL_EXACT
+    reuse: ReuseInfo | None = None  # how the prompt was served; set on first admission
     page_keys: list[PageKey] = field(default_factory=list)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
@@ -63,7 +73,13 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
+        """Tokens of the contiguous tail still to compute (``pending`` aside)."""
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens whose KV came from the cache (0 before admission)."""
+        return self.reuse.reused_tokens if self.reuse else 0
 
     @property
     def is_finished(self) -> bool:

@@ -17,36 +17,55 @@ from array import array
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from workers.engine.kv_pool import KVPool
 from workers.engine.request import Sequence, Status
+from workers.engine.reuse import Reuse
 
 
 @dataclass(frozen=True)
 class ScheduledSeq:
+    """What one step computes for one sequence: the ``scattered`` positions (sorted,
+    all below ``start``: a placed chunk's gaps or repairs), then the contiguous run
+    ``[start, end)``. Every query attends causally by position over the sequence's KV
+    up to ``end``, so each position below the largest one computed must already hold
+    KV or be computed in this step."""
+
     seq: Sequence
-    start: int  # first position computed this step
-    num_tokens: int  # new tokens computed this step
+    start: int  # first position of the contiguous run
+    num_tokens: int  # length of the contiguous run
+    scattered: np.ndarray | None = None  # int64, non-empty when given
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
     @property
+    def num_computed_tokens(self) -> int:
+        """Queries this step: scattered positions plus the contiguous run."""
+        return self.num_tokens + (0 if self.scattered is None else len(self.scattered))
+
+    @property
+    def first_position(self) -> int:
+        return self.start if self.scattered is None else int(self.scattered[0])
+
+    @property
     def samples(self) -> bool:
         """This step reaches the sequence's last token, so it yields a new token."""
-        return self.end == len(self.seq.token_ids)
+        return self.num_tokens > 0 and self.end == len(self.seq.token_ids)
 
 
 @dataclass(frozen=True)
 class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
-    enable_reuse: bool
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, limits: SchedulerLimits) -> None:
+    def __init__(self, pool: KVPool, reuse: Reuse, limits: SchedulerLimits) -> None:
         self.pool = pool
+        self.reuse = reuse
         self.limits = limits
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # arrival order
@@ -66,17 +85,17 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            num = min(seq.num_uncomputed, budget)
-            if self._reserve_pages(seq, num):
-                batch.append(ScheduledSeq(seq, seq.num_computed, num))
-                budget -= num
+            item = self._take(seq, budget)
+            if self._reserve_pages(seq, item.num_tokens):
+                batch.append(item)
+                budget -= item.num_computed_tokens
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             item = self._admit(self.waiting[0], budget)
             if item is None:
                 break
             self.waiting.popleft()
             batch.append(item)
-            budget -= item.num_tokens
+            budget -= item.num_computed_tokens
         return batch
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -92,27 +111,28 @@ class Scheduler:
 
     # -- internals -------------------------------------------------------------
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
-        page_size = self.pool.page_size
-        matched: list[int] = []
-        if self.limits.enable_reuse:
-            # Keep at least one token to compute: its logits produce the next token.
-            usable = (len(seq.token_ids) - 1) // page_size * page_size
-            keys = seq.extend_page_keys(page_size, usable)[: usable // page_size]
-            token_pages = [seq.page_tokens(i, page_size) for i in range(len(keys))]
-            matched = self.pool.match_prefix(keys, token_pages)
-            self.pool.acquire(matched)
-        seq.page_ids = array("i", matched)
-        seq.num_computed = len(matched) * page_size
-        num = min(seq.num_uncomputed, budget)
-        if not self._allocate(seq, num):
-            self.pool.release(matched)
+        if not self.reuse.admit(seq):
+            return None
+        item = self._take(seq, budget)
+        if not self._allocate(seq, item.num_tokens):
+            self.pool.release(seq.page_ids)
             seq.page_ids, seq.num_computed = array("i"), 0
             return None
-        if seq.num_cached_tokens is None:
-            seq.num_cached_tokens = seq.num_computed
         seq.status = Status.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.arrival)
-        return ScheduledSeq(seq, seq.num_computed, num)
+        return item
+
+    @staticmethod
+    def _take(seq: Sequence, budget: int) -> ScheduledSeq:
+        """The next positions of ``seq`` within ``budget``: pending ones first, in
+        order; the contiguous tail only once none is left (it attends to them)."""
+        pending = seq.pending
+        if not len(pending):
+            return ScheduledSeq(seq, seq.num_computed, min(seq.num_uncomputed, budget))
+        if len(pending) >= budget:
+            return ScheduledSeq(seq, seq.num_computed, 0, pending[:budget])
+        tail = min(seq.num_uncomputed, budget - len(pending))
+        return ScheduledSeq(seq, seq.num_computed, tail, pending)
 
     def _reserve_pages(self, seq: Sequence, num: int) -> bool:
         """Make room for ``num`` more tokens of running ``seq``, preempting later
@@ -138,7 +158,7 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.release(seq.page_ids)
         seq.page_ids = array("i")
-        seq.num_computed = 0
+        seq.num_computed = 0  # admission starts it over, through the reuse component
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -6,9 +6,12 @@ Index 0 of dim 1 holds keys, 1 holds values. A token at position ``p`` of a
 sequence lives in page ``page_table[p // page_size]`` at offset ``p % page_size``.
 
 A forward step covers a flattened batch of sequences; each contributes its new
-tokens (a prefill chunk, or one decode token) and attends causally over its whole
-KV (cached prefix + new tokens). ``BatchLayout`` describes that once per step;
-``AttentionBackend.plan`` turns it into backend metadata that every layer reuses.
+tokens (a prefill chunk, one decode token, or tokens at scattered positions over KV
+that is already filled, e.g. repairs of placed chunks) and attends causally *by
+position*: a new token at position p sees every KV position <= p of its sequence
+(including the other new tokens' KV, written before attention). ``BatchLayout``
+describes that once per step; ``AttentionBackend.plan`` turns it into backend
+metadata that every layer reuses.
 """
 
 from __future__ import annotations
@@ -23,10 +26,14 @@ import torch
 class BatchLayout:
     """One step's batch shape. All tensors are int32 on the CPU.
 
-    Invariants: ``qo_indptr[-1]`` is the number of new tokens T; for sequence i,
-    ``kv_lens[i] >= qo_indptr[i+1] - qo_indptr[i]`` (new tokens are the last ones of
-    its KV); ``kv_page_indptr`` indexes ``kv_page_indices`` with exactly
-    ``ceil(kv_lens[i] / page_size)`` pages per sequence.
+    Invariants: ``qo_indptr[-1]`` is the number of new tokens T; the new tokens of
+    sequence i have strictly increasing ``positions``, all below ``kv_lens[i]``, the
+    last one computed in this step or earlier; ``kv_page_indptr`` indexes
+    ``kv_page_indices`` with exactly ``ceil(kv_lens[i] / page_size)`` pages per
+    sequence. ``causal_tail``: every sequence's new tokens are the last ones of its KV
+    (positions ``kv_lens[i] - n .. kv_lens[i] - 1``), so a plain causal kernel
+    computes the by-position mask. ``positions`` is None only in layouts built
+    inside a backend for tail-only batches (decode subsets, graph padding).
     """
 
     qo_indptr: torch.Tensor  # [B + 1]
@@ -36,6 +43,8 @@ class BatchLayout:
     kv_lens: torch.Tensor  # [B]
     slot_mapping: torch.Tensor  # [T], page * page_size + offset of each new token
     page_size: int
+    positions: torch.Tensor | None = None  # [T], position of each new token
+    causal_tail: bool = True
 
     @property
     def batch_size(self) -> int:
@@ -47,8 +56,23 @@ class BatchLayout:
 
     @property
     def is_decode(self) -> bool:
-        """Every sequence contributes exactly one new token."""
-        return self.num_tokens == self.batch_size
+        """Every sequence contributes exactly one new token, its last."""
+        return self.causal_tail and self.num_tokens == self.batch_size
+
+    def query_positions(self, i: int) -> torch.Tensor:
+        """Positions of sequence i's new tokens (int64)."""
+        start, end = int(self.qo_indptr[i]), int(self.qo_indptr[i + 1])
+        if self.positions is not None:
+            return self.positions[start:end].long()
+        kv_len = int(self.kv_lens[i])
+        return torch.arange(kv_len - (end - start), kv_len)
+
+
+def position_mask(layout: BatchLayout, i: int) -> torch.Tensor:
+    """[q_len, kv_len] bool for sequence i: True where a new token may attend (KV
+    position <= its own position)."""
+    kv_len = int(layout.kv_lens[i])
+    return torch.arange(kv_len)[None, :] <= layout.query_positions(i)[:, None]
 
 
 @dataclass(frozen=True)

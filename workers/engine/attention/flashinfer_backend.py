@@ -1,5 +1,7 @@
 """FlashInfer attention on CUDA: paged prefill (cached prefix + new tokens), paged
-decode, and cascade decode for requests that share leading pages.
+decode, and cascade decode for requests that share leading pages. A prefill whose
+new tokens are not all at the tail of their KV (scattered positions) runs with a
+custom mask built from positions; every other prefill uses the causal kernel.
 
 Plans are built once per step (``plan``) and reused by every layer (``forward``).
 """
@@ -11,7 +13,13 @@ from dataclasses import dataclass
 import flashinfer
 import torch
 
-from workers.engine.attention.base import AttentionShape, BatchLayout, kv_write_rows, write_kv
+from workers.engine.attention.base import (
+    AttentionShape,
+    BatchLayout,
+    kv_write_rows,
+    position_mask,
+    write_kv,
+)
 from workers.engine.attention.cascade_plan import (
     MIN_SAVED_BYTES_PER_LAYER,
     CascadePlan,
@@ -102,7 +110,11 @@ class FlashInferBackend:
 
     # -- planning --------------------------------------------------------------
     def _plan_prefill(self, layout: BatchLayout) -> None:
-        plan_prefill(self.prefill, layout, self.shape)
+        if layout.causal_tail:
+            plan_prefill(self.prefill, layout, self.shape)
+            return
+        mask = torch.cat([position_mask(layout, i).flatten() for i in range(layout.batch_size)])
+        plan_prefill(self.prefill, layout, self.shape, causal=False, custom_mask=mask)
 
     def _plan_decode(self, layout: BatchLayout) -> None:
         plan_decode(self.decode, layout, self.shape)
@@ -181,11 +193,17 @@ def _run_levels(wrappers, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tens
 
 
 def plan_prefill(
-    wrapper, layout, shape: AttentionShape, causal: bool = True, fixed_split_size=None
+    wrapper,
+    layout,
+    shape: AttentionShape,
+    causal: bool = True,
+    fixed_split_size=None,
+    custom_mask: torch.Tensor | None = None,
 ) -> None:
     """Plan a paged prefill wrapper (also cascade levels and graph-mode wrappers);
     ``layout`` has ``qo_indptr``, ``kv_page_indptr``, ``kv_page_indices``,
-    ``kv_last_page_len``."""
+    ``kv_last_page_len``. ``custom_mask``: flattened bool ``[q_len_i * kv_len_i]``
+    per request, concatenated (True: may attend); replaces ``causal``."""
     wrapper.plan(
         layout.qo_indptr,
         layout.kv_page_indptr,
@@ -196,6 +214,7 @@ def plan_prefill(
         shape.head_dim,
         shape.page_size,
         causal=causal,
+        custom_mask=None if custom_mask is None else custom_mask.to(shape.device),
         fixed_split_size=fixed_split_size,
         q_data_type=shape.dtype,
         kv_data_type=shape.dtype,

@@ -1,7 +1,8 @@
 """Reference attention backend in plain torch; runs on any device.
 
 Correctness reference for the FlashInfer backend and the CPU path: it gathers each
-sequence's pages and runs masked softmax attention per sequence.
+sequence's pages and runs softmax attention per sequence, masked by position (a new
+token sees the KV positions up to its own).
 """
 
 from __future__ import annotations
@@ -10,7 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.attention.base import AttentionShape, BatchLayout, kv_write_rows, write_kv
+from workers.engine.attention.base import (
+    AttentionShape,
+    BatchLayout,
+    kv_write_rows,
+    position_mask,
+    write_kv,
+)
 
 
 @dataclass(frozen=True)
@@ -50,8 +57,7 @@ class TorchAttentionBackend:
             ].long()
             kv_pages = pages.repeat_interleave(page_size)[:kv_len]
             kv_offsets = offsets.repeat(pages.numel())[:kv_len]
-            q_pos = torch.arange(kv_len - (q_end - q_start), kv_len)
-            mask = torch.arange(kv_len)[None, :] <= q_pos[:, None]
+            mask = position_mask(layout, i)
             plans.append(
                 TorchSequencePlan(
                     q_start, q_end, kv_pages.to(device), kv_offsets.to(device), mask.to(device)

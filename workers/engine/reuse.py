@@ -1,0 +1,114 @@
+"""The reuse component: which cached KV a sequence starts from, and which computed
+pages are offered to later sequences. The scheduler asks it on admission and the
+engine after every step; nothing else in the engine knows which mode runs.
+
+Implementations:
+- ``NoReuse`` (mode ``off``): every prompt is computed; nothing is published.
+- ``ExactPrefixReuse`` (mode ``exact``): the longest run of cached full pages whose
+  chain keys equal the sequence's own (same tokens after the same tokens), and every
+  full *exact* page computed is published under its chain key.
+
+Invariants every implementation keeps:
+- ``admit`` leaves the sequence with references on exactly ``seq.page_ids``, KV for
+  positions ``[0, seq.num_computed)`` except ``seq.pending`` (sorted positions still to
+  compute), at least one token uncomputed (its logits give the next token), and
+  ``seq.exact_until`` set: positions before it hold the KV plain generation computes.
+- Only pages lying wholly before ``seq.exact_until`` are published under chain keys;
+  the pool refuses to key a page marked inexact.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Protocol
+
+import numpy as np
+
+from workers.engine.kv_pool import KVPool
+from workers.engine.request import ALL_EXACT, Sequence
+from workers.engine.reuse_info import ReuseInfo
+
+
+class Reuse(Protocol):
+    mode: str
+
+    def admit(self, seq: Sequence) -> bool:
+        """Give ``seq`` its cached KV (references taken, ``page_ids``,
+        ``num_computed``, ``pending``, ``exact_until`` set). False when the pool has
+        no room for what this mode must write; the sequence is then left as it was."""
+        ...
+
+    def publish(self, seq: Sequence, start: int, end: int) -> None:
+        """Positions ``[start, end)`` of ``seq`` were just computed: offer the full
+        exact pages among them to later sequences."""
+        ...
+
+
+def start_from(seq: Sequence, mode: str, page_ids: list[int], num_computed: int) -> None:
+    """Admit ``seq`` on ``page_ids`` (references already taken) holding the exact KV
+    of its first ``num_computed`` tokens."""
+    seq.page_ids = array("i", page_ids)
+    seq.num_computed = num_computed
+    seq.pending = np.empty(0, dtype=np.int64)
+    seq.exact_until = ALL_EXACT
+    if seq.reuse is None:  # the first admission is what the caller is told
+        seq.reuse = ReuseInfo(mode, num_computed, 0)
+
+
+class NoReuse:
+    mode = "off"
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+
+    def admit(self, seq: Sequence) -> bool:
+        start_from(seq, self.mode, [], 0)
+        return True
+
+    def publish(self, seq: Sequence, start: int, end: int) -> None:
+        return None
+
+
+class ExactPrefixReuse:
+    mode = "exact"
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+
+    def admit(self, seq: Sequence) -> bool:
+        page_size = self.pool.page_size
+        # Keep at least one token to compute: its logits produce the next token.
+        usable = (len(seq.token_ids) - 1) // page_size * page_size
+        keys = seq.extend_page_keys(page_size, usable)[: usable // page_size]
+        token_pages = [seq.page_tokens(i, page_size) for i in range(len(keys))]
+        matched = self.pool.match_prefix(keys, token_pages)
+        self.pool.acquire(matched)
+        start_from(seq, self.mode, matched, len(matched) * page_size)
+        return True
+
+    def publish(self, seq: Sequence, start: int, end: int) -> None:
+        publish_exact_pages(self.pool, seq, start, end)
+
+
+def publish_exact_pages(pool: KVPool, seq: Sequence, start: int, end: int) -> None:
+    """Key the full pages among positions ``[start, end)`` that lie wholly before
+    ``seq.exact_until``; pages from there to ``end`` are marked inexact in the pool.
+    Every position in ``[start, end)`` must hold its final KV."""
+    page_size = pool.page_size
+    first, last = start // page_size, end // page_size
+    exact_pages = min(last, seq.exact_until // page_size)
+    if exact_pages > first:
+        keys = seq.extend_page_keys(page_size, exact_pages * page_size)
+        for index in range(first, exact_pages):
+            pool.publish(seq.page_ids[index], keys[index], seq.page_tokens(index, page_size))
+    if seq.exact_until >= end:
+        return
+    inexact_from = max(first, seq.exact_until // page_size)
+    upto = -(-end // page_size)
+    if upto > inexact_from:
+        pool.mark_inexact(seq.page_ids[inexact_from:upto])
+
+
+def make_reuse(enable_reuse: bool, pool: KVPool) -> Reuse:
+    """The user-facing choice: exact prefix reuse, or none."""
+    return ExactPrefixReuse(pool) if enable_reuse else NoReuse(pool)
