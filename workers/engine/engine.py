@@ -45,6 +45,17 @@ class StepOutput:
     logprobs: tuple[tuple[int, float], ...] | None = None
 
 
+def _validate_spans(spans: tuple[tuple[int, int], ...], prompt_len: int) -> None:
+    previous_end = 0
+    for start, end in spans:
+        if not previous_end <= start < end <= prompt_len:
+            raise ValueError(
+                f"placeable spans must be sorted, disjoint and within the prompt "
+                f"[0, {prompt_len}); got {list(spans)}"
+            )
+        previous_end = end
+
+
 def default_reuse(engine: Engine) -> Reuse:
     return make_reuse(engine.config.enable_reuse, engine.pool)
 
@@ -121,14 +132,20 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         tenant_salt: str | None = None,
+        placeable: tuple[tuple[int, int], ...] = (),
     ) -> None:
+        """``placeable``: sorted, disjoint (start, end) spans of the prompt that a
+        placing reuse mode may take from position-free entries (other modes ignore
+        them: spans only name chunks, they change nothing about the output)."""
         self._validate(request_id, prompt_token_ids)
+        _validate_spans(placeable, len(prompt_token_ids))
         seq = Sequence(
             request_id=request_id,
             arrival=next(self._arrivals),
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             namespace=self.namespace(tenant_salt),
+            placeable=tuple(placeable),
         )
         if params.seed is not None and not params.greedy:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)

@@ -45,6 +45,9 @@ class Sequence:
     pending: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     exact_until: int = ALL_EXACT
     reuse: ReuseInfo | None = None  # how the prompt was served; set on first admission
+    # (start, end) prompt spans that a placing reuse mode may take from position-free
+    # entries (the chunks of documents); sorted, disjoint
+    placeable: tuple[tuple[int, int], ...] = ()
     page_keys: list[PageKey] = field(default_factory=list)
     finish_reason: str | None = None
     generator: torch.Generator | None = None

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-REUSE_MODES = ("off", "exact")
+# naive_placement: a measurement mode (workers/engine/naive_placement.py), never offered
+REUSE_MODES = ("off", "exact", "naive_placement")
 
 
 @dataclass(frozen=True)
