@@ -1,0 +1,268 @@
+"""Reuse quality on held-out doc-QA examples: how close each reuse mode's answers
+stay to full prefill, with the gold documents' positions swept.
+
+    python bench/reuse_quality.py --model modeltools/docqa_model --examples 100 \
+        --seed 0 --docs 4 8 16 --hops 1 2 --json /tmp/reuse_quality.json
+
+Modes (one engine each, same device and dtype):
+- ``full``: reuse off; every prompt token computed (the reference).
+- ``exact``: exact prefix reuse on a warm engine (every prompt ran once before), so
+  nearly every prompt token comes from the cache. Must equal full prefill token for
+  token on the CPU; mismatches are counted and reported.
+- ``naive``: naive placement (``workers.engine.naive_placement``): each document's KV
+  computed alone at position 0, rotated to its place, nothing recomputed.
+
+Per row (mode, hops, docs): exact-match accuracy of the greedy answer, mean KL
+divergence KL(full || mode) of the first answer token's distribution, and the share
+of prompt tokens whose KV the request computed (1.0 for full prefill). Every example
+is asked once per swept position of its first gold document (the link document of a
+two-hop question): first, middle and last by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from chunkstore.chunking import chunk_conversation  # noqa: E402
+from modeltools.docqa_data import DocQAExample, generate  # noqa: E402
+from workers.engine.config import EngineConfig  # noqa: E402
+from workers.engine.engine import Engine  # noqa: E402
+from workers.engine.naive_placement import NaivePlacement  # noqa: E402
+from workers.engine.sampling_params import SamplingParams  # noqa: E402
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "modeltools" / "docqa_model"
+MODES = ("full", "exact", "naive")
+POSITIONS = {"first": lambda k: 0, "middle": lambda k: k // 2, "last": lambda k: k - 1}
+ANSWER = SamplingParams(max_tokens=16, temperature=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    example: DocQAExample
+    token_ids: list[int]
+    doc_spans: tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass
+class Outcome:
+    text: str
+    first_logits: torch.Tensor  # float64 log-probabilities of the first answer token
+    computed_share: float
+    token_ids: list[int]
+
+
+def swept(example: DocQAExample, position: int) -> DocQAExample:
+    """``example`` with its first gold document moved to ``position`` (swapped)."""
+    docs = list(example.documents)
+    gold = example.gold[0]
+    docs[gold], docs[position] = docs[position], docs[gold]
+    remap = {gold: position, position: gold}
+    return dataclasses.replace(
+        example, documents=tuple(docs), gold=tuple(remap.get(g, g) for g in example.gold)
+    )
+
+
+def build_prompt(tokenizer, example: DocQAExample) -> Prompt:
+    """Canonical chunk tokenization; documents are the user message's parts before
+    the question (the first one opens with the user header)."""
+    chunks = chunk_conversation(tokenizer, example.messages)
+    spans, offset = [], 0
+    for index, chunk in enumerate(chunks):
+        if 1 <= index <= example.num_docs:
+            spans.append((offset, offset + len(chunk.token_ids)))
+        offset += len(chunk.token_ids)
+    tokens = [t for chunk in chunks for t in chunk.token_ids]
+    return Prompt(example, tokens, tuple(spans))
+
+
+def make_engine(model: str, mode: str, device: str | None, num_pages: int) -> Engine:
+    config = EngineConfig(
+        model, device=device, num_pages=num_pages, enable_reuse=mode != "full", page_size=16
+    )
+    if mode == "naive":
+        return Engine(config, reuse_factory=NaivePlacement)
+    return Engine(config)
+
+
+def run_prompts(engine: Engine, prompts: list[Prompt], place: bool) -> list[Outcome]:
+    """Greedy answers of ``prompts`` in one batch, with each one's first-token
+    distribution (recorded from the logits the runner returns)."""
+    first: dict[str, torch.Tensor] = {}
+    run = engine.runner.run
+
+    def recording(batch):
+        logits = run(batch)
+        rows = [item for item in batch if item.samples]
+        for row, item in zip(logits, rows, strict=True):
+            if item.seq.num_output_tokens == 0:
+                first[item.seq.request_id] = torch.log_softmax(row.double().cpu(), -1)
+        return logits
+
+    engine.runner.run = recording
+    try:
+        ids = [f"q{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            spans = prompt.doc_spans if place else ()
+            engine.add_request(rid, prompt.token_ids, ANSWER, placeable=spans)
+        tokens = {rid: [] for rid in ids}
+        texts = dict.fromkeys(ids, "")
+        reuse = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+                reuse[out.request_id] = out.reuse
+        for rid in ids:
+            texts[rid] = engine.tokenizer.decode(tokens[rid], skip_special_tokens=True)
+    finally:
+        engine.runner.run = run
+    outcomes = []
+    for rid, prompt in zip(ids, prompts, strict=True):
+        info = reuse[rid]
+        computed = len(prompt.token_ids) - info.reused_tokens + info.recomputed_tokens
+        outcomes.append(
+            Outcome(texts[rid].strip(), first[rid], computed / len(prompt.token_ids), tokens[rid])
+        )
+    return outcomes
+
+
+def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """KL(reference || other) of two log-probability vectors, in nats."""
+    return float((reference.exp() * (reference - other)).sum())
+
+
+def evaluate(
+    model: str,
+    examples: int,
+    seed: int,
+    docs: list[int],
+    hops: list[int],
+    positions: list[str],
+    device: str | None = None,
+    batch: int = 32,
+    progress: Callable[[str], None] = print,
+) -> dict:
+    """Every (mode, hops, docs) row, plus exact-vs-full token mismatches."""
+    engines = {}
+    rows, mismatches = [], 0
+    for k in docs:
+        # room for one batch twice over (exact mode keeps a warm copy) plus entries
+        num_pages = 3 * batch * (k * 64 + 256) // 16
+        for mode in MODES:
+            engines[mode] = make_engine(model, mode, device, num_pages)
+        tokenizer = engines["full"].tokenizer
+        for h in hops:
+            base = generate(seed, examples, k, "heldout", h)
+            prompts = [
+                build_prompt(tokenizer, swept(ex, POSITIONS[p](k))) for ex in base for p in positions
+            ]
+            results: dict[str, list[Outcome]] = {m: [] for m in MODES}
+            for start in range(0, len(prompts), batch):
+                part = prompts[start : start + batch]
+                results["full"] += run_prompts(engines["full"], part, place=False)
+                run_prompts(engines["exact"], part, place=False)  # warm the cache
+                results["exact"] += run_prompts(engines["exact"], part, place=False)
+                results["naive"] += run_prompts(engines["naive"], part, place=True)
+                engines["naive"].reuse.clear()
+                progress(f"docs {k} hops {h}: {min(start + batch, len(prompts))}/{len(prompts)}")
+            mismatches += sum(
+                a.token_ids != b.token_ids
+                for a, b in zip(results["full"], results["exact"], strict=True)
+            )
+            for mode in MODES:
+                outs = results[mode]
+                correct = sum(
+                    o.text == p.example.answer for o, p in zip(outs, prompts, strict=True)
+                )
+                rows.append(
+                    {
+                        "mode": mode,
+                        "hops": h,
+                        "docs": k,
+                        "accuracy": correct / len(outs),
+                        "kl": sum(
+                            kl(f.first_logits, o.first_logits)
+                            for f, o in zip(results["full"], outs, strict=True)
+                        )
+                        / len(outs),
+                        "recomputed_share": sum(o.computed_share for o in outs) / len(outs),
+                        "prompts": len(outs),
+                    }
+                )
+    return {"rows": rows, "exact_token_mismatches": mismatches}
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [
+        "| mode | hops | docs | prompts | accuracy | KL vs full | recomputed share |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['mode']} | {r['hops']} | {r['docs']} | {r['prompts']} | "
+            f"{r['accuracy']:.1%} | {r['kl']:.4f} | {r['recomputed_share']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory")
+    parser.add_argument("--examples", type=int, default=100, help="held-out examples per row")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--docs", type=int, nargs="+", default=[8], help="documents per prompt")
+    parser.add_argument("--hops", type=int, nargs="+", default=[1, 2], choices=[1, 2])
+    parser.add_argument(
+        "--positions",
+        nargs="+",
+        default=list(POSITIONS),
+        choices=list(POSITIONS),
+        help="where the first gold document is moved",
+    )
+    parser.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--batch", type=int, default=32, help="prompts per engine batch")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    if args.examples < 1:
+        parser.error("--examples must be >= 1")
+    if not Path(args.model, "config.json").is_file():
+        parser.error(f"{args.model} is not a checkpoint directory (no config.json)")
+    started = time.perf_counter()
+    result = evaluate(
+        args.model,
+        args.examples,
+        args.seed,
+        args.docs,
+        args.hops,
+        args.positions,
+        args.device,
+        args.batch,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    result["meta"] = {
+        "model": str(args.model),
+        "examples": args.examples,
+        "seed": args.seed,
+        "positions": args.positions,
+        "device": args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    print(format_table(result["rows"]))
+    print(f"exact reuse vs full prefill: {result['exact_token_mismatches']} token mismatches")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if math.isfinite(sum(r["kl"] for r in result["rows"])) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
