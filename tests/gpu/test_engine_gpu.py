@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from array import array
 
 import pytest
 import torch
@@ -209,3 +210,43 @@ def test_prefill_graphs_match_eager(qwen3_06b, engines):
     _record("prefill_graph_vs_eager", {"prompts": len(prompts), "mismatches": mismatches})
     assert len(replays) >= len(prompts) - 1  # the first context request prefills 3K eagerly
     assert all(d["picked_runner_up"] and d["top2_gap"] < NEAR_TIE for d in mismatches)
+
+
+def test_scattered_recompute_over_cached_kv_matches_one_pass(engines):
+    """Recomputing a random subset of positions (custom-mask prefill) over KV whose
+    rows there were overwritten with noise restores the KV and last logits of one
+    plain pass, within bf16 noise."""
+    import numpy as np
+
+    from workers.engine.request import Sequence
+    from workers.engine.sampling_params import SamplingParams
+    from workers.engine.scheduler import ScheduledSeq
+
+    engine = engines[0].engine
+    page = engine.pool.page_size
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(10, 50_000, size=700).tolist()
+    seq = Sequence("gpu-scattered", 0, tokens, SamplingParams(max_tokens=1), engine.namespace())
+    seq.page_ids = array("i", engine.pool.allocate(-(-len(tokens) // page)))
+    table = torch.tensor(list(seq.page_ids), device="cuda").repeat_interleave(page)
+    rows = (table[: len(tokens)], torch.arange(len(tokens), device="cuda") % page)
+
+    def kv():
+        return torch.stack([c[rows[0], :, rows[1]].float() for c in engine.runner.kv_caches])
+
+    plain_logits = engine.runner.run([ScheduledSeq(seq, 0, len(tokens))])[0].float()
+    plain_kv = kv()
+    tail = len(tokens) - 4
+    subset = np.sort(rng.choice(tail, size=120, replace=False)).astype(np.int64)
+    noisy = torch.from_numpy(np.concatenate((subset, np.arange(tail, len(tokens))))).cuda()
+    for cache in engine.runner.kv_caches:
+        cache[rows[0][noisy], :, rows[1][noisy]] = 5 * torch.randn_like(
+            cache[rows[0][noisy], :, rows[1][noisy]]
+        )
+    logits = engine.runner.run([ScheduledSeq(seq, tail, 4, subset)])[0].float()
+    engine.pool.release(seq.page_ids)
+    kv_rel = ((kv() - plain_kv).norm() / plain_kv.norm()).item()
+    logit_rel = _rel_full(logits, plain_logits)
+    _record("scattered_recompute", {"kv_rel": kv_rel, "logit_rel": logit_rel})
+    assert engine.runner.backend.last_plan_kind == "prefill"
+    assert kv_rel <= 2e-2 and logit_rel <= 2e-2, (kv_rel, logit_rel)

@@ -102,3 +102,38 @@ def test_cascade_decode(levels):
     backend = FlashInferBackend(_shape(), min_saved_tokens=0)
     assert _compare(layout, backend) <= 1e-2
     assert backend.last_plan_kind == "cascade"
+
+
+def _scattered_layout(page_lists, kv_lens, query_positions):
+    """Each sequence's new tokens at the given (sorted, scattered) positions."""
+    indptr, indices, last, qo, slots, positions = [0], [], [], [0], [], []
+    for pages, kv_len, wanted in zip(page_lists, kv_lens, query_positions, strict=True):
+        used = pages[: -(-kv_len // PAGE)]
+        indices += used
+        indptr.append(len(indices))
+        last.append(kv_len - (len(used) - 1) * PAGE)
+        qo.append(qo[-1] + len(wanted))
+        slots += [used[p // PAGE] * PAGE + p % PAGE for p in wanted]
+        positions += wanted
+    t = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    return BatchLayout(
+        t(qo), t(indptr), t(indices), t(last), t(kv_lens), t(slots), PAGE, t(positions), False
+    )
+
+
+def test_prefill_at_scattered_positions_uses_a_position_mask():
+    """Queries at scattered positions over filled KV (repairs of placed chunks) beside
+    a plain tail: FlashInfer's custom-mask prefill agrees with the torch reference."""
+    from workers.engine.attention.flashinfer_backend import FlashInferBackend
+
+    rng = random.Random(3)
+    kv_lens = [300, 77, 1000]
+    wanted = [
+        sorted(rng.sample(range(290), 40)) + list(range(290, 300)),
+        list(range(60, 77)),  # a plain tail in the same step
+        sorted(rng.sample(range(999), 100)) + [999],
+    ]
+    layout = _scattered_layout(_random_pages(rng, 3, 70), kv_lens, wanted)
+    backend = FlashInferBackend(_shape())
+    assert _compare(layout, backend) <= 1e-2
+    assert backend.last_plan_kind == "prefill"

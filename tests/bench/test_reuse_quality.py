@@ -1,0 +1,45 @@
+"""bench/reuse_quality.py end to end on the shipped doc-QA model (CPU): exact reuse
+equals full prefill token for token, and the JSON rows have the promised fields."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import reuse_quality
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("quality") / "rows.json"
+    argv = ["--examples", "4", "--docs", "4", "--hops", "1", "2", "--device", "cpu"]
+    assert reuse_quality.main([*argv, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_exact_reuse_equals_full_prefill_on_docqa_prompts(result):
+    assert result["exact_token_mismatches"] == 0
+    rows = {(r["mode"], r["hops"]): r for r in result["rows"]}
+    for hops in (1, 2):
+        full, exact = rows[("full", hops)], rows[("exact", hops)]
+        assert exact["accuracy"] == full["accuracy"]
+        assert full["kl"] == 0 and exact["kl"] < 1e-9
+        assert full["recomputed_share"] == 1.0
+        assert exact["recomputed_share"] < 0.2  # a warm cache serves nearly every token
+
+
+def test_rows_cover_every_mode_with_the_promised_fields(result):
+    assert {(r["mode"], r["hops"], r["docs"]) for r in result["rows"]} == {
+        (m, h, 4) for m in ("full", "exact", "naive") for h in (1, 2)
+    }
+    for row in result["rows"]:
+        assert {"mode", "hops", "docs", "accuracy", "kl", "recomputed_share"} <= set(row)
+        assert 0 <= row["accuracy"] <= 1 and row["kl"] >= 0
+    naive = [r for r in result["rows"] if r["mode"] == "naive"]
+    # documents are placed, not computed: only system prompt, question and the
+    # generation prompt are
+    assert all(r["recomputed_share"] < 0.6 for r in naive)
+    # 24 prompts over a model that reads its documents: full prefill answers most
+    full = [r for r in result["rows"] if r["mode"] == "full"]
+    assert all(r["accuracy"] >= 0.75 for r in full), full
