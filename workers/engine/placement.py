@@ -1,0 +1,215 @@
+"""Placement primitives for position-free chunk entries (DESIGN.md, "Approximate
+reuse", items 1-2): move a chunk's cached K/V to another position by re-rotating
+its keys.
+
+Keys are cached *after* RoPE (NeoX half-split layout, ``layers/ops.apply_rope``):
+the key of a token at position ``x`` is ``R(x) k`` where ``R(x)`` rotates each
+pair ``(k[i], k[i + d/2])`` by the angle ``x * inv_freq[i]``. Rotations of a pair
+compose, ``R(a + b) = R(b) R(a)``, so a key cached at ``x`` becomes the key at
+``x + delta`` by applying ``R(delta)``, computed from row ``delta`` of the very
+``cos_sin_cache`` that ``apply_rope`` reads (same frequencies, Llama 3 scaling
+included). Values carry no position and are copied unchanged.
+
+Why a chunk computed alone may be moved at all: a chunk that attends only to
+itself sees RoPE only through query-key *relative* positions, so its hidden
+states, and with them its values and un-rotated keys at every layer, do not
+depend on where it starts. Only the stored key rotation does, and that is what
+``rotate_keys`` fixes. This holds only when RoPE is a pure per-position rotation
+of every head; ``rope_supports_placement`` says whether a model's is.
+
+Exactness: up to float32 rounding. The reference (computing the chunk at
+``p`` directly) evaluates ``cos((p + x) * f)`` whereas placement evaluates the
+product of ``cos(p * f)`` and ``cos(x * f)`` rotations; both round the angle
+products in float32, so they differ by a few ulps of the angle, which grows with
+the position (about ``(p + x) * 2**-24`` radians).
+
+Plain torch; runs on CPU and CUDA with no per-token Python loops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from workers.engine.layers.rotary import RopeScaling
+
+
+def _rows_of(table: torch.Tensor, delta: int | torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """cos and sin ``[n or 1, 1, head_dim]`` float32 of the rotation by ``delta``,
+    in the full-width NeoX layout (each half-frequency repeated for both halves).
+    A negative delta uses ``R(-a) = (cos a, -sin a)``."""
+    half = table.shape[-1] // 2
+    if isinstance(delta, torch.Tensor):
+        delta = delta.to(device=table.device, dtype=torch.int64)
+        if delta.dim() != 1 or delta.numel() != n:
+            raise ValueError(f"delta tensor must have shape [{n}], got {list(delta.shape)}")
+        rows = table.index_select(0, delta.abs())
+        sign = torch.where(delta < 0, -1.0, 1.0).to(torch.float32)[:, None]
+    else:
+        delta = int(delta)
+        if abs(delta) >= table.shape[0]:
+            raise ValueError(
+                f"rotation by {delta} needs cos_sin_cache row {abs(delta)}, "
+                f"but the cache has {table.shape[0]} rows"
+            )
+        rows = table[abs(delta)][None, :]
+        sign = -1.0 if delta < 0 else 1.0
+    rows = rows.to(torch.float32)
+    cos = rows[:, :half]
+    sin = rows[:, half:] * sign
+    return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((sin, sin), dim=-1)[:, None, :]
+
+
+def rotate_keys(
+    keys: torch.Tensor,  # [n, kv_heads, head_dim], rotated at positions x
+    delta: int | torch.Tensor,  # int, or [n] int64 (one shift per row)
+    cos_sin_cache: torch.Tensor,  # [max_pos, head_dim] float32, from layers.rotary
+) -> torch.Tensor:
+    """Keys rotated at positions ``x`` -> the same keys rotated at ``x + delta``.
+
+    Returns a new tensor of ``keys``' dtype and shape; the math runs in float32 and
+    is cast back once. ``delta`` may be negative (rotates back), and must satisfy
+    ``|delta| < cos_sin_cache.shape[0]`` (checked for an int; for a tensor it is the
+    caller's precondition, since checking would synchronize a CUDA stream).
+    ``cos_sin_cache`` must be the table the keys were rotated with (the model's
+    ``rope_cache``), on the keys' device.
+    """
+    if keys.dim() != 3:
+        raise ValueError(f"keys must be [n, kv_heads, head_dim], got {list(keys.shape)}")
+    if keys.shape[-1] != cos_sin_cache.shape[-1]:
+        raise ValueError(
+            f"head_dim {keys.shape[-1]} does not match cos_sin_cache width "
+            f"{cos_sin_cache.shape[-1]}"
+        )
+    cos, sin = _rows_of(cos_sin_cache, delta, keys.shape[0])
+    half = keys.shape[-1] // 2
+    k = keys.float()
+    rotated = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
+    return rotated.to(keys.dtype)
+
+
+def slot_rows(slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Rows of ``kv_cache.view(-1, kv_heads * head_dim)`` holding the keys of the
+    given slots (``page * page_size + offset``); the values are ``page_size`` rows
+    further (layout ``[pages, 2, page_size, kv_heads, head_dim]``). int64."""
+    slots = slots.long()
+    return (slots // page_size) * (2 * page_size) + slots % page_size
+
+
+def place_chunk(
+    kv_caches: Sequence[torch.Tensor],  # per layer [pages, 2, page_size, kv_heads, head_dim]
+    src: torch.Tensor | Sequence[torch.Tensor],
+    dst_slots: torch.Tensor,  # [n] int
+    delta: int | torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    page_size: int,
+) -> None:
+    """Copy a chunk's K/V into ``dst_slots`` of every layer, keys rotated by ``delta``.
+
+    ``src`` is either a ``[n]`` int tensor of slots in ``kv_caches`` themselves (an
+    entry held in the pool's pages), or one ``[n, 2, kv_heads, head_dim]`` tensor per
+    layer (rows held elsewhere, e.g. host memory; index 0 keys, 1 values). Row ``i``
+    of the chunk goes to ``dst_slots[i]``.
+
+    Invariants:
+    - Destination slots need no alignment: the chunk may start mid-page and span
+      any pages (a slot is ``page * page_size + offset``; consecutive positions of a
+      sequence need not be consecutive slots). ``dst_slots`` must be distinct.
+    - Only the ``2 * n`` destination rows of each layer are written (keys rotated,
+      values bit-identical to the source); every other slot is untouched.
+    - Source rows are gathered before anything is written, so sources and
+      destinations may overlap (e.g. shifting a chunk within its own pages).
+    - The keys at the source are taken to be rotated at positions ``x``; at the
+      destination they are rotated at ``x + delta`` (see ``rotate_keys``). Placing
+      an entry computed at position 0 at offset ``p`` is ``delta = p``.
+    - One gather and one scatter per layer; no per-token Python work, no host sync.
+    """
+    if not kv_caches:
+        return
+    device = kv_caches[0].device
+    dst_key_rows = slot_rows(dst_slots.to(device), page_size)
+    dst_rows = torch.cat((dst_key_rows, dst_key_rows + page_size))
+    n = dst_key_rows.numel()
+    from_slots = isinstance(src, torch.Tensor)
+    if from_slots:
+        if src.numel() != n:
+            raise ValueError(f"{src.numel()} source slots for {n} destination slots")
+        src_key_rows = slot_rows(src.to(device), page_size)
+        src_rows = torch.cat((src_key_rows, src_key_rows + page_size))
+    elif len(src) != len(kv_caches):
+        raise ValueError(f"{len(src)} source layers for {len(kv_caches)} cache layers")
+    for layer, kv_cache in enumerate(kv_caches):
+        kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+        flat = kv_cache.view(-1, kv_heads * head_dim)
+        if from_slots:
+            rows = flat.index_select(0, src_rows)  # a copy: overlap-safe
+            keys, values = rows[:n], rows[n:]
+        else:
+            chunk = src[layer]
+            if chunk.shape != (n, 2, kv_heads, head_dim):
+                raise ValueError(
+                    f"layer {layer}: source rows {list(chunk.shape)}, "
+                    f"expected {[n, 2, kv_heads, head_dim]}"
+                )
+            chunk = chunk.to(device=device, dtype=kv_cache.dtype)
+            keys, values = chunk[:, 0].reshape(n, -1), chunk[:, 1].reshape(n, -1)
+        keys = rotate_keys(keys.reshape(n, kv_heads, head_dim), delta, cos_sin_cache)
+        flat.index_copy_(0, dst_rows, torch.cat((keys.reshape(n, -1), values)))
+
+
+# Why each refused RoPE variant is not a pure per-position rotation of every head.
+_NOT_PURE_ROTATION = {
+    "yarn": "YaRN scales cos/sin by an attention factor, so rotations do not compose",
+    "dynamic": "dynamic NTK frequencies depend on the sequence length",
+    "longrope": "LongRoPE switches frequencies with the sequence length and rescales cos/sin",
+    "linear": "linear position interpolation is not implemented by our layers",
+}
+
+
+def rope_supports_placement(model_config: Any) -> str | None:
+    """None when a model's RoPE lets cached keys be moved by ``rotate_keys``, else a
+    message naming the config field that prevents it.
+
+    Accepts our ``ModelConfig`` or a raw Hugging Face ``config.json`` dict (so a
+    model can be judged without loading it). Accepted: no scaling (``default``) and
+    ``llama3`` scaling, which only rescales frequencies: still one pure rotation per
+    position and head. Refused: other ``rope_scaling`` / ``rope_parameters`` types
+    (``ModelConfig.from_dict`` refuses those too), ``partial_rotary_factor`` < 1
+    (only part of each head rotated; our layers rotate whole heads) and an odd
+    ``head_dim`` (no half-split pairs).
+    """
+    if isinstance(model_config, Mapping):
+        return _raw_config_problem(model_config)
+    scaling = model_config.rope_scaling
+    if scaling is not None and not isinstance(scaling, RopeScaling):
+        return f"rope_scaling {scaling!r} is not llama3 scaling: not a pure rotation"
+    partial = getattr(model_config, "partial_rotary_factor", 1.0)
+    if partial is not None and float(partial) < 1.0:
+        return f"partial_rotary_factor {partial} < 1: only part of each head is rotated"
+    if model_config.head_dim % 2:
+        return f"head_dim {model_config.head_dim} is odd: NeoX RoPE rotates pairs"
+    return None
+
+
+def _raw_config_problem(raw: Mapping) -> str | None:
+    for field in ("rope_scaling", "rope_parameters"):
+        params = raw.get(field) or {}
+        kind = params.get("rope_type") or params.get("type")
+        if kind in (None, "default", "llama3"):
+            continue
+        reason = _NOT_PURE_ROTATION.get(kind, "not known to be a pure per-position rotation")
+        return f"{field}.rope_type {kind!r}: {reason}"
+    for where, params in (("", raw), ("rope_parameters.", raw.get("rope_parameters") or {})):
+        partial = params.get("partial_rotary_factor")
+        if partial is not None and float(partial) < 1.0:
+            return (
+                f"{where}partial_rotary_factor {partial} < 1: only part of each head is "
+                "rotated (not supported by our layers)"
+            )
+    heads = int(raw.get("num_attention_heads") or 1)
+    head_dim = int(raw.get("head_dim") or int(raw.get("hidden_size") or 0) // heads)
+    if head_dim % 2:
+        return f"head_dim {head_dim} is odd: NeoX RoPE rotates pairs"
+    return None
