@@ -164,7 +164,9 @@ def evaluate(
         for h in hops:
             base = generate(seed, examples, k, "heldout", h)
             prompts = [
-                build_prompt(tokenizer, swept(ex, POSITIONS[p](k))) for ex in base for p in positions
+                build_prompt(tokenizer, swept(ex, POSITIONS[p](k)))
+                for ex in base
+                for p in positions
             ]
             results: dict[str, list[Outcome]] = {m: [] for m in MODES}
             for start in range(0, len(prompts), batch):
