@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import queue
+import selectors
 import threading
 
 import pytest
@@ -86,7 +87,16 @@ def test_mirror_applies_events_in_order():
 
 def test_coalesce_merges_consecutive_outputs_per_choice():
     def out(rid, token, text, finished=False):
-        return StepOutput(rid, (token,), text, finished, "length" if finished else None, 10, 4, ReuseInfo("exact", 4))
+        return StepOutput(
+            rid,
+            (token,),
+            text,
+            finished,
+            "length" if finished else None,
+            10,
+            4,
+            ReuseInfo("exact", 4),
+        )
 
     deltas = coalesce([out("r#0", 1, "a"), out("r#1", 2, "b"), out("r#0", 3, "c", True)],
                       {"r#0": 0, "r#1": 1})  # fmt: skip
@@ -97,61 +107,139 @@ def test_coalesce_merges_consecutive_outputs_per_choice():
 
 
 def _out(rid: str, token: int, finished: bool = False) -> StepOutput:
-    return StepOutput(rid, (token,), str(token), finished, "length" if finished else None, 10, 4, ReuseInfo("exact", 4))
+    return StepOutput(
+        rid,
+        (token,),
+        str(token),
+        finished,
+        "length" if finished else None,
+        10,
+        4,
+        ReuseInfo("exact", 4),
+    )
 
 
-async def _stream(interval_s: float, schedule: list[tuple[float, object]]) -> list[tuple]:
-    """Feed ``schedule`` ((delay, item)) into ``_collect``; the deltas and when they came."""
-    outputs: asyncio.Queue = asyncio.Queue()
+class _JumpingSelector(selectors.DefaultSelector):
+    """Never sleeps: where the event loop would wait for its next timer, the virtual
+    clock ``now`` jumps to that timer instead."""
 
-    async def feed() -> None:
-        for delay, item in schedule:
-            await asyncio.sleep(delay)
-            outputs.put_nowait(item)
+    now = 0.0
 
-    feeder = asyncio.create_task(feed())
-    start = asyncio.get_running_loop().time()
-    got = []
-    async for delta in _collect(outputs, ["r#0", "r#1"], interval_s):
-        got.append((asyncio.get_running_loop().time() - start, delta))
-    await feeder
-    return got
+    def select(self, timeout: float | None = None):
+        ready = super().select(0)
+        if not ready and timeout is None:
+            raise RuntimeError("the virtual-time loop would wait forever: nothing is scheduled")
+        if not ready and timeout:
+            self.now += timeout
+        return ready
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop on a virtual clock: ``loop.time()``, ``asyncio.sleep`` and
+    timeouts behave as usual, but time passes only while every task waits, and then
+    at once. Timing is exact and independent of the machine; nothing awaited may
+    depend on I/O from other threads or processes."""
+
+    def __init__(self) -> None:
+        self._clock = _JumpingSelector()
+        super().__init__(self._clock)
+
+    def time(self) -> float:
+        return self._clock.now
+
+
+def _stream(interval_s: float, schedule: list[tuple[float, object]]) -> list[tuple]:
+    """Feed ``schedule`` ((delay, item)) into ``_collect`` on virtual time; the deltas
+    and the virtual times they came at (the first item is fed at its delay)."""
+
+    async def run() -> list[tuple]:
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        async def feed() -> None:
+            for delay, item in schedule:
+                await asyncio.sleep(delay)
+                outputs.put_nowait(item)
+
+        feeder = asyncio.create_task(feed())
+        loop = asyncio.get_running_loop()
+        got = [
+            (loop.time(), delta) async for delta in _collect(outputs, ["r#0", "r#1"], interval_s)
+        ]
+        await feeder
+        return got
+
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        return runner.run(run())
+
+
+def _batches(got: list[tuple]) -> list[tuple[float, list]]:
+    """Deltas grouped by the (virtual) time they came at."""
+    batches: list[tuple[float, list]] = []
+    for at, delta in got:
+        if batches and batches[-1][0] == at:
+            batches[-1][1].append(delta)
+        else:
+            batches.append((at, [delta]))
+    return batches
+
+
+def test_virtual_time_loop_jumps_to_timers():
+    async def nap() -> list[float]:
+        loop = asyncio.get_running_loop()
+        seen = [loop.time()]
+        await asyncio.sleep(5.0)
+        seen.append(loop.time())
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(asyncio.Event().wait(), 2.5)
+        seen.append(loop.time())
+        return seen
+
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        assert runner.run(nap()) == [0.0, 5.0, 7.5]
 
 
 def test_deltas_come_at_most_once_per_interval_and_the_first_at_once():
-    # two choices, a token each every 10 ms; choice 1 ends after 3 tokens, choice 0 after 8
+    # two choices, a token each every 10 ms from t=10 ms; choice 1 ends with its third
+    # token (t=30 ms), choice 0 with its eighth (t=80 ms)
     schedule = []
     for step in range(8):
         schedule.append((0.01, _out("r#0", step, finished=step == 7)))
         if step < 3:
             schedule.append((0.0, _out("r#1", 100 + step, finished=step == 2)))
-    every = asyncio.run(_stream(0.0, schedule))
-    held = asyncio.run(_stream(0.035, schedule))
-    buffered = asyncio.run(_stream(math.inf, schedule))
+    last_output_at = 0.08
+    every = _stream(0.0, schedule)
+    held = _stream(0.025, schedule)
+    buffered = _stream(math.inf, schedule)
     for got in (every, held, buffered):
         tokens = {0: [], 1: []}
         for _, delta in got:
             tokens[delta.index] += delta.token_ids
         assert tokens == {0: list(range(8)), 1: [100, 101, 102]}  # nothing lost or repeated
+        assert [d.finished for _, d in got] == [
+            d.token_ids[-1] in (7, 102) for _, d in got
+        ]  # a choice's delta says finished exactly when it carries its last token
         assert got[0][1].token_ids == (0,)
-        assert got[0][0] < got[-1][0] - 0.04  # the first token is never held back
-        assert [d.finished for _, d in got if d.index == 0][-1]
-    assert len(every) == 11
-    # held: a batch (one delta per choice) at most every 35 ms after the first
-    batches = sorted({round(t, 3) for t, _ in held})
-    assert 3 <= len(batches) <= 4
-    assert all(b - a > 0.03 for a, b in zip(batches[1:], batches[2:], strict=False))
+        assert got[0][0] == pytest.approx(0.01)  # the first token is never held back
+        assert got[-1][0] == pytest.approx(last_output_at)  # nor the last, once all ended
+        for _, deltas in _batches(got):
+            assert len({d.index for d in deltas}) == len(deltas)  # one delta per choice
+    assert len(every) == 11  # no interval: every output goes out on its own
+    # held: then at most one batch per 25 ms, each as soon as the interval is over;
+    # only the final flush (everything ended) comes sooner
+    times = [at for at, _ in _batches(held)]
+    assert times == pytest.approx([0.01, 0.035, 0.06, last_output_at])
+    assert all(b - a >= 0.025 - 1e-9 for a, b in zip(times[:-2], times[1:-1], strict=True))
+    assert times[-1] - times[-2] < 0.025  # the final flush was not held to the interval
     # buffered: the first delta, then everything else once both choices ended
-    assert all(t > 0.07 for t, d in buffered[1:] if d.token_ids != (100,))
+    times = [at for at, _ in _batches(buffered)]
+    assert times == pytest.approx([0.01, last_output_at])
     assert len(buffered) <= 4
 
 
 def test_a_rejection_is_not_held_back():
-    got = asyncio.run(
-        _stream(math.inf, [(0.01, _out("r#0", 1)), (0.01, Rejected("r#1", "prompt too long"))])
-    )
+    got = _stream(math.inf, [(0.01, _out("r#0", 1)), (0.01, Rejected("r#1", "prompt too long"))])
     assert [type(d).__name__ for _, d in got] == ["WorkerDelta", "WorkerRefusal"]
-    assert got[1][0] < 0.5
+    assert [at for at, _ in got] == pytest.approx([0.01, 0.02])
 
 
 def test_call_runs_on_the_loop_thread_and_prefill_keeps_others_streaming(loop):
