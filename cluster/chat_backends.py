@@ -23,6 +23,7 @@ class Turn:
     text: str
     prompt_tokens: int
     cached_tokens: int  # of the prompt, served from the KV cache
+    reuse_mode: str  # the reuse mode that served the prompt ("off", "exact", ...)
     ttft_s: float  # request sent -> first generated text
 
 
@@ -67,17 +68,19 @@ class RemoteBackend:
             stream=True,
             stream_options={"include_usage": True},
         )
-        text, ttft, usage = "", 0.0, None
+        text, ttft, usage, reuse = "", 0.0, None, None
         for chunk in stream:
             if chunk.usage is not None:
                 usage = chunk.usage
+            reuse = (chunk.model_extra or {}).get("reuse") or reuse  # chunkserve's extra field
             piece = chunk.choices[0].delta.content if chunk.choices else None
             if piece:
                 ttft = ttft or time.monotonic() - started
                 text += piece
                 on_text(piece)
         cached = usage.prompt_tokens_details.cached_tokens if usage else 0
-        return Turn(text, usage.prompt_tokens if usage else 0, cached, ttft)
+        mode = reuse["mode"] if reuse else "unreported"  # a server without the field
+        return Turn(text, usage.prompt_tokens if usage else 0, cached, mode, ttft)
 
     def register(self, content: str, role: str, after: Sequence[str]) -> str:
         body = {"content": content, "role": role, "after": list(after)}
@@ -128,16 +131,17 @@ class LocalBackend:
         engine.add_request(
             request_id, tokens, SamplingParams(max_tokens=self._max_tokens, temperature=0)
         )
-        text, ttft, cached = "", 0.0, 0
+        text, ttft, reuse = "", 0.0, None
         while engine.has_unfinished():
             for out in engine.step():
-                cached = out.num_cached_tokens
+                reuse = out.reuse
                 if out.new_token_ids:
                     ttft = ttft or time.monotonic() - started
                 if out.new_text:
                     text += out.new_text
                     on_text(out.new_text)
-        return Turn(text, len(tokens), cached, ttft)
+        assert reuse is not None, "a finished request had at least one output"
+        return Turn(text, len(tokens), reuse.reused_tokens, reuse.mode, ttft)
 
     def register(self, content: str, role: str, after: Sequence[str]) -> str:
         chunk_id = self._llm.register_chunk(content, role=role, after=after)

@@ -2,7 +2,7 @@
 
 The conversation is: the system prompt (text, or its registered chunk), the
 registered documents (chunks, in registration order), then the turns. After every
-reply one line reports ``reused R / computed C prompt tokens, TTFT T ms``.
+reply one line reports ``reuse MODE: reused R / computed C prompt tokens, TTFT T ms``.
 
 Commands: ``/system TEXT``, ``/register`` (the current system prompt),
 ``/register-file PATH`` (a document, after the system prompt), ``/chunks``, ``/quit``.
@@ -44,8 +44,8 @@ class Conversation:
 def reuse_line(turn: Turn) -> str:
     computed = turn.prompt_tokens - turn.cached_tokens
     return (
-        f"reused {turn.cached_tokens} / computed {computed} prompt tokens, "
-        f"TTFT {turn.ttft_s * 1000:.0f} ms"
+        f"reuse {turn.reuse_mode}: reused {turn.cached_tokens} / computed {computed} "
+        f"prompt tokens, TTFT {turn.ttft_s * 1000:.0f} ms"
     )
 
 

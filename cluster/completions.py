@@ -32,6 +32,7 @@ from cluster.openai_format import (
     ChoiceOutput,
     CompletionFormat,
     ResponseFormat,
+    reuse,
     sse,
     usage,
 )
@@ -159,7 +160,7 @@ class CompletionService:
         worker_id, choices = await self._buffered(prompt, request, started)
         answer = usage(len(prompt.token_ids), choices)
         self._count(answer)
-        return Reply(worker_id, body=fmt.response(choices, answer))
+        return Reply(worker_id, body=fmt.response(choices, answer, reuse(choices)))
 
     async def _buffered(
         self, prompt: PreparedPrompt, request: WorkerRequest, started: float
@@ -191,11 +192,13 @@ class CompletionService:
                 yield sse(chunk)
             async for delta in stream.deltas():
                 choices[delta.index].add(delta)
-                yield sse(fmt.chunk(delta))
+                # reuse goes on the last chunk before [DONE] (see openai_protocol.Reuse)
+                last = not body.include_usage and all(c.finish_reason for c in choices)
+                yield sse(fmt.chunk(delta, reuse(choices) if last else None))
             answer = usage(prompt_tokens, choices)
             self._count(answer)
             if body.include_usage:
-                yield sse(fmt.usage_chunk(answer))
+                yield sse(fmt.usage_chunk(answer, reuse(choices)))
             yield SSE_DONE
         except APIError as error:
             yield sse(error.body())

@@ -23,10 +23,12 @@ from cluster.openai_protocol import (
     CompletionChoice,
     CompletionLogprobs,
     PromptTokensDetails,
+    Reuse,
     TokenLogprob,
     TopLogprob,
     Usage,
 )
+from workers.engine.reuse_info import ReuseInfo
 from workers.runtime.worker_types import TokenLogprobs, WorkerDelta
 
 TokenText = Callable[[int], str]
@@ -39,14 +41,14 @@ class ChoiceOutput:
     text: str = ""
     num_tokens: int = 0
     finish_reason: str | None = None
-    cached_tokens: int = 0
+    reuse: ReuseInfo | None = None  # from the first delta on
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def add(self, delta: WorkerDelta) -> None:
         self.text += delta.text
         self.num_tokens += len(delta.token_ids)
         self.finish_reason = delta.finish_reason
-        self.cached_tokens = delta.cached_tokens
+        self.reuse = delta.reuse
         self.logprobs.extend(delta.logprobs)
 
 
@@ -56,8 +58,16 @@ def usage(prompt_tokens: int, choices: Sequence[ChoiceOutput]) -> Usage:
         prompt_tokens=prompt_tokens,
         completion_tokens=completion,
         total_tokens=prompt_tokens + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=choices[0].cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=reuse(choices).reused_tokens),
     )
+
+
+def reuse(choices: Sequence[ChoiceOutput]) -> Reuse:
+    """How the prompt was served, as the first choice saw it (like ``cached_tokens``)."""
+    info = choices[0].reuse
+    if info is None:
+        raise ValueError("no output yet: a choice's first delta says how it was served")
+    return Reuse(**info.as_dict())
 
 
 def sse(payload: BaseModel | dict) -> str:
@@ -69,13 +79,17 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 class ResponseFormat(Protocol):
-    def response(self, choices: Sequence[ChoiceOutput], usage: Usage) -> BaseModel: ...
+    def response(
+        self, choices: Sequence[ChoiceOutput], usage: Usage, reuse: Reuse
+    ) -> BaseModel: ...
 
     def opening_chunks(self, n: int) -> list[BaseModel]: ...
 
-    def chunk(self, delta: WorkerDelta) -> BaseModel: ...
+    def chunk(self, delta: WorkerDelta, reuse: Reuse | None = None) -> BaseModel:
+        """``reuse``: only on the stream's last chunk (see ``Reuse``)."""
+        ...
 
-    def usage_chunk(self, usage: Usage) -> BaseModel: ...
+    def usage_chunk(self, usage: Usage, reuse: Reuse) -> BaseModel: ...
 
 
 @dataclass(frozen=True)
@@ -95,7 +109,9 @@ class ChatFormat:
         self._token_text = token_text
         self._top = top_logprobs
 
-    def response(self, choices: Sequence[ChoiceOutput], usage: Usage) -> ChatCompletion:
+    def response(
+        self, choices: Sequence[ChoiceOutput], usage: Usage, reuse: Reuse
+    ) -> ChatCompletion:
         return ChatCompletion(
             id=self._h.id,
             created=self._h.created,
@@ -110,6 +126,7 @@ class ChatFormat:
                 for i, c in enumerate(choices)
             ],
             usage=usage,
+            reuse=reuse,
         )
 
     def opening_chunks(self, n: int) -> list[ChatCompletionChunk]:
@@ -118,22 +135,24 @@ class ChatFormat:
             for i in range(n)
         ]
 
-    def chunk(self, delta: WorkerDelta) -> ChatCompletionChunk:
+    def chunk(self, delta: WorkerDelta, reuse: Reuse | None = None) -> ChatCompletionChunk:
         choice = ChatChunkChoice(
             index=delta.index,
             delta=ChatDelta(content=delta.text),
             finish_reason=delta.finish_reason,
             logprobs=self._logprobs(delta.logprobs),
         )
-        return self._chunk([choice])
+        return self._chunk([choice], reuse=reuse)
 
-    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
-        return self._chunk([], usage)
+    def usage_chunk(self, usage: Usage, reuse: Reuse) -> ChatCompletionChunk:
+        return self._chunk([], usage, reuse)
 
-    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None):
+    def _chunk(
+        self, choices: list[ChatChunkChoice], usage: Usage | None = None, reuse: Reuse | None = None
+    ) -> ChatCompletionChunk:
         h = self._h
         return ChatCompletionChunk(
-            id=h.id, created=h.created, model=h.model, choices=choices, usage=usage
+            id=h.id, created=h.created, model=h.model, choices=choices, usage=usage, reuse=reuse
         )
 
     def _logprobs(self, tokens: Sequence[TokenLogprobs]) -> ChatLogprobs | None:
@@ -159,7 +178,7 @@ class CompletionFormat:
         self._token_text = token_text
         self._top = top_logprobs
 
-    def response(self, choices: Sequence[ChoiceOutput], usage: Usage) -> Completion:
+    def response(self, choices: Sequence[ChoiceOutput], usage: Usage, reuse: Reuse) -> Completion:
         return self._completion(
             [
                 CompletionChoice(
@@ -171,26 +190,34 @@ class CompletionFormat:
                 for i, c in enumerate(choices)
             ],
             usage,
+            reuse,
         )
 
     def opening_chunks(self, n: int) -> list[Completion]:
         return []
 
-    def chunk(self, delta: WorkerDelta) -> Completion:
+    def chunk(self, delta: WorkerDelta, reuse: Reuse | None = None) -> Completion:
         choice = CompletionChoice(
             index=delta.index,
             text=delta.text,
             finish_reason=delta.finish_reason,
             logprobs=self._logprobs(delta.logprobs),
         )
-        return self._completion([choice])
+        return self._completion([choice], reuse=reuse)
 
-    def usage_chunk(self, usage: Usage) -> Completion:
-        return self._completion([], usage)
+    def usage_chunk(self, usage: Usage, reuse: Reuse) -> Completion:
+        return self._completion([], usage, reuse)
 
-    def _completion(self, choices: list[CompletionChoice], usage: Usage | None = None):
+    def _completion(
+        self,
+        choices: list[CompletionChoice],
+        usage: Usage | None = None,
+        reuse: Reuse | None = None,
+    ) -> Completion:
         h = self._h
-        return Completion(id=h.id, created=h.created, model=h.model, choices=choices, usage=usage)
+        return Completion(
+            id=h.id, created=h.created, model=h.model, choices=choices, usage=usage, reuse=reuse
+        )
 
     def _logprobs(self, tokens: Sequence[TokenLogprobs]) -> CompletionLogprobs | None:
         if not tokens:

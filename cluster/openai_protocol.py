@@ -193,6 +193,29 @@ class Usage(_Response):
     prompt_tokens_details: PromptTokensDetails = Field(description="prompt token breakdown")
 
 
+class Reuse(_Response):
+    """How the prompt was served (chunkserve's addition beside ``usage``)."""
+
+    mode: str = Field(
+        description="reuse mode that served the prompt: off (no KV reused) or exact (KV "
+        "reused only after identical preceding tokens; output equals plain generation); "
+        "later versions may add modes"
+    )
+    reused_tokens: int = Field(
+        description="prompt tokens whose KV came from the cache "
+        "(= usage.prompt_tokens_details.cached_tokens)"
+    )
+    recomputed_tokens: int = Field(
+        description="of the reused tokens, those computed again in context (0 in exact mode)"
+    )
+
+
+_STREAM_REUSE = (
+    "how the prompt was served; in a stream only on the last chunk before [DONE]: the "
+    "usage chunk with include_usage, otherwise the chunk that ends the last choice"
+)
+
+
 class TopLogprob(_Response):
     token: str = Field(description="the token's text")
     logprob: float = Field(description="its log-probability")
@@ -226,6 +249,7 @@ class ChatCompletion(_Response):
     model: str = Field(description="model id")
     choices: list[ChatChoice] = Field(description="one per n")
     usage: Usage = Field(description="token counts")
+    reuse: Reuse = Field(description="how the prompt was served (KV reuse)")
 
 
 class ChatDelta(_Response):
@@ -249,6 +273,7 @@ class ChatCompletionChunk(_Response):
     model: str = Field(description="model id")
     choices: list[ChatChunkChoice] = Field(description="choices with news")
     usage: Usage | None = Field(None, description="last chunk only, with include_usage")
+    reuse: Reuse | None = Field(None, description=_STREAM_REUSE)
 
 
 class CompletionLogprobs(_Response):
@@ -272,6 +297,9 @@ class Completion(_Response):
     model: str = Field(description="model id")
     choices: list[CompletionChoice] = Field(description="one per n (or chunk's choices)")
     usage: Usage | None = Field(None, description="token counts (last chunk when streaming)")
+    reuse: Reuse | None = Field(
+        None, description=f"{_STREAM_REUSE}; always set on a non-streamed completion"
+    )
 
 
 class ModelCard(_Response):

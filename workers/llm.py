@@ -12,6 +12,7 @@ from chunkstore.chunking import Message, chunk_conversation, chunk_prompt
 from workers.engine.chunk_registry import ChunkInfo, ChunkRegistry
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
+from workers.engine.reuse_info import ReuseInfo
 from workers.engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -24,7 +25,8 @@ class RequestOutput:
     token_ids: tuple[int, ...]  # generated tokens
     text: str
     finish_reason: str
-    num_cached_tokens: int  # prompt tokens served from the KV cache
+    num_cached_tokens: int  # prompt tokens served from the KV cache (= reuse.reused_tokens)
+    reuse: ReuseInfo  # how the prompt was served: reuse mode, tokens reused and recomputed
     # per generated token: (token, logprob) then the top alternatives (if requested)
     logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
@@ -35,6 +37,7 @@ class _Collected:
     text: str = ""
     finish_reason: str = ""
     num_cached_tokens: int = 0
+    reuse: ReuseInfo | None = None  # set by the request's first output
     logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
 
 
@@ -145,21 +148,14 @@ class LLM:
                 entry.token_ids += out.new_token_ids
                 entry.text += out.new_text
                 entry.num_cached_tokens = out.num_cached_tokens
+                entry.reuse = out.reuse
                 if out.logprobs is not None:
                     entry.logprobs.append(out.logprobs)
                 if out.finished:
                     entry.finish_reason = out.finish_reason
                     pending.discard(out.request_id)
         return [
-            RequestOutput(
-                request_id=rid,
-                prompt_token_ids=tuple(tokens),
-                token_ids=tuple(collected[rid].token_ids),
-                text=collected[rid].text,
-                finish_reason=collected[rid].finish_reason,
-                num_cached_tokens=collected[rid].num_cached_tokens,
-                logprobs=tuple(collected[rid].logprobs),
-            )
+            _output(rid, tokens, collected[rid])
             for rid, tokens in zip(ids, token_lists, strict=True)
         ]
 
@@ -168,6 +164,20 @@ class LLM:
             chunks = chunk_prompt(self.tokenizer, prompt)
             return [t for chunk in chunks for t in chunk.token_ids]
         return list(prompt)
+
+
+def _output(request_id: str, tokens: Sequence[int], collected: _Collected) -> RequestOutput:
+    assert collected.reuse is not None, "a finished request had at least one output"
+    return RequestOutput(
+        request_id=request_id,
+        prompt_token_ids=tuple(tokens),
+        token_ids=tuple(collected.token_ids),
+        text=collected.text,
+        finish_reason=collected.finish_reason,
+        num_cached_tokens=collected.num_cached_tokens,
+        reuse=collected.reuse,
+        logprobs=tuple(collected.logprobs),
+    )
 
 
 def _per_prompt(

@@ -94,7 +94,8 @@ def test_job_stopped_half_way_and_resubmitted_writes_each_id_once(ray_cluster, t
     assert errors["typed"]["response"]["status_code"] == 400
     ok = [r for r in records if r["error"] is None]
     assert all(r["response"]["body"]["choices"][0]["finish_reason"] for r in ok)
-    cached = sum(
-        r["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] for r in ok
-    )
-    assert cached > 0  # the requests share a system prompt and documents
+    cached = [r["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] for r in ok]
+    assert sum(cached) > 0  # the requests share a system prompt and documents
+    assert [r["response"]["body"]["reuse"] for r in ok] == [
+        {"mode": "exact", "reused_tokens": c, "recomputed_tokens": 0} for c in cached
+    ]

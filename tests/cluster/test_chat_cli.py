@@ -9,7 +9,7 @@ import sys
 import pexpect
 
 PROMPT = "you> "
-REUSE = re.compile(rb"reused (\d+) / computed (\d+) prompt tokens, TTFT (\d+) ms")
+REUSE = re.compile(rb"reuse (\w+): reused (\d+) / computed (\d+) prompt tokens, TTFT (\d+) ms")
 SYSTEM = "You are a precise assistant for the Harbor Analytics handbook; answer briefly."
 DOC = "Handbook: Starter costs 29 dollars a month for five seats; backups run every six hours."
 
@@ -37,7 +37,8 @@ def test_chat_shows_reuse_after_each_turn(tiny_qwen3, tmp_path):
             child.expect_exact(PROMPT)
             child.sendline(question)
             child.expect(REUSE)
-            reused.append(int(child.match.group(1)))
+            assert child.match.group(1) == b"exact"
+            reused.append(int(child.match.group(2)))
         assert reused[0] > 0  # the registered chunks
         assert reused[1] > reused[0]  # ... and the first turn
 

@@ -13,10 +13,14 @@ import pytest
 import ray
 
 from chunkstore.chunking import chunk_conversation
+from cluster.chat_backends import RemoteBackend
+from cluster.chat_cli import reuse_line
+from cluster.openai_format import ChatFormat, ChoiceOutput, CompletionFormat, reuse, usage
 from tests.cluster.conftest import cluster_config, stop_app, unique_name, wait_healthy
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.sampling_params import SamplingParams
+from workers.runtime.actor import coalesce
 
 pytestmark = pytest.mark.ray
 
@@ -66,6 +70,15 @@ def cold_text(engine: Engine, messages: list[dict], max_tokens: int) -> str:
     return text
 
 
+def reuse_of(reply) -> dict | None:
+    """chunkserve's ``reuse`` object beside ``usage`` (an extra field to the openai client)."""
+    return (reply.model_extra or {}).get("reuse")
+
+
+def exact(cached_tokens: int) -> dict:
+    return {"mode": "exact", "reused_tokens": cached_tokens, "recomputed_tokens": 0}
+
+
 def test_models_and_health(app, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     health = httpx.get(app.url("/health")).json()
@@ -82,6 +95,7 @@ def test_chat_streaming_and_not_agree(client):
     assert reply.object == "chat.completion"
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage.completion_tokens <= 12
+    assert reuse_of(reply) == exact(reply.usage.prompt_tokens_details.cached_tokens)
     stream = client.chat.completions.create(
         model="tiny",
         messages=messages,
@@ -95,6 +109,9 @@ def test_chat_streaming_and_not_agree(client):
     assert text == reply.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+    # reuse only on the last chunk: with include_usage, the usage chunk
+    assert [reuse_of(c) for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert reuse_of(chunks[-1]) == exact(chunks[-1].usage.prompt_tokens_details.cached_tokens)
 
 
 def test_completions_streaming_and_not_agree(client):
@@ -102,10 +119,17 @@ def test_completions_streaming_and_not_agree(client):
         model="tiny", prompt="The harbor at dawn", max_tokens=10, temperature=0
     )
     assert reply.object == "text_completion" and reply.usage.prompt_tokens > 0
+    assert reuse_of(reply) == exact(reply.usage.prompt_tokens_details.cached_tokens)
     stream = client.completions.create(
         model="tiny", prompt="The harbor at dawn", max_tokens=10, temperature=0, stream=True
     )
-    assert "".join(c.choices[0].text for c in stream) == reply.choices[0].text
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == reply.choices[0].text
+    # without include_usage, reuse comes on the chunk that ends the (last) choice
+    assert [reuse_of(c) for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].choices[0].finish_reason is not None
+    assert reuse_of(chunks[-1])["mode"] == "exact"
+    assert reuse_of(chunks[-1])["reused_tokens"] >= 0
 
 
 def test_shared_chunks_hit_the_cache_and_change_nothing(client, cold_engine):
@@ -124,6 +148,57 @@ def test_shared_chunks_hit_the_cache_and_change_nothing(client, cold_engine):
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 0 < cached < second.usage.prompt_tokens
     assert second.choices[0].message.content == cold_text(cold_engine, messages, 16)
+    assert (reuse_of(first), reuse_of(second)) == (exact(0), exact(cached))
+    again = client.chat.completions.create(  # the identical request, streamed
+        model="tiny",
+        messages=messages,
+        max_tokens=2,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    last = list(again)[-1]
+    assert reuse_of(last) == exact(last.usage.prompt_tokens_details.cached_tokens)
+    assert reuse_of(last)["reused_tokens"] >= cached > 0
+
+
+def test_chat_backend_turn_line_names_the_reuse_mode(app):
+    """``chunkserve chat --url``: the per-turn line, through the real server."""
+    backend = RemoteBackend(app.base_url, KEY_A, max_tokens=3, model=None)
+    messages = rag_messages([DOC_B, DOC_C], "Q: chat line?")
+    first, second = (backend.reply(messages, lambda _: None) for _ in range(2))
+    assert (first.reuse_mode, second.reuse_mode) == ("exact", "exact")
+    assert second.cached_tokens > 0
+    computed = second.prompt_tokens - second.cached_tokens
+    assert reuse_line(second).startswith(
+        f"reuse exact: reused {second.cached_tokens} / computed {computed} prompt tokens, "
+    )
+
+
+def test_reuse_off_is_reported_as_off(cold_engine):
+    """An engine with reuse off, through the worker's coalescing and both response
+    formats, read back by the official client's models: mode off, nothing reused."""
+    messages = rag_messages([DOC_A], "Q: off?")
+    tokens = [t for c in chunk_conversation(cold_engine.tokenizer, messages) for t in c.token_ids]
+    for attempt in range(2):  # the second, identical prompt reuses nothing either
+        request_id = f"off-{attempt}"
+        cold_engine.add_request(request_id, tokens, SamplingParams(max_tokens=3, temperature=0))
+        outputs = []
+        while cold_engine.has_unfinished():
+            outputs += cold_engine.step()
+        choice = ChoiceOutput()
+        for delta in coalesce(outputs, {request_id: 0}):
+            choice.add(delta)
+        counts, how = usage(len(tokens), [choice]), reuse([choice])
+        chat = ChatFormat("tiny", str, 0).response([choice], counts, how)
+        text = CompletionFormat("tiny", str, 0).response([choice], counts, how)
+        parsed = [
+            openai.types.chat.ChatCompletion.model_validate_json(chat.model_dump_json()),
+            openai.types.Completion.model_validate_json(text.model_dump_json()),
+        ]
+        off = {"mode": "off", "reused_tokens": 0, "recomputed_tokens": 0}
+        assert [reuse_of(p) for p in parsed] == [off, off]
+        assert all(p.usage.prompt_tokens_details.cached_tokens == 0 for p in parsed)
 
 
 def test_each_content_part_is_a_chunk(client, cold_engine):

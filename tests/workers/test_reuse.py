@@ -8,6 +8,7 @@ import pytest
 
 from tests.workers.reference import reference_greedy
 from workers import LLM, SamplingParams
+from workers.engine.reuse_info import ReuseInfo
 
 PAGE = 16
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -30,13 +31,16 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 def _check_same(engines, reference, prompts, check_reference=True):
     """Runs prompts one after another on the reuse engine (so later ones can hit the
-    cache) and all at once on the no-reuse engine; returns the reuse outputs."""
+    cache) and all at once on the no-reuse engine; returns the reuse outputs. Every
+    output says how it was served."""
     on, off = engines
     outs_on = [on.generate([p], GREEDY)[0] for p in prompts]
     outs_off = off.generate(prompts, GREEDY)
     for prompt, a, b in zip(prompts, outs_on, outs_off, strict=True):
         assert a.token_ids == b.token_ids
         assert b.num_cached_tokens == 0
+        assert a.reuse == ReuseInfo("exact", reused_tokens=a.num_cached_tokens)
+        assert b.reuse == ReuseInfo("off")
         if check_reference:
             assert list(a.token_ids) == reference(prompt)
     return outs_on
@@ -55,6 +59,7 @@ def test_system_plus_query(engines, reference):
     prompts = [system + _tokens(rng, 9), system + _tokens(rng, 23)]
     outs = _check_same(engines, reference, prompts)
     assert outs[1].num_cached_tokens == _shared_pages(prompts[0], prompts[1]) == 64
+    assert outs[1].reuse.as_dict() == {"mode": "exact", "reused_tokens": 64, "recomputed_tokens": 0}
 
 
 def test_system_documents_query_and_reordering(engines, reference):

@@ -263,7 +263,7 @@ def coalesce(outputs: list[StepOutput], index_of: dict[str, int]) -> list[Worker
                 finished=last.finished,
                 finish_reason=last.finish_reason,
                 prompt_tokens=last.num_prompt_tokens,
-                cached_tokens=last.num_cached_tokens,
+                reuse=last.reuse,
                 logprobs=tuple(o.logprobs for o in group if o.logprobs is not None),
             )
         )

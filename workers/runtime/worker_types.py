@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workers.engine.config import EngineConfig
+from workers.engine.reuse_info import ReuseInfo
 from workers.engine.sampling_params import SamplingParams
 from workers.runtime.directory_client import DirectorySpec
 
@@ -57,8 +58,13 @@ class WorkerDelta:
     finished: bool
     finish_reason: str | None
     prompt_tokens: int
-    cached_tokens: int  # prompt tokens served from the KV cache
+    reuse: ReuseInfo  # how the prompt was served (mode, tokens reused and recomputed)
     logprobs: tuple[TokenLogprobs, ...] = ()  # one entry per token when requested
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the KV cache."""
+        return self.reuse.reused_tokens
 
 
 @dataclass(frozen=True)
