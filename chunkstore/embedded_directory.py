@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from chunkstore import directory as d
-from chunkstore.events import CacheEvent, EventKind
+from chunkstore.events import CacheEvent
 from chunkstore.hashing import PageKey
 
 FRESH = -1  # new stream: the next batch must carry seq 0
@@ -143,9 +143,9 @@ class EmbeddedChunkDirectory:
 
 
 def _apply(keys: set[PageKey], event: CacheEvent) -> None:
-    if event.kind is EventKind.STORED:
+    if event.adds:
         keys.update(event.keys)
-    elif event.kind is EventKind.REMOVED:
+    elif event.drops:
         keys.difference_update(event.keys)
     else:
         keys.clear()

@@ -4,6 +4,9 @@ Mutation semantics (what a consumer must do):
 - ``stored``: the worker now holds the pages with these keys (full pages, verified).
 - ``removed``: the worker no longer holds these keys (evicted or overwritten).
 - ``cleared``: the worker holds nothing any more; forget every key it published.
+- ``entry_stored`` / ``entry_removed``: the same for position-free chunk entries
+  (keys from ``hashing.position_free_key``; a key space of their own, so a consumer
+  may keep them beside page keys).
 Events of one worker are applied in order; order across workers does not matter.
 """
 
@@ -19,9 +22,20 @@ class EventKind(StrEnum):
     STORED = "stored"
     REMOVED = "removed"
     CLEARED = "cleared"
+    ENTRY_STORED = "entry_stored"
+    ENTRY_REMOVED = "entry_removed"
 
 
 @dataclass(frozen=True)
 class CacheEvent:
     kind: EventKind
     keys: tuple[PageKey, ...] = ()
+
+    @property
+    def adds(self) -> bool:
+        """The worker now holds ``keys`` (page keys or position-free entry keys)."""
+        return self.kind in (EventKind.STORED, EventKind.ENTRY_STORED)
+
+    @property
+    def drops(self) -> bool:
+        return self.kind in (EventKind.REMOVED, EventKind.ENTRY_REMOVED)

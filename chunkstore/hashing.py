@@ -76,6 +76,21 @@ def page_keys(
     return keys
 
 
+def position_free_key(namespace: Namespace, token_ids: Sequence[int]) -> PageKey:
+    """Key of a position-free chunk entry: ``SHA-256("pic" || namespace || token ids)``,
+    no parent. The entry holds the chunk's KV computed alone from position 0, so it is
+    the same whichever request or worker computed it; the "pic" tag keeps these keys
+    apart from page keys."""
+    try:
+        packed = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    except struct.error as e:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {e}") from e
+    h = hashlib.sha256(b"pic")
+    h.update(namespace.digest)
+    h.update(packed)
+    return h.digest()
+
+
 def chunk_keys(
     chunk_lengths: Sequence[int], keys: Sequence[PageKey], page_size: int
 ) -> list[PageKey | None]:

@@ -41,7 +41,14 @@ DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_TIMEOUT_S = 0.05
 SNAPSHOT_BATCH = 2000  # keys per staging command: each stays a short server call
 
-_KIND_CODES = {EventKind.STORED: 0, EventKind.REMOVED: 1, EventKind.CLEARED: 2}
+# Position-free entry keys share the worker's key set: a key space of their own.
+_KIND_CODES = {
+    EventKind.STORED: 0,
+    EventKind.ENTRY_STORED: 0,
+    EventKind.REMOVED: 1,
+    EventKind.ENTRY_REMOVED: 1,
+    EventKind.CLEARED: 2,
+}
 _STATUS = {
     lua.STATUS_APPLIED: d.APPLIED,
     lua.STATUS_NEEDS_SNAPSHOT: d.NEEDS_SNAPSHOT,

@@ -20,6 +20,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the model's, capped at the pool's capacity
     enable_reuse: bool = True
+    # approximate reuse: chunks shorter than this are computed, never kept as entries
+    min_entry_tokens: int = 32
     attention_backend: str | None = None  # None: flashinfer on cuda, torch elsewhere
     enable_cascade: bool = True  # cascade decode where the cost model says it pays
     enable_cuda_graphs: bool = True  # CUDA graphs for plain decode steps (flashinfer only)
@@ -37,6 +39,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.min_entry_tokens < 1:
+            raise ValueError(f"min_entry_tokens must be >= 1, got {self.min_entry_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 

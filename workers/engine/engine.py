@@ -4,6 +4,7 @@ one step at a time. Single-threaded: callers serialize access."""
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from chunkstore.hashing import Namespace
+from chunkstore.hashing import Namespace, PageKey
+from workers.engine.approximate import ChunkReuse
 from workers.engine.attention import make_backend
 from workers.engine.attention.base import AttentionShape
 from workers.engine.checkpoint import checkpoint_fingerprint, load_tokenizer
@@ -21,9 +23,10 @@ from workers.engine.kv_pool import KVPool
 from workers.engine.model_runner import ModelRunner
 from workers.engine.models.config import ModelConfig
 from workers.engine.models.loader import load_model
+from workers.engine.placement import rope_supports_placement
 from workers.engine.request import Sequence
-from workers.engine.reuse import Reuse, make_reuse
-from workers.engine.reuse_info import ReuseInfo
+from workers.engine.reuse import NoReuse, Reuse
+from workers.engine.reuse_info import ReuseInfo, ReuseRequest
 from workers.engine.sampler import sample, top_logprobs
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
@@ -57,7 +60,12 @@ def _validate_spans(spans: tuple[tuple[int, int], ...], prompt_len: int) -> None
 
 
 def default_reuse(engine: Engine) -> Reuse:
-    return make_reuse(engine.config.enable_reuse, engine.pool)
+    """Exact and (on request) approximate reuse, or none when reuse is off."""
+    if not engine.config.enable_reuse:
+        return NoReuse(engine.pool)
+    return ChunkReuse(
+        engine.pool, engine.runner, engine._queue_fill, engine.config.min_entry_tokens
+    )
 
 
 class Engine:
@@ -74,6 +82,9 @@ class Engine:
         self.config = config
         self.stream_text = stream_text
         self.model_config = ModelConfig.from_dir(config.model_dir)
+        # why this model cannot place chunks (approximate reuse), or None
+        raw_config = json.loads((Path(config.model_dir) / "config.json").read_text())
+        self.placement_problem = rope_supports_placement(raw_config)
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
         if (
@@ -120,6 +131,7 @@ class Engine:
         self._eos_token_ids = frozenset(eos)
         self._sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
+        self._filling: set[PageKey] = set()  # keys of entry fills queued or running
 
     # -- requests --------------------------------------------------------------
     def namespace(self, tenant_salt: str | None = None) -> Namespace:
@@ -133,12 +145,19 @@ class Engine:
         params: SamplingParams,
         tenant_salt: str | None = None,
         placeable: tuple[tuple[int, int], ...] = (),
+        reuse: ReuseRequest | None = None,
     ) -> None:
-        """``placeable``: sorted, disjoint (start, end) spans of the prompt that a
-        placing reuse mode may take from position-free entries (other modes ignore
-        them: spans only name chunks, they change nothing about the output)."""
+        """``placeable``: sorted, disjoint (start, end) spans of the prompt (its
+        chunks) that approximate reuse may take from position-free entries; exact
+        reuse ignores them. ``reuse``: what this request asks of reuse (default
+        exact); on an engine with reuse off every request is served without."""
         self._validate(request_id, prompt_token_ids)
         _validate_spans(placeable, len(prompt_token_ids))
+        reuse = reuse or ReuseRequest()
+        if reuse.mode == "approximate" and self.placement_problem:
+            raise ValueError(
+                f"approximate reuse is not available for this model: {self.placement_problem}"
+            )
         seq = Sequence(
             request_id=request_id,
             arrival=next(self._arrivals),
@@ -146,6 +165,7 @@ class Engine:
             params=params,
             namespace=self.namespace(tenant_salt),
             placeable=tuple(placeable),
+            reuse_request=reuse,
         )
         if params.seed is not None and not params.greedy:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -177,6 +197,8 @@ class Engine:
         logprobs = top_logprobs(logits, tokens, [item.seq.params for item in sampling])
         for item in batch:
             self._record_computed(item)
+            if item.seq.fill_key is not None and item.end == len(item.seq.token_ids):
+                self._store_fill(item.seq)
         return [
             self._append_token(item.seq, token, lp)
             for item, token, lp in zip(sampling, tokens, logprobs, strict=True)
@@ -192,6 +214,29 @@ class Engine:
         ready = int(seq.pending[0]) if len(seq.pending) else item.end
         if ready > item.first_position:
             self.reuse.publish(seq, item.first_position, ready)
+
+    def _queue_fill(self, key: PageKey, tokens: list[int], origin: Sequence) -> None:
+        """Queue the computation of a position-free entry (``tokens`` alone from
+        position 0) behind the requests already waiting; one fill per key at a time."""
+        if key in self._filling or self.pool.entry(key) is not None:
+            return
+        self._filling.add(key)
+        fill = Sequence(
+            request_id=f"entry-fill-{key.hex()[:16]}",
+            arrival=next(self._arrivals),
+            prompt_token_ids=list(tokens),
+            params=SamplingParams(max_tokens=1),
+            namespace=origin.namespace,
+            fill_key=key,
+        )
+        self.scheduler.add(fill)
+
+    def _store_fill(self, fill: Sequence) -> None:
+        """A fill computed its chunk: its pages become the entry (or are released if
+        an entry with that key appeared meanwhile)."""
+        self._filling.discard(fill.fill_key)
+        stored = self.pool.store_entry(fill.fill_key, fill.page_ids, len(fill.token_ids))
+        self.scheduler.finish(fill, "entry", release=not stored)
 
     def _append_token(
         self, seq: Sequence, token: int, logprobs: tuple[tuple[int, float], ...] | None

@@ -1,4 +1,5 @@
-"""Page bookkeeping for the paged KV cache (the tensors live in the model runner).
+"""Page bookkeeping for the paged KV cache (the tensors live in the model runner):
+pages keyed by exact chain keys, and position-free chunk entries.
 
 Every page is in exactly one of three states:
 - *free*: no key, ref count 0 — in ``_free``;
@@ -13,7 +14,15 @@ A key names a full page's tokens and everything before them (see
 ``chunkstore.hashing``); at most one page holds a given key. A page marked *inexact*
 (its KV differs from what plain generation computes, e.g. after approximate reuse)
 is never keyed, so it is never matched and never reaches the directory; the mark
-lasts until the page is freed. Key changes are queued
+lasts until the page is freed.
+
+A *position-free entry* holds one chunk's KV computed alone from position 0, in
+pages it owns (one reference each), under a key of its own kind (see
+``chunkstore.hashing.position_free_key``). Entries follow the pages' rules as a unit:
+a request placing from an entry, or a pin, holds it (``users``); an entry nobody
+holds is evictable, least recently used first, after the cached pages; a pinned
+entry is never evicted. Entry changes are queued as ``ENTRY_STORED`` /
+``ENTRY_REMOVED`` events. Key changes are queued
 as ``CacheEvent``s for the chunk directory.
 """
 
@@ -36,6 +45,20 @@ class _Page:
     exact: bool = True  # False: never keyed (see mark_inexact)
 
 
+@dataclass(eq=False)
+class ChunkEntry:
+    """A position-free entry: tokens ``[0, num_tokens)`` of a chunk computed alone,
+    in ``pages`` (position p at ``pages[p // page_size]``, offset ``p % page_size``).
+    A handle stays valid while held, even after ``clear`` forgets its key."""
+
+    key: PageKey
+    pages: tuple[int, ...]
+    num_tokens: int
+    users: int = 0  # holders: requests placing from it, plus pins
+    pins: int = 0
+    listed: bool = True  # still findable by key (False once cleared while held)
+
+
 class KVPool:
     def __init__(self, num_pages: int, page_size: int) -> None:
         if num_pages < 1 or page_size < 1:
@@ -48,12 +71,23 @@ class KVPool:
         self._by_key: dict[PageKey, int] = {}
         self._events: list[CacheEvent] = []
         self._num_pinned = 0  # pages with pins > 0
+        self._entries: dict[PageKey, ChunkEntry] = {}
+        self._entry_lru: OrderedDict[PageKey, None] = OrderedDict()  # listed, users == 0
+        self._evictable_entry_pages = 0  # pages of the entries in _entry_lru
 
     # -- queries -------------------------------------------------------------
     @property
     def num_available(self) -> int:
-        """Pages that ``allocate`` can hand out (free + evictable cached)."""
-        return len(self._free) + len(self._lru)
+        """Pages that ``allocate`` can hand out (free + evictable cached pages and
+        entries)."""
+        return len(self._free) + len(self._lru) + self._evictable_entry_pages
+
+    def entry(self, key: PageKey) -> ChunkEntry | None:
+        """The position-free entry under ``key``, if held here (takes no hold)."""
+        return self._entries.get(key)
+
+    def entry_keys(self) -> list[PageKey]:
+        return list(self._entries)
 
     @property
     def num_pinned(self) -> int:
@@ -85,8 +119,9 @@ class KVPool:
         return hits
 
     def cached_keys(self) -> list[PageKey]:
-        """Every key this pool holds (a snapshot for the directory)."""
-        return list(self._by_key)
+        """Every key this pool holds, page keys and entry keys (a snapshot for the
+        directory)."""
+        return [*self._by_key, *self._entries]
 
     # -- mutations -----------------------------------------------------------
     def acquire(self, page_ids: Sequence[int]) -> None:
@@ -104,6 +139,8 @@ class KVPool:
         taken: list[int] = []
         evicted: list[PageKey] = []
         for _ in range(count):
+            if not self._free and not self._lru:
+                self._evict_entry(next(iter(self._entry_lru)))
             if self._free:
                 page_id = self._free.popleft()
             else:
@@ -203,8 +240,71 @@ class KVPool:
             self._events.append(CacheEvent(EventKind.REMOVED, tuple(evicted)))
         return evicted
 
+    # -- position-free entries ------------------------------------------------
+    def store_entry(self, key: PageKey, page_ids: Sequence[int], num_tokens: int) -> bool:
+        """Make in-use ``page_ids`` (one reference each, which the entry takes over)
+        the entry ``key``; it starts unheld. False (nothing changes, the caller keeps
+        its references) when an entry with that key exists already."""
+        if key in self._entries:
+            return False
+        if -(-num_tokens // self.page_size) != len(page_ids) or num_tokens < 1:
+            raise ValueError(f"{len(page_ids)} pages cannot hold exactly {num_tokens} tokens")
+        for page_id in page_ids:
+            page = self._pages[page_id]
+            if page.ref_count != 1 or page.key is not None:
+                raise ValueError(f"page {page_id} must be in use once and unkeyed")
+        self._entries[key] = ChunkEntry(key, tuple(page_ids), num_tokens)
+        self._make_evictable(self._entries[key])
+        self._events.append(CacheEvent(EventKind.ENTRY_STORED, (key,)))
+        return True
+
+    def hold_entry(self, entry: ChunkEntry, pin: bool = False) -> None:
+        """One more holder (a placing request, or a pin): never evicted while held."""
+        if entry.users == 0 and entry.listed:
+            del self._entry_lru[entry.key]
+            self._evictable_entry_pages -= len(entry.pages)
+        entry.users += 1
+        entry.pins += pin
+
+    def drop_entry(self, entry: ChunkEntry, pin: bool = False) -> None:
+        if entry.users <= 0 or (pin and entry.pins <= 0):
+            raise ValueError("entry dropped more often than held")
+        entry.users -= 1
+        entry.pins -= pin
+        if entry.users == 0:
+            if entry.listed:
+                self._make_evictable(entry)
+            else:  # cleared while held: nothing can find it, free its pages
+                self.release(entry.pages)
+
+    def evict_entry(self, key: PageKey) -> bool:
+        """Drop the entry ``key`` if nobody holds it; True if it was dropped."""
+        entry = self._entries.get(key)
+        if entry is None or entry.users:
+            return False
+        self._evict_entry(key)
+        return True
+
+    def _make_evictable(self, entry: ChunkEntry) -> None:
+        self._entry_lru[entry.key] = None
+        self._evictable_entry_pages += len(entry.pages)
+
+    def _evict_entry(self, key: PageKey) -> None:
+        entry = self._entries.pop(key)
+        del self._entry_lru[key]
+        self._evictable_entry_pages -= len(entry.pages)
+        entry.listed = False
+        self.release(entry.pages)
+        self._events.append(CacheEvent(EventKind.ENTRY_REMOVED, (key,)))
+
     def clear(self) -> None:
-        """Forget every key. Pages in use stay allocated but become unshareable."""
+        """Forget every key and entry. Pages in use stay allocated but become
+        unshareable; held entries free their pages when their last holder drops."""
+        for key in list(self._entry_lru):
+            self._evict_entry(key)
+        for entry in self._entries.values():
+            entry.listed = False
+        self._entries.clear()
         for page_id in list(self._lru):
             self._unkey(page_id)
             self._free.append(page_id)

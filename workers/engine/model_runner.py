@@ -149,6 +149,33 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, self.backend, metadata)
         return self.model.compute_logits(hidden[rows])
 
+    @torch.inference_mode()
+    def kv_deviation(self, seq, positions: np.ndarray, probe: np.ndarray, layer: int) -> np.ndarray:
+        """For each position in ``probe`` (a subset of ``positions``), the squared
+        distance between the K/V that layer ``layer`` computes for it in ``seq``'s
+        context and the K/V its cache rows hold now. Runs the layers before ``layer``
+        on ``positions`` (sorted; every lower position must hold KV or be among them),
+        writing their KV."""
+        item = ScheduledSeq(seq, int(positions[-1]) + 1, 0, positions)
+        inputs = build_inputs([item], self.page_size)
+        metadata = self.backend.plan(inputs.layout)
+        k, v = self.model.kv_at_layer(
+            inputs.input_ids.to(self.device),
+            inputs.positions.to(self.device),
+            self.kv_caches,
+            self.backend,
+            metadata,
+            layer,
+        )
+        rows = torch.from_numpy(np.searchsorted(positions, probe)).to(self.device)
+        slots = inputs.layout.slot_mapping.long().to(self.device)[rows]
+        cache = self.kv_caches[layer]
+        pages, offsets = slots // self.page_size, slots % self.page_size
+        cached_k, cached_v = cache[pages, 0, offsets].float(), cache[pages, 1, offsets].float()
+        deviation = (k[rows].float() - cached_k).square().sum((1, 2))
+        deviation += (v[rows].float() - cached_v).square().sum((1, 2))
+        return deviation.cpu().numpy()
+
     def _use_graph(self, layout: BatchLayout) -> bool:
         return (
             self.graphs is not None

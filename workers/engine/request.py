@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from chunkstore.hashing import Namespace, PageKey, page_key, root_key
-from workers.engine.reuse_info import ReuseInfo
+from workers.engine.reuse_info import ReuseInfo, ReuseRequest
 from workers.engine.sampling_params import SamplingParams
 
 ALL_EXACT = sys.maxsize  # ``exact_until`` of a sequence with no approximated position
@@ -48,6 +48,10 @@ class Sequence:
     # (start, end) prompt spans that a placing reuse mode may take from position-free
     # entries (the chunks of documents); sorted, disjoint
     placeable: tuple[tuple[int, int], ...] = ()
+    reuse_request: ReuseRequest = ReuseRequest()
+    # set on the engine's internal sequences that compute a position-free entry: no
+    # token is sampled; the pages become the entry under this key when done
+    fill_key: PageKey | None = None
     page_keys: list[PageKey] = field(default_factory=list)
     finish_reason: str | None = None
     generator: torch.Generator | None = None

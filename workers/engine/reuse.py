@@ -7,6 +7,10 @@ Implementations:
 - ``ExactPrefixReuse`` (mode ``exact``): the longest run of cached full pages whose
   chain keys equal the sequence's own (same tokens after the same tokens), and every
   full *exact* page computed is published under its chain key.
+- ``approximate.ChunkReuse``: exact for every request, plus position-free entries
+  placed and repaired for requests that ask for approximate reuse (the default of
+  an engine with reuse on).
+- ``naive_placement.NaivePlacement``: a measurement mode, never offered to users.
 
 Invariants every implementation keeps:
 - ``admit`` leaves the sequence with references on exactly ``seq.page_ids``, KV for
@@ -107,8 +111,3 @@ def publish_exact_pages(pool: KVPool, seq: Sequence, start: int, end: int) -> No
     upto = -(-end // page_size)
     if upto > inexact_from:
         pool.mark_inexact(seq.page_ids[inexact_from:upto])
-
-
-def make_reuse(enable_reuse: bool, pool: KVPool) -> Reuse:
-    """The user-facing choice: exact prefix reuse, or none."""
-    return ExactPrefixReuse(pool) if enable_reuse else NoReuse(pool)

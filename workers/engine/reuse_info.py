@@ -1,13 +1,43 @@
-"""How a request's prompt was served: which reuse mode, how many prompt tokens came
-from cached KV and how many placed tokens were recomputed. Carried unchanged from
-the engine to every output (offline, worker deltas, HTTP, batch lines)."""
+"""What a request asks of reuse (``ReuseRequest``) and how its prompt was served
+(``ReuseInfo``: which mode, how many prompt tokens came from cached KV and how many
+placed tokens were recomputed). ``ReuseInfo`` is carried unchanged from the engine to
+every output (offline, worker deltas, HTTP, batch lines)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 # naive_placement: a measurement mode (workers/engine/naive_placement.py), never offered
-REUSE_MODES = ("off", "exact", "naive_placement")
+REUSE_MODES = ("off", "exact", "approximate", "naive_placement")
+REQUEST_MODES = ("exact", "approximate")  # what a request may ask for
+# Repair defaults of the approximate mode, chosen from bench/reuse_quality.py (see
+# bench/RESULTS.md, "Approximate reuse quality").
+DEFAULT_FIRST_TOKENS = 4
+DEFAULT_DEVIATION_RATIO = 0.0
+
+
+@dataclass(frozen=True)
+class ReuseRequest:
+    """How a request wants its prompt's cached KV used.
+
+    ``exact``: only KV computed after exactly the same preceding tokens (output equal
+    to plain generation). ``approximate``: additionally, each chunk whose position-free
+    entry is held is placed wherever it appears; then ``first_tokens`` tokens at the
+    start of every placed chunk, and the ``deviation_ratio`` share of its tokens whose
+    KV deviates most at layer 1 in this context, are recomputed (the rest is reused
+    as placed)."""
+
+    mode: str = "exact"
+    first_tokens: int = DEFAULT_FIRST_TOKENS
+    deviation_ratio: float = DEFAULT_DEVIATION_RATIO
+
+    def __post_init__(self) -> None:
+        if self.mode not in REQUEST_MODES:
+            raise ValueError(f"unknown reuse mode {self.mode!r}; choose one of {REQUEST_MODES}")
+        if not isinstance(self.first_tokens, int) or self.first_tokens < 0:
+            raise ValueError(f"first_tokens must be an integer >= 0, got {self.first_tokens!r}")
+        if not 0.0 <= self.deviation_ratio <= 1.0:
+            raise ValueError(f"deviation_ratio must be in [0, 1], got {self.deviation_ratio!r}")
 
 
 @dataclass(frozen=True)

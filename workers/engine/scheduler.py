@@ -52,8 +52,13 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """This step reaches the sequence's last token, so it yields a new token."""
-        return self.num_tokens > 0 and self.end == len(self.seq.token_ids)
+        """This step reaches the sequence's last token, so it yields a new token
+        (never for an entry fill)."""
+        return (
+            self.num_tokens > 0
+            and self.end == len(self.seq.token_ids)
+            and self.seq.fill_key is None
+        )
 
 
 @dataclass(frozen=True)
@@ -98,13 +103,15 @@ class Scheduler:
             budget -= item.num_computed_tokens
         return batch
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Release a sequence's pages and drop it from the queues (also for aborts)."""
+    def finish(self, seq: Sequence, reason: str, release: bool = True) -> None:
+        """Drop a sequence from the queues and release its pages (also for aborts);
+        ``release=False``: its page references were handed over (an entry fill)."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
-        self.pool.release(seq.page_ids)
+        if release:
+            self.pool.release(seq.page_ids)
         seq.page_ids = array("i")
         seq.status = Status.FINISHED
         seq.finish_reason = reason

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from chunkstore.events import CacheEvent, EventKind
+from chunkstore.events import CacheEvent
 from chunkstore.hashing import PageKey
 
 
@@ -28,9 +28,9 @@ class CacheMirror:
             return
         with self._lock:
             for event in events:
-                if event.kind is EventKind.STORED:
+                if event.adds:
                     self._keys.update(event.keys)
-                elif event.kind is EventKind.REMOVED:
+                elif event.drops:
                     self._keys.difference_update(event.keys)
                 else:
                     self._keys.clear()

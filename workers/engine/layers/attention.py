@@ -43,6 +43,15 @@ class SelfAttention(nn.Module):
         backend: AttentionBackend,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        q, k, v = self.project(x, positions, cos_sin_cache)
+        out = backend.forward(q, k, v, kv_cache, metadata)
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of ``x`` at ``positions`` (keys and queries normed
+        and rotated: exactly what ``forward`` writes to the KV cache)."""
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -52,5 +61,4 @@ class SelfAttention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = apply_rope(q, k, positions, cos_sin_cache)
-        out = backend.forward(q, k, v, kv_cache, metadata)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return q, k, v

@@ -89,6 +89,33 @@ class DecoderModel(nn.Module):
         hidden, _ = add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
         return hidden
 
+    def kv_at_layer(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+        metadata: AttentionMetadata,
+        layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values that layer ``layer`` computes for the new tokens, running
+        (and writing the KV of) only the layers before it: the cheap probe of how far
+        cached KV is from what this context gives."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for block, kv_cache in zip(self.layers[:layer], kv_caches, strict=False):
+            hidden, residual = block(
+                hidden, residual, positions, self.rope_cache, kv_cache, backend, metadata
+            )
+        target = self.layers[layer]
+        norm = target.input_layernorm
+        if residual is None:
+            hidden = norm(hidden)
+        else:
+            hidden, _ = add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        _, k, v = target.self_attn.project(hidden, positions, self.rope_cache)
+        return k, v
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits. On CUDA the bf16 matmul writes float32 directly, so logits
         keep float32 resolution (bf16 logits tie every 0.125 around |x|~16, which makes

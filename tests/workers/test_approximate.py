@@ -1,0 +1,173 @@
+"""Approximate reuse in the engine: position-free entries filled on a miss, placed
+wherever their chunk appears, repaired; exact where the limiting case promises it,
+tainted and labelled everywhere else."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from chunkstore.events import EventKind
+from chunkstore.hashing import position_free_key
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.engine.reuse_info import ReuseRequest
+from workers.engine.sampling_params import SamplingParams
+
+PAGE = 16
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
+DOCS = (37, 48, 33)  # document lengths: all at least min_entry_tokens
+APPROX = ReuseRequest("approximate", first_tokens=4)
+
+
+def _engine(model, **overrides) -> Engine:
+    config = dict(page_size=PAGE, num_pages=160, device="cpu", min_entry_tokens=32)
+    return Engine(EngineConfig(str(model), **{**config, **overrides}))
+
+
+def _run(engine: Engine, prompt, spans=(), reuse=None):
+    rid = f"r{np.random.randint(1 << 40)}"
+    engine.add_request(rid, prompt, GREEDY, placeable=tuple(spans), reuse=reuse)
+    tokens, logprobs, info = [], [], None
+    while engine.has_unfinished():  # also runs queued entry fills to completion
+        for out in engine.step():
+            assert out.request_id == rid
+            tokens += out.new_token_ids
+            logprobs.append([lp for _, lp in out.logprobs])
+            info = out.reuse
+    return tokens, np.array(logprobs), info
+
+
+def _layout(system, docs, question):
+    """Prompt tokens and the documents' spans."""
+    prompt, spans = list(system), []
+    for doc in docs:
+        spans.append((len(prompt), len(prompt) + len(doc)))
+        prompt += doc
+    return prompt + list(question), spans
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def model(request, model_factory):
+    return model_factory(request.param)
+
+
+@pytest.fixture(scope="module")
+def parts(model):
+    vocab = _engine(model).model_config.vocab_size
+    rng = np.random.default_rng(7)
+    draw = lambda n: rng.integers(10, vocab - 1, size=n).tolist()  # noqa: E731
+    return {
+        "systems": [draw(23), draw(41)],
+        "docs": [draw(n) for n in DOCS],
+        "question": draw(9),
+    }
+
+
+def _warm(engine, parts):
+    """A first request misses every entry; its chunks are filled alone afterwards."""
+    prompt, spans = _layout(parts["systems"][0], parts["docs"], parts["question"])
+    _, _, info = _run(engine, prompt, spans, APPROX)
+    assert (info.mode, info.reused_tokens, info.recomputed_tokens) == ("approximate", 0, 0)
+    for doc in parts["docs"]:
+        assert engine.pool.entry(position_free_key(engine.namespace(), doc)) is not None
+
+
+def test_recomputing_every_placed_token_equals_plain_generation(model, parts):
+    """The limiting case (first_tokens >= every chunk) is token-exact: placement,
+    attention by position and repair are wired right. Also via deviation_ratio 1."""
+    engine, plain = _engine(model), _engine(model, enable_reuse=False)
+    _warm(engine, parts)
+    repairs = (ReuseRequest("approximate", 10_000), ReuseRequest("approximate", 0, 1.0))
+    system_pages = len(parts["systems"][1]) // PAGE * PAGE
+    # the second request matches the first one's (exact) system prompt pages
+    for order, repair, matched in zip([(2, 0, 1), (1, 2, 0)], repairs, [0, system_pages]):
+        # another order after another system prompt: nothing matches exactly (a fully
+        # repaired request's pages are exact, so each repair gets its own order)
+        docs = [parts["docs"][i] for i in order]
+        prompt, spans = _layout(parts["systems"][1], docs, parts["question"])
+        want, want_lp, info = _run(plain, prompt)
+        assert info.mode == "off"
+        got, got_lp, info = _run(engine, prompt, spans, repair)
+        assert got == want
+        np.testing.assert_allclose(got_lp, want_lp, atol=1e-4)
+        placed = sum(DOCS)
+        assert (info.mode, info.reused_tokens, info.recomputed_tokens) == (
+            "approximate",
+            matched + placed,
+            placed,
+        )
+
+
+def test_placed_chunks_are_labelled_tainted_and_never_served_to_exact_requests(model, parts):
+    engine, plain = _engine(model), _engine(model, enable_reuse=False)
+    _warm(engine, parts)
+    engine.pool.drain_events()
+    docs = [parts["docs"][i] for i in (1, 2, 0)]
+    prompt, spans = _layout(parts["systems"][1], docs, parts["question"])
+    _, approx_lp, info = _run(engine, prompt, spans, APPROX)
+    assert info.mode == "approximate"
+    assert info.reused_tokens == sum(DOCS)
+    assert info.recomputed_tokens == 4 * len(DOCS)
+    stored = [k for e in engine.pool.drain_events() if e.kind is EventKind.STORED for k in e.keys]
+    exact_pages = spans[0][0] + 4  # positions before the first placed, unrepaired token
+    assert len(stored) == exact_pages // PAGE
+
+    # The same prompt asked exactly: plain generation's output, no placed KV.
+    want, want_lp, _ = _run(plain, prompt)
+    got, got_lp, info = _run(engine, prompt, spans, ReuseRequest("exact"))
+    assert got == want and info.mode == "exact" and info.recomputed_tokens == 0
+    np.testing.assert_allclose(got_lp, want_lp, atol=1e-4)
+    assert info.reused_tokens == exact_pages // PAGE * PAGE
+    assert not np.allclose(approx_lp[0], want_lp[0], atol=1e-4)  # approximation is real
+
+
+def test_deviation_ratio_recomputes_the_most_deviating_share(model, parts):
+    engine = _engine(model)
+    _warm(engine, parts)
+    prompt, spans = _layout(parts["systems"][1], parts["docs"], parts["question"])
+    _, _, info = _run(engine, prompt, spans, ReuseRequest("approximate", 2, 0.25))
+    placed = sum(DOCS)
+    assert info.recomputed_tokens == 2 * len(DOCS) + round(0.25 * placed)
+
+
+def test_short_chunks_are_computed_not_kept(model, parts):
+    engine = _engine(model, min_entry_tokens=40)  # only the 48-token document qualifies
+    prompt, spans = _layout(parts["systems"][0], parts["docs"], parts["question"])
+    _run(engine, prompt, spans, APPROX)
+    kept = [
+        engine.pool.entry(position_free_key(engine.namespace(), d)) is not None
+        for d in parts["docs"]
+    ]
+    assert kept == [False, True, False]
+    stored = [e for e in engine.pool.drain_events() if e.kind is EventKind.ENTRY_STORED]
+    assert len(stored) == 1
+
+
+def test_entries_are_evicted_as_units_when_pages_run_out(model, parts):
+    engine = _engine(model, num_pages=40)
+    _warm(engine, parts)
+    entries = [engine.pool.entry(position_free_key(engine.namespace(), d)) for d in parts["docs"]]
+    held = sum(len(e.pages) for e in entries)
+    assert engine.pool.num_available == 40  # every entry page is evictable
+    pages = engine.pool.allocate(40 - held + 1)  # one page more than the free ones
+    assert pages is not None
+    removed = [e for e in engine.pool.drain_events() if e.kind is EventKind.ENTRY_REMOVED]
+    assert len(removed) == 1 and removed[0].keys == (entries[0].key,)  # least recent
+    engine.pool.release(pages)
+
+
+def test_a_model_whose_rope_cannot_be_moved_is_refused(model, parts, tmp_path):
+    copy = tmp_path / "partial"
+    shutil.copytree(model, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["partial_rotary_factor"] = 0.5
+    (copy / "config.json").write_text(json.dumps(config))
+    engine = _engine(copy)
+    prompt, spans = _layout(parts["systems"][0], parts["docs"], parts["question"])
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        engine.add_request("x", prompt, GREEDY, placeable=tuple(spans), reuse=APPROX)
+    assert not engine.has_unfinished()

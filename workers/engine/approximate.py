@@ -1,0 +1,152 @@
+"""Chunk reuse: exact prefix reuse for every request, and for requests that ask for
+``approximate`` reuse, position-free chunk entries placed wherever their chunk
+appears, then repaired (DESIGN.md, "Approximate reuse").
+
+Admission of an approximate request:
+1. The exactly matched prefix is taken as in exact mode.
+2. Each placeable span after it (``Sequence.placeable``: a chunk that does not open
+   the prompt and ends before its last token) is looked up by its position-free key.
+   A held entry is *placed*: its rows copied into the request's own pages at the
+   span's offset, keys rotated there. A missed chunk is computed in context for this
+   request; if it has at least ``min_entry_tokens`` tokens its entry is *filled*:
+   a separate internal sequence computes it alone from position 0, queued behind
+   the requests already waiting, and stored as an entry when done.
+3. Repair: the first ``first_tokens`` tokens of every placed chunk, and the
+   ``deviation_ratio`` share of placed tokens whose layer-1 K/V in this context
+   deviates most from the placed K/V (one extra layer of compute selects them),
+   are pending: computed again, in context, in the request's first step(s).
+4. Taint: ``exact_until`` is the first placed token that is not recomputed; pages
+   from there on are marked inexact and never keyed.
+
+Invariants: an exact request never receives placed KV (only ``ExactPrefixReuse``
+runs for it); entries are held only while being copied; a sequence's reuse info
+counts placed tokens as reused and the repaired ones among them as recomputed.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from chunkstore.hashing import PageKey, position_free_key
+from workers.engine.kv_pool import ChunkEntry, KVPool
+from workers.engine.placement import place_chunk
+from workers.engine.request import Sequence
+from workers.engine.reuse import ExactPrefixReuse, publish_exact_pages, start_from
+from workers.engine.reuse_info import ReuseInfo
+
+DEVIATION_LAYER = 1  # layer 0's KV depends on token and position only: placed exactly
+
+
+class ChunkReuse:
+    """The reuse component of an engine with reuse on (exact, and approximate on
+    request). ``fill`` queues the computation of a missed chunk's entry."""
+
+    mode = "exact"  # what every request gets; approximate is per request
+
+    def __init__(
+        self,
+        pool: KVPool,
+        runner,
+        fill: Callable[[PageKey, list[int], Sequence], None],
+        min_entry_tokens: int,
+    ) -> None:
+        self.pool = pool
+        self.runner = runner
+        self.fill = fill
+        self.min_entry_tokens = min_entry_tokens
+        self._exact = ExactPrefixReuse(pool)
+
+    def admit(self, seq: Sequence) -> bool:
+        if seq.fill_key is not None:  # an entry is computed alone, in pages of its own
+            start_from(seq, "exact", [], 0)
+            return True
+        first_admission = seq.reuse is None
+        if not self._exact.admit(seq):
+            return False
+        if seq.reuse_request.mode != "approximate":
+            return True
+        matched = seq.num_computed
+        last = len(seq.token_ids) - 1  # its logits give the next token
+        spans = [(s, e) for s, e in seq.placeable if 0 < s and s >= matched and e <= last]
+        hits: list[tuple[int, int, ChunkEntry]] = []
+        for start, end in spans:
+            tokens = seq.token_ids[start:end]
+            key = position_free_key(seq.namespace, tokens)
+            entry = self.pool.entry(key)
+            if entry is not None and entry.num_tokens == end - start:
+                hits.append((start, end, entry))
+            elif end - start >= self.min_entry_tokens:
+                self.fill(key, tokens, seq)
+        if hits and not self._place(seq, hits):
+            return False
+        if first_admission:
+            placed = sum(e - s for s, e, _ in hits)
+            recomputed = len(seq.pending) - self._gaps(seq, hits)
+            seq.reuse = ReuseInfo("approximate", matched + placed, recomputed)
+        return True
+
+    def publish(self, seq: Sequence, start: int, end: int) -> None:
+        if seq.fill_key is None:  # a fill's pages become its entry, never page keys
+            publish_exact_pages(self.pool, seq, start, end)
+
+    # -- placement and repair ----------------------------------------------------
+    def _place(self, seq: Sequence, hits: list[tuple[int, int, ChunkEntry]]) -> bool:
+        page_size = self.pool.page_size
+        placed_end = hits[-1][1]
+        needed = -(-placed_end // page_size) - len(seq.page_ids)
+        for _, _, entry in hits:
+            self.pool.hold_entry(entry)  # not evicted by our own allocation
+        try:
+            pages = self.pool.allocate(needed) if needed > 0 else []
+            if pages is None:
+                self.pool.release(seq.page_ids)
+                seq.page_ids, seq.num_computed = array("i"), 0
+                return False
+            seq.page_ids.extend(pages)
+            table = torch.from_numpy(np.frombuffer(seq.page_ids, dtype=np.int32).astype(np.int64))
+            runner = self.runner
+            for start, end, entry in hits:
+                positions = torch.arange(start, end)
+                dst = table[positions // page_size] * page_size + positions % page_size
+                src_pages = torch.tensor(entry.pages, dtype=torch.long)
+                local = torch.arange(end - start)
+                src = src_pages[local // page_size] * page_size + local % page_size
+                place_chunk(runner.kv_caches, src, dst, start, runner.model.rope_cache, page_size)
+        finally:
+            for _, _, entry in hits:
+                self.pool.drop_entry(entry)
+        matched = seq.num_computed
+        kept = np.zeros(placed_end, dtype=bool)  # KV taken from an entry, as placed
+        for start, end, _ in hits:
+            kept[start + min(seq.reuse_request.first_tokens, end - start) : end] = True
+        pending = ~kept
+        pending[:matched] = False
+        ratio = seq.reuse_request.deviation_ratio
+        if ratio > 0 and kept.any():
+            placed_total = sum(e - s for s, e, _ in hits)
+            extra = min(int(round(ratio * placed_total)), int(kept.sum()))
+            if extra:
+                candidates = np.flatnonzero(kept)
+                run = np.arange(matched, placed_end, dtype=np.int64)
+                deviation = self.runner.kv_deviation(seq, run, candidates, DEVIATION_LAYER)
+                worst = candidates[np.argsort(-deviation, kind="stable")[:extra]]
+                kept[worst] = False
+                pending[worst] = True
+        seq.num_computed = placed_end
+        seq.pending = np.flatnonzero(pending).astype(np.int64)
+        if kept.any():
+            seq.exact_until = int(np.argmax(kept))
+            self.pool.mark_inexact(seq.page_ids[seq.exact_until // page_size :])
+        return True
+
+    @staticmethod
+    def _gaps(seq: Sequence, hits: list[tuple[int, int, ChunkEntry]]) -> int:
+        """Pending positions that no placed chunk covers (computed, not recomputed)."""
+        covered = np.zeros(seq.num_computed, dtype=bool)
+        for start, end, _ in hits:
+            covered[start:end] = True
+        return int((~covered[seq.pending]).sum()) if len(seq.pending) else 0
