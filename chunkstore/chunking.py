@@ -56,6 +56,22 @@ def validate_messages(messages: Sequence[Message]) -> None:
                 raise ValueError(f"messages[{i}].content[{j}].text must be a string")
 
 
+def placeable_spans(chunks: Sequence[Chunk]) -> tuple[tuple[int, int], ...]:
+    """(start, end) token spans of the chunks that approximate reuse may place from
+    position-free entries: every chunk except the one that opens the prompt (its
+    cached KV is exact anyway), the last content chunk (the question: its logits are
+    the answer's) and the generation prompt."""
+    content = [i for i, c in enumerate(chunks) if c.role != "generation"]
+    placeable = set(content[1:-1])
+    spans, offset = [], 0
+    for index, chunk in enumerate(chunks):
+        end = offset + len(chunk.token_ids)
+        if index in placeable and end > offset:
+            spans.append((offset, end))
+        offset = end
+    return tuple(spans)
+
+
 def chunk_prompt(tokenizer: ChatTokenizer, prompt: str) -> list[Chunk]:
     """A plain string prompt is one chunk."""
     if not prompt:

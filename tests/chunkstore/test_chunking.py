@@ -77,3 +77,18 @@ def test_plain_prompt_is_one_chunk(tokenizer):
     assert tokenizer.decode(chunk.token_ids) == "hello world"
     with pytest.raises(ValueError, match="empty"):
         chunk_prompt(tokenizer, "")
+
+
+def test_placeable_spans_skip_the_opening_chunk_the_question_and_the_generation_prompt():
+    from chunkstore.chunking import Chunk, placeable_spans
+
+    chunks = [
+        Chunk("system", (1, 2, 3)),
+        Chunk("user", (4, 5)),
+        Chunk("user", (6, 7, 8, 9)),
+        Chunk("user", (10,)),
+        Chunk("generation", (11, 12)),
+    ]
+    assert placeable_spans(chunks) == ((3, 5), (5, 9))
+    assert placeable_spans(chunks[:2]) == ()
+    assert placeable_spans([Chunk("query", (1, 2))]) == ()
