@@ -74,12 +74,14 @@ def swept(example: DocQAExample, position: int) -> DocQAExample:
 
 
 def build_prompt(tokenizer, example: DocQAExample) -> Prompt:
-    """Canonical chunk tokenization; documents are the user message's parts before
-    the question (the first one opens with the user header)."""
+    """Canonical chunk tokenization: system, the user header, one chunk per
+    document, the question, the generation prompt."""
     chunks = chunk_conversation(tokenizer, example.messages)
+    if len(chunks) != example.num_docs + 4:
+        raise ValueError(f"unexpected chunking: {len(chunks)} chunks for {example.num_docs} docs")
     spans, offset = [], 0
     for index, chunk in enumerate(chunks):
-        if 1 <= index <= example.num_docs:
+        if 2 <= index < 2 + example.num_docs:
             spans.append((offset, offset + len(chunk.token_ids)))
         offset += len(chunk.token_ids)
     tokens = [t for chunk in chunks for t in chunk.token_ids]

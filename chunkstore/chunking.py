@@ -142,7 +142,10 @@ def _split_parts(
     previous: str,
     piece: str,
 ) -> list[str] | None:
-    """Texts of a message's chunks: itself, or one per content part."""
+    """Texts of a message's chunks: itself, or its header (the role's template
+    text) and then one per content part, the footer joined to the last part. The
+    header is a chunk of its own so a part's tokens are the same wherever the part
+    appears in the message (a document first or third is one position-free entry)."""
     content = message["content"]
     if isinstance(content, str) or len(content) == 1:
         return [piece]
@@ -151,8 +154,7 @@ def _split_parts(
         return None
     header, footer = probe[len(previous) :].split(_PART_SENTINEL)
     texts = [part["text"] for part in content]
-    texts[0] = header + texts[0]
     texts[-1] = texts[-1] + footer
-    if "".join(texts) != piece:
+    if header + "".join(texts) != piece:
         return None
-    return texts
+    return [header, *texts]

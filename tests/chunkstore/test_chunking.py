@@ -41,7 +41,11 @@ def test_text_parts_give_one_chunk_each(tokenizer):
     parts = [{"type": "text", "text": t} for t in ("Doc one. ", "Doc two. ", "Question?")]
     messages = [{"role": "system", "content": "Sys"}, {"role": "user", "content": parts}]
     chunks = chunk_conversation(tokenizer, messages)
-    assert [c.role for c in chunks] == ["system", "user", "user", "user", "generation"]
+    # the message's header, then one chunk per part (the footer joins the last)
+    assert [c.role for c in chunks] == ["system", "user", "user", "user", "user", "generation"]
+    assert tokenizer.decode(list(chunks[1].token_ids)) == tokenizer.apply_chat_template(
+        [{"role": "user", "content": ""}], tokenize=False
+    ).split("<|im_end|>")[0].split("<|eot_id|>")[0].replace("<|begin_of_text|>", "")
     text = tokenizer.decode(_flat(chunks))
     assert text == tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
@@ -52,8 +56,9 @@ def test_text_parts_give_one_chunk_each(tokenizer):
     middle = chunk_conversation(
         tokenizer, [messages[0], {"role": "user", "content": [parts[0], parts[1], parts[2]]}]
     )
-    assert middle[2].token_ids == tuple(tokenizer.encode("Doc two. ", add_special_tokens=False))
-    assert swapped[1].token_ids[-len(middle[2].token_ids) :] == middle[2].token_ids
+    assert middle[3].token_ids == tuple(tokenizer.encode("Doc two. ", add_special_tokens=False))
+    # first in the message or second, a part is the same chunk
+    assert swapped[2].token_ids == middle[3].token_ids
 
 
 @pytest.mark.parametrize(
