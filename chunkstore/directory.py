@@ -2,7 +2,10 @@
 
 A directory records, per worker, the set of page keys its KV pool holds, fed by
 the worker's cache events (``chunkstore.events``), and answers the router's
-question "how many leading chunks of this request does each worker hold?".
+question "how many leading chunks of this request does each worker hold?" and,
+for approximate reuse, "which of these position-free chunk entries does each worker
+hold?" (entry keys, ``hashing.position_free_key``, live in the same key set as page
+keys: a key space of their own).
 
 Mutation semantics (every implementation follows them exactly):
 
@@ -21,6 +24,9 @@ Mutation semantics (every implementation follows them exactly):
   lease to ``now + lease_ttl`` (anything that reaches the directory proves the
   worker alive). ``heartbeat`` asks for a snapshot when the directory has no
   stream for the worker's epoch (new worker, new epoch, lost state, or a gap).
+- ``lookup(keys, token_ends, entry_keys)`` answers both questions in one call
+  (one round trip): per live worker, the leading run of ``keys`` it holds and the
+  indices of the ``entry_keys`` it holds (any of them: entries need no prefix).
 - A worker is *live* while its lease is fresh. ``lookup`` counts live workers
   only; a worker's keys are garbage-collected at most one lease TTL after its
   lease expired, so entries never outlive their worker's lease by more than one
@@ -45,7 +51,7 @@ from chunkstore.hashing import PageKey
 
 PAGE_KEY_BYTES = 32
 MAX_EPOCH = 2**53  # epochs and seqs must be exact in a Lua number (a double)
-MAX_LOOKUP_KEYS = 4096  # one Lua call unpacks them all; far above any real request
+MAX_LOOKUP_KEYS = 4096  # chain + entry keys of one lookup: one Lua call unpacks them all
 DEFAULT_LEASE_TTL_S = 5.0
 
 
@@ -89,14 +95,28 @@ class WorkerHolding:
 
 
 @dataclass(frozen=True)
+class EntryHolding:
+    """A live worker holds the position-free entries at these indices of the
+    lookup's ``entry_keys`` (ascending, at least one)."""
+
+    worker_id: str
+    entries: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class LookupResult:
     """``available=False`` means "no information" (not "nobody holds anything")."""
 
     available: bool
     holdings: tuple[WorkerHolding, ...] = ()  # most chunks first, then by worker id
+    entries: tuple[EntryHolding, ...] = ()  # by worker id; workers holding no entry omitted
 
     def holding(self, worker_id: str) -> WorkerHolding | None:
         return next((h for h in self.holdings if h.worker_id == worker_id), None)
+
+    def entries_of(self, worker_id: str) -> tuple[int, ...]:
+        """Indices of the entry keys ``worker_id`` holds (empty if none)."""
+        return next((e.entries for e in self.entries if e.worker_id == worker_id), ())
 
 
 NO_INFORMATION = LookupResult(available=False)
@@ -129,7 +149,12 @@ class ChunkDirectory(Protocol):
 
     def heartbeat(self, worker_id: str, epoch: int) -> PublishResult: ...
 
-    def lookup(self, keys: Sequence[PageKey], token_ends: Sequence[int]) -> LookupResult: ...
+    def lookup(
+        self,
+        keys: Sequence[PageKey],
+        token_ends: Sequence[int],
+        entry_keys: Sequence[PageKey] = (),
+    ) -> LookupResult: ...
 
     def remove_worker(self, worker_id: str) -> None: ...
 
@@ -173,13 +198,16 @@ def check_events(events: Sequence[CacheEvent]) -> None:
         check_keys(event.keys)
 
 
-def check_lookup(keys: Sequence[PageKey], token_ends: Sequence[int]) -> None:
-    if len(keys) > MAX_LOOKUP_KEYS:
+def check_lookup(
+    keys: Sequence[PageKey], token_ends: Sequence[int], entry_keys: Sequence[PageKey] = ()
+) -> None:
+    if len(keys) + len(entry_keys) > MAX_LOOKUP_KEYS:
         raise ValueError(
-            f"a lookup takes at most {MAX_LOOKUP_KEYS} chunk keys, got {len(keys)}; "
-            "merge small chunks or look up a leading part"
+            f"a lookup takes at most {MAX_LOOKUP_KEYS} chunk and entry keys in all, got "
+            f"{len(keys)} + {len(entry_keys)}; merge small chunks or look up a leading part"
         )
     check_keys(keys)
+    check_keys(entry_keys)
     if len(keys) != len(token_ends):
         raise ValueError(
             f"token_ends must give one count per key: {len(keys)} keys, "
@@ -202,12 +230,22 @@ def leading_run(held: Iterable[bool]) -> int:
     return n
 
 
-def lookup_result(runs: Mapping[str, int], token_ends: Sequence[int]) -> LookupResult:
-    """Build a result from worker -> leading run (runs of 0 are dropped)."""
+def lookup_result(
+    runs: Mapping[str, int],
+    token_ends: Sequence[int],
+    entries: Mapping[str, Iterable[int]] | None = None,
+) -> LookupResult:
+    """Build a result from worker -> leading run and worker -> indices of held entry
+    keys (runs of 0 and empty index sets are dropped)."""
     holdings = [
         WorkerHolding(worker_id=w, chunks=n, tokens=token_ends[n - 1])
         for w, n in runs.items()
         if n > 0
     ]
     holdings.sort(key=lambda h: (-h.chunks, h.worker_id))
-    return LookupResult(available=True, holdings=tuple(holdings))
+    held = [
+        EntryHolding(worker_id=w, entries=tuple(sorted(indices)))
+        for w, indices in (entries or {}).items()
+    ]
+    held = sorted((e for e in held if e.entries), key=lambda e: e.worker_id)
+    return LookupResult(available=True, holdings=tuple(holdings), entries=tuple(held))

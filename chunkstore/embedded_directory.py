@@ -86,16 +86,22 @@ class EmbeddedChunkDirectory:
                 return d.STALE_EPOCH
             return d.NEEDS_SNAPSHOT if record.last_seq < 0 else d.APPLIED
 
-    def lookup(self, keys: Sequence[PageKey], token_ends: Sequence[int]) -> d.LookupResult:
-        d.check_lookup(keys, token_ends)
+    def lookup(
+        self,
+        keys: Sequence[PageKey],
+        token_ends: Sequence[int],
+        entry_keys: Sequence[PageKey] = (),
+    ) -> d.LookupResult:
+        d.check_lookup(keys, token_ends, entry_keys)
         with self._lock:
             now = self._collect()
-            runs = {
-                worker: d.leading_run(key in record.keys for key in keys)
-                for worker, record in self._records.items()
-                if record.lease_until > now
+            live = {w: r.keys for w, r in self._records.items() if r.lease_until > now}
+            runs = {w: d.leading_run(key in held for key in keys) for w, held in live.items()}
+            entries = {
+                w: [i for i, key in enumerate(entry_keys) if key in held]
+                for w, held in live.items()
             }
-            result = d.lookup_result(runs, token_ends)
+            result = d.lookup_result(runs, token_ends, entries)
             self._lookups += 1
             self._hits += bool(result.holdings)
             return result

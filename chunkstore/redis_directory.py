@@ -9,7 +9,7 @@ invariants are in ``chunkstore.redis_scripts``. Invariants of this client:
   ``retry_after_s``: no caller ever waits on Redis for long.
 - No Redis error escapes: lookups return ``NO_INFORMATION``, mutations
   ``UNAVAILABLE``, ``remove_worker`` gives up (the lease TTL cleans up).
-- Stored keys and values are the prefix, worker ids, page-key digests, epochs,
+- Stored keys and values are the prefix, worker ids, page-key and entry-key digests, epochs,
   sequence numbers, times and counts: never client text.
 """
 
@@ -156,9 +156,17 @@ class RedisChunkDirectory:
         args = self._worker_args(worker_id, epoch)
         return self._status(self._breaker.call(lambda: self._heartbeat(args=args)))
 
-    def lookup(self, keys: Sequence[PageKey], token_ends: Sequence[int]) -> d.LookupResult:
-        d.check_lookup(keys, token_ends)
-        result = self._query(keys, token_ends) if keys else d.LookupResult(available=True)
+    def lookup(
+        self,
+        keys: Sequence[PageKey],
+        token_ends: Sequence[int],
+        entry_keys: Sequence[PageKey] = (),
+    ) -> d.LookupResult:
+        d.check_lookup(keys, token_ends, entry_keys)
+        if keys or entry_keys:
+            result = self._query(keys, token_ends, entry_keys)
+        else:
+            result = d.LookupResult(available=True)
         with self._counter_lock:
             self._lookups += 1
             self._hits += bool(result.holdings)
@@ -183,12 +191,18 @@ class RedisChunkDirectory:
     def close(self) -> None:
         self._client.close()
 
-    def _query(self, keys: Sequence[PageKey], token_ends: Sequence[int]) -> d.LookupResult:
-        packed = self._breaker.call(lambda: self._lookup(args=[self._prefix, *keys]))
+    def _query(
+        self, keys: Sequence[PageKey], token_ends: Sequence[int], entry_keys: Sequence[PageKey]
+    ) -> d.LookupResult:
+        args = [self._prefix, len(keys), *keys, *entry_keys]
+        packed = self._breaker.call(lambda: self._lookup(args=args))
         if packed is None:
             return d.NO_INFORMATION
-        flat = msgpack.unpackb(packed, raw=False)  # [worker, run, worker, run, ...]
-        return d.lookup_result(dict(zip(flat[::2], flat[1::2], strict=True)), token_ends)
+        flat = msgpack.unpackb(packed, raw=False)  # [worker, run, [entry index, ...], ...]
+        workers = flat[::3]
+        runs = dict(zip(workers, flat[1::3], strict=True))
+        entries = dict(zip(workers, flat[2::3], strict=True))
+        return d.lookup_result(runs, token_ends, entries)
 
     def _worker_args(self, worker_id: str, epoch: int) -> list[str | int]:
         return [self._prefix, worker_id, epoch, self._ttl_ms]

@@ -133,29 +133,40 @@ redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 0
 """
 
-# ARGV: prefix, key, ... -> msgpack [worker, leading run, ...] over live workers holding
-# the first key (one bulk string: far cheaper for the client to parse than an array).
-# Most workers hold a short run (a shared system prompt, then nothing), so the first
-# two keys are probed one by one; a worker holding both gets the rest in one call.
+# ARGV: prefix, n, n chain keys, entry keys -> msgpack [worker, leading run of the chain
+# keys, [held entry indices (0-based)], ...] over live workers holding the first chain
+# key or some entry (one bulk string: far cheaper for the client to parse than an
+# array). Most workers hold a short run (a shared system prompt, then nothing), so
+# the first two chain keys are probed one by one; a worker holding both gets the rest
+# in one call. Entries are any subset (no prefix): one SMISMEMBER per worker.
 LOOKUP = (
     _NOW
     + """
-local prefix, nkeys = ARGV[1], #ARGV - 1
+local prefix, nkeys = ARGV[1], tonumber(ARGV[2])
+local nentries = #ARGV - 2 - nkeys
 local workers = redis.call('ZRANGEBYSCORE', prefix .. 'live', string.format('(%d', now), '+inf')
 local out = {}
 for _, worker in ipairs(workers) do
   local set_key = prefix .. 's:' .. worker
   local n = 0
-  while n < math.min(2, nkeys) and redis.call('SISMEMBER', set_key, ARGV[n + 2]) == 1 do
+  while n < math.min(2, nkeys) and redis.call('SISMEMBER', set_key, ARGV[n + 3]) == 1 do
     n = n + 1
   end
   if n == 2 and nkeys > 2 then
-    local held = redis.call('SMISMEMBER', set_key, unpack(ARGV, 4))
+    local held = redis.call('SMISMEMBER', set_key, unpack(ARGV, 5, nkeys + 2))
     while n < nkeys and held[n - 1] == 1 do n = n + 1 end
   end
-  if n > 0 then
+  local entries = {}
+  if nentries > 0 then
+    local held = redis.call('SMISMEMBER', set_key, unpack(ARGV, nkeys + 3))
+    for i = 1, nentries do
+      if held[i] == 1 then entries[#entries + 1] = i - 1 end
+    end
+  end
+  if n > 0 or #entries > 0 then
     out[#out + 1] = worker
     out[#out + 1] = n
+    out[#out + 1] = entries
   end
 end
 return cmsgpack.pack(out)

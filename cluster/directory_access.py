@@ -25,7 +25,10 @@ logger = logging.getLogger(__name__)
 
 class AsyncDirectory(Protocol):
     async def lookup(
-        self, keys: Sequence[PageKey], token_ends: Sequence[int]
+        self,
+        keys: Sequence[PageKey],
+        token_ends: Sequence[int],
+        entry_keys: Sequence[PageKey] = (),
     ) -> d.LookupResult: ...
 
     async def stats(self) -> d.DirectoryStats | None: ...
@@ -44,8 +47,13 @@ class RedisAccess:
             timeout_s=spec.redis_timeout_s,
         )
 
-    async def lookup(self, keys: Sequence[PageKey], token_ends: Sequence[int]) -> d.LookupResult:
-        return await asyncio.to_thread(self._directory.lookup, keys, token_ends)
+    async def lookup(
+        self,
+        keys: Sequence[PageKey],
+        token_ends: Sequence[int],
+        entry_keys: Sequence[PageKey] = (),
+    ) -> d.LookupResult:
+        return await asyncio.to_thread(self._directory.lookup, keys, token_ends, entry_keys)
 
     async def stats(self) -> d.DirectoryStats | None:
         stats = await asyncio.to_thread(self._directory.stats)
@@ -65,9 +73,15 @@ class HostAccess:
         self._host = ray.get_actor(spec.host_actor, namespace=spec.ray_namespace)
         self._timeout_s = spec.call_timeout_s
 
-    async def lookup(self, keys: Sequence[PageKey], token_ends: Sequence[int]) -> d.LookupResult:
-        d.check_lookup(keys, token_ends)
-        result = await self._call(self._host.lookup.remote(list(keys), list(token_ends)))
+    async def lookup(
+        self,
+        keys: Sequence[PageKey],
+        token_ends: Sequence[int],
+        entry_keys: Sequence[PageKey] = (),
+    ) -> d.LookupResult:
+        d.check_lookup(keys, token_ends, entry_keys)
+        ref = self._host.lookup.remote(list(keys), list(token_ends), list(entry_keys))
+        result = await self._call(ref)
         return d.NO_INFORMATION if result is None else result
 
     async def stats(self) -> d.DirectoryStats | None:

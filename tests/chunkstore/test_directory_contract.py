@@ -46,6 +46,41 @@ def test_holdings_sorted_by_chunks_then_worker(make_directory):
     assert result.holding("zz") is None
 
 
+def entry_stored(*keys: bytes) -> CacheEvent:
+    return CacheEvent(EventKind.ENTRY_STORED, keys)
+
+
+def test_one_lookup_answers_chain_keys_and_entry_keys(make_directory):
+    """Entries are held in any subset (no prefix rule); a worker holding entries but
+    no leading chain key appears in ``entries`` only; entry indices are ascending."""
+    directory = make_directory()
+    chain, entry = KEYS[:4], make_keys(4, "entry")
+    directory.publish("w1", 1, 0, [stored(*chain[:2]), entry_stored(entry[3], entry[1])])
+    directory.publish("w2", 1, 0, [entry_stored(entry[2])])
+    directory.publish("w3", 1, 0, [stored(chain[0])])
+    result = directory.lookup(chain, ENDS[:4], entry)
+    assert result.available
+    assert result.holdings == (d.WorkerHolding("w1", 2, 32), d.WorkerHolding("w3", 1, 16))
+    assert result.entries == (d.EntryHolding("w1", (1, 3)), d.EntryHolding("w2", (2,)))
+    assert (result.entries_of("w1"), result.entries_of("w3")) == ((1, 3), ())
+    # entries alone, and a removed entry
+    directory.publish("w1", 1, 1, [CacheEvent(EventKind.ENTRY_REMOVED, (entry[1],))])
+    only_entries = directory.lookup([], [], entry)
+    assert only_entries.holdings == ()
+    assert only_entries.entries == (d.EntryHolding("w1", (3,)), d.EntryHolding("w2", (2,)))
+    # without entry keys: the exact answer as before
+    assert directory.lookup(chain, ENDS[:4]).entries == ()
+
+
+def test_entry_lookup_counts_live_workers_only(make_directory):
+    directory = make_directory(lease_ttl_s=0.3)
+    entry = make_keys(1, "entry")
+    directory.publish("w", 1, 0, [entry_stored(*entry)])
+    assert directory.lookup([], [], entry).entries_of("w") == (0,)
+    time.sleep(0.45)
+    assert directory.lookup([], [], entry).entries == ()
+
+
 def test_events_apply_in_order(make_directory):
     directory = make_directory()
     k0, k1, k2 = KEYS[:3]
@@ -192,6 +227,19 @@ def test_empty_lookup(make_directory):
 def test_bad_lookup_raises_value_error(make_directory, keys, ends, message):
     with pytest.raises(ValueError, match=message):
         make_directory().lookup(keys, ends)
+
+
+@pytest.mark.parametrize(
+    ("entries", "message"),
+    [
+        ([b"short"], "32-byte"),
+        ([KEYS[0], None], "None"),
+        (KEYS[:1] * d.MAX_LOOKUP_KEYS, "at most"),  # chain and entry keys count together
+    ],
+)
+def test_bad_entry_lookup_raises_value_error(make_directory, entries, message):
+    with pytest.raises(ValueError, match=message):
+        make_directory().lookup(KEYS[:1], ENDS[:1], entries)
 
 
 @pytest.mark.parametrize(

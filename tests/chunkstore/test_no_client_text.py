@@ -9,7 +9,8 @@ import msgpack
 import pytest
 import redis
 
-from chunkstore.hashing import Namespace, chunk_keys, page_keys
+from chunkstore.events import CacheEvent, EventKind
+from chunkstore.hashing import Namespace, chunk_keys, page_keys, position_free_key
 from chunkstore.publisher import EventPublisher
 from chunkstore.redis_directory import RedisChunkDirectory
 from tests.chunkstore.testkit import SimPool
@@ -65,14 +66,21 @@ def test_marker_text_never_reaches_redis(redis_url, redis_prefix):
     pool.store(pages[4:])
     pool.remove(pages[:1])
     publisher.flush()  # batch
+    # position-free entries of the marker's chunks (approximate reuse), published as a
+    # worker's KV pool does
+    namespace = Namespace("model", tenant_salt=MARKER)
+    entries = [position_free_key(namespace, tokens[:n]) for n in (len(MARKER), len(tokens))]
+    directory.publish("worker-1", 1, 0, [CacheEvent(EventKind.ENTRY_STORED, tuple(entries))])
     keys = [k for k in chunk_keys([len(MARKER)] * 2, pages, PAGE) if k is not None]
-    assert directory.lookup(keys, [len(MARKER), 2 * len(MARKER)]).holdings
+    result = directory.lookup(keys, [len(MARKER), 2 * len(MARKER)], entries)
+    assert result.holdings and result.entries_of("worker-1") == (0, 1)
 
     client = redis.Redis.from_url(redis_url)
     blobs = dump(client, directory.prefix)
     client.close()
     directory.close()
-    assert len(blobs) >= 3 + len(pages)  # live zset, state, key set and its members
+    # live zset, states, key sets and their members
+    assert len(blobs) >= 3 + len(pages) + 3 + len(entries)
     for blob in blobs:
         for pattern in forbidden_patterns():
             assert pattern not in blob, f"client text in Redis: {blob!r:.80}"

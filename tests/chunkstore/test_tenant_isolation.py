@@ -1,8 +1,10 @@
-"""Identical text under two tenants gives different keys; B's lookups never see A's chunks."""
+"""Identical text under two tenants gives different keys (page keys and position-free
+entry keys alike); B's lookups never see A's chunks or entries."""
 
 from __future__ import annotations
 
-from chunkstore.hashing import Namespace, chunk_keys, page_keys
+from chunkstore.events import CacheEvent, EventKind
+from chunkstore.hashing import Namespace, chunk_keys, page_keys, position_free_key
 
 PAGE = 4
 SYSTEM = list(b"You are a helpful assistant. ")
@@ -40,3 +42,24 @@ def test_lookup_under_tenant_b_never_reports_tenant_a(make_directory):
     # once tenant B's own request is cached, B sees only B's worker
     directory.publish_snapshot("worker-b", 1, 0, page_keys(tokens, PAGE, tenant_b))
     assert [h.worker_id for h in directory.lookup(keys_b, ends).holdings] == ["worker-b"]
+
+
+def test_identical_chunks_under_two_tenants_give_different_entry_keys():
+    a = Namespace("model", tenant_salt="tenant-a")
+    b = Namespace("model", tenant_salt="tenant-b")
+    assert position_free_key(a, DOCUMENT) != position_free_key(b, DOCUMENT)
+    assert position_free_key(a, DOCUMENT) == position_free_key(a, list(DOCUMENT))
+    # and entry keys never collide with page keys of the same tokens
+    assert position_free_key(a, DOCUMENT[:PAGE]) not in page_keys(DOCUMENT[:PAGE], PAGE, a)
+
+
+def test_entry_lookup_under_tenant_b_never_reports_tenant_a(make_directory):
+    directory = make_directory()
+    tenant_a = Namespace("model", tenant_salt="tenant-a")
+    tenant_b = Namespace("model", tenant_salt="tenant-b")
+    entry_a, entry_b = position_free_key(tenant_a, DOCUMENT), position_free_key(tenant_b, DOCUMENT)
+    stored_a = CacheEvent(EventKind.ENTRY_STORED, (entry_a,))
+    directory.publish("worker-a", 1, 0, [stored_a])
+    assert directory.lookup([], [], [entry_a]).entries_of("worker-a") == (0,)
+    result_b = directory.lookup([], [], [entry_b])
+    assert result_b.available and result_b.entries == ()

@@ -74,8 +74,13 @@ class LossyDirectory:
     def heartbeat(self, worker_id: str, epoch: int) -> d.PublishResult:
         return d.UNAVAILABLE if self.down else self.inner.heartbeat(worker_id, epoch)
 
-    def lookup(self, keys: Sequence[PageKey], token_ends: Sequence[int]) -> d.LookupResult:
-        return d.NO_INFORMATION if self.down else self.inner.lookup(keys, token_ends)
+    def lookup(
+        self,
+        keys: Sequence[PageKey],
+        token_ends: Sequence[int],
+        entry_keys: Sequence[PageKey] = (),
+    ) -> d.LookupResult:
+        return d.NO_INFORMATION if self.down else self.inner.lookup(keys, token_ends, entry_keys)
 
     def remove_worker(self, worker_id: str) -> None:
         self.inner.remove_worker(worker_id)

@@ -71,8 +71,13 @@ class DirectoryHost:
     def heartbeat(self, worker_id: str, epoch: int) -> d.PublishResult:
         return self._directory.heartbeat(worker_id, epoch)
 
-    def lookup(self, keys: Sequence[PageKey], token_ends: Sequence[int]) -> d.LookupResult:
-        return self._directory.lookup(keys, token_ends)
+    def lookup(
+        self,
+        keys: Sequence[PageKey],
+        token_ends: Sequence[int],
+        entry_keys: Sequence[PageKey] = (),
+    ) -> d.LookupResult:
+        return self._directory.lookup(keys, token_ends, entry_keys)
 
     def remove_worker(self, worker_id: str) -> None:
         self._directory.remove_worker(worker_id)
@@ -111,9 +116,14 @@ class ActorDirectory:
         d.check_worker(worker_id, epoch)
         return self._call(self._host.heartbeat.remote(worker_id, epoch))
 
-    def lookup(self, keys: Sequence[PageKey], token_ends: Sequence[int]) -> d.LookupResult:
-        d.check_lookup(keys, token_ends)
-        ref = self._host.lookup.remote(list(keys), list(token_ends))
+    def lookup(
+        self,
+        keys: Sequence[PageKey],
+        token_ends: Sequence[int],
+        entry_keys: Sequence[PageKey] = (),
+    ) -> d.LookupResult:
+        d.check_lookup(keys, token_ends, entry_keys)
+        ref = self._host.lookup.remote(list(keys), list(token_ends), list(entry_keys))
         return self._call(ref, fallback=d.NO_INFORMATION)
 
     def remove_worker(self, worker_id: str) -> None:
