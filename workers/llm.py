@@ -59,7 +59,7 @@ class LLM:
         )
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
-        self._chunks = ChunkRegistry(self.engine, self._prefill, clock)
+        self._chunks = ChunkRegistry(self.engine, self._prefill, clock, step_until=self._step_until)
 
     def generate(
         self,
@@ -93,12 +93,15 @@ class LLM:
         role: str = "context",
         ttl_s: float | None = None,
         after: Sequence[str] = (),
+        mode: str = "exact",
     ) -> str:
         """Compute and pin the KV of ``content`` (a string, or messages taken as is)
         preceded by the chunks ``after``; returns its id. ``role``: system (a system
         message), context or query (a user message). Identical registrations return
-        the same id and refresh its TTL."""
-        return self._chunks.register(content, role, ttl_s, after)
+        the same id and refresh its TTL. ``mode="approximate"``: pin one
+        position-free copy of a text (a document) that approximate requests place
+        wherever it appears as a content part."""
+        return self._chunks.register(content, role, ttl_s, after, mode)
 
     def generate_from_chunks(
         self, chunk_ids: Sequence[str], params: SamplingParams | None = None
@@ -118,6 +121,13 @@ class LLM:
 
     def _prefill(self, tokens: list[int]) -> None:
         self.generate_tokens([tokens], SamplingParams(max_tokens=1, temperature=0))
+
+    def _step_until(self, done: Callable[[], bool]) -> None:
+        """Step the engine until ``done()``; offline, no request is in flight here."""
+        while not done():
+            if not self.engine.has_unfinished():
+                raise RuntimeError("the engine ran out of work before the awaited state")
+            self.engine.step()
 
     def generate_tokens(
         self,

@@ -10,8 +10,10 @@ import shutil
 import numpy as np
 import pytest
 
+from chunkstore.chunking import chunk_conversation, placeable_spans
 from chunkstore.events import EventKind
 from chunkstore.hashing import position_free_key
+from workers import LLM
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.reuse_info import ReuseRequest
@@ -84,7 +86,9 @@ def test_recomputing_every_placed_token_equals_plain_generation(model, parts):
     repairs = (ReuseRequest("approximate", 10_000), ReuseRequest("approximate", 0, 1.0))
     system_pages = len(parts["systems"][1]) // PAGE * PAGE
     # the second request matches the first one's (exact) system prompt pages
-    for order, repair, matched in zip([(2, 0, 1), (1, 2, 0)], repairs, [0, system_pages]):
+    for order, repair, matched in zip(
+        [(2, 0, 1), (1, 2, 0)], repairs, [0, system_pages], strict=True
+    ):
         # another order after another system prompt: nothing matches exactly (a fully
         # repaired request's pages are exact, so each repair gets its own order)
         docs = [parts["docs"][i] for i in order]
@@ -171,3 +175,43 @@ def test_a_model_whose_rope_cannot_be_moved_is_refused(model, parts, tmp_path):
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         engine.add_request("x", prompt, GREEDY, placeable=tuple(spans), reuse=APPROX)
     assert not engine.has_unfinished()
+
+
+def test_registered_approximate_chunk_pins_one_copy_for_every_system_prompt(model):
+    """One pinned position-free copy of a document serves requests after different
+    system prompts; it counts once toward the pin limit and survives pressure."""
+    llm = LLM(model, page_size=PAGE, num_pages=96, device="cpu", max_model_len=512)
+    doc = "The billing group sits in Oslo and the Team plan is run by it. " * 3
+    chunk_id = llm.register_chunk(doc, mode="approximate")
+    assert llm.register_chunk(doc, mode="approximate") == chunk_id  # deduplicated
+    engine = llm.engine
+    tokens = engine.tokenizer.encode(doc, add_special_tokens=False)
+    entry = engine.pool.entry(position_free_key(engine.namespace(), tokens))
+    assert entry is not None and entry.pins == 1
+    assert engine.pool.num_pinned == len(entry.pages)
+    [info] = llm.list_chunks()
+    assert (info.mode, info.num_tokens, info.pinned_tokens) == (
+        "approximate",
+        len(tokens),
+        len(entry.pages) * PAGE,
+    )
+    for system in ("You are terse.", "You are a careful analyst of documents."):
+        messages = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": [{"type": "text", "text": t} for t in (doc, "Where?")]},
+        ]
+        chunks = chunk_conversation(engine.tokenizer, messages)
+        prompt = [t for c in chunks for t in c.token_ids]
+        _, _, reuse = _run(engine, prompt, placeable_spans(chunks), APPROX)
+        assert reuse.mode == "approximate" and reuse.reused_tokens >= len(tokens)
+    assert engine.pool.num_pinned == len(entry.pages)  # still one copy
+    # pinned: never evicted, even when every other page is taken
+    pages = engine.pool.allocate(engine.pool.num_available)
+    assert engine.pool.entry(entry.key) is entry
+    engine.pool.release(pages)
+    llm.unregister_chunk(chunk_id)
+    assert engine.pool.entry(entry.key) is None and engine.pool.num_pinned == 0
+    with pytest.raises(ValueError, match="after"):
+        llm.register_chunk(doc, mode="approximate", after=[chunk_id])
+    with pytest.raises(ValueError, match="mode must be one of"):
+        llm.register_chunk(doc, mode="fuzzy")

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from chunkstore.hashing import PageKey, position_free_key
+from chunkstore.hashing import Namespace, PageKey, position_free_key
 from workers.engine.kv_pool import ChunkEntry, KVPool
 from workers.engine.placement import place_chunk
 from workers.engine.request import Sequence
@@ -51,7 +51,7 @@ class ChunkReuse:
         self,
         pool: KVPool,
         runner,
-        fill: Callable[[PageKey, list[int], Sequence], None],
+        fill: Callable[[PageKey, list[int], Namespace], None],
         min_entry_tokens: int,
     ) -> None:
         self.pool = pool
@@ -80,7 +80,7 @@ class ChunkReuse:
             if entry is not None and entry.num_tokens == end - start:
                 hits.append((start, end, entry))
             elif end - start >= self.min_entry_tokens:
-                self.fill(key, tokens, seq)
+                self.fill(key, tokens, seq.namespace)
         if hits and not self._place(seq, hits):
             return False
         if first_admission:

@@ -12,6 +12,12 @@ own (its *prefix*). Invariants:
 - Expired chunks are dropped lazily, at the start of every registry call.
 - A registry keys ids and pages by one tenant's namespace (``tenant_salt``), so
   another tenant's registry never finds its ids and its requests never hit its pages.
+
+Approximate mode (``mode="approximate"``): the chunk is a text that may stand
+anywhere (a document); the registry pins its one position-free entry (its tokens
+computed alone from position 0), which approximate requests place wherever the text
+appears as a content part, after any system prompt. ``after`` does not apply. Its
+pinned pages count toward the same limit, once, whoever uses it.
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from chunkstore.chunking import Message, chunk_conversation, validate_messages
-from chunkstore.hashing import page_keys
+from chunkstore.hashing import page_keys, position_free_key
 from workers.engine.engine import Engine
+from workers.engine.kv_pool import ChunkEntry
 
 ROLES = {"system": "system", "context": "user", "query": "user"}  # chunk role -> chat role
+MODES = ("exact", "approximate")
 
 
 class UnknownChunkError(ValueError):
@@ -45,6 +53,7 @@ class ChunkInfo:
     hits: int  # requests from chunk ids whose cached tokens covered its pinned pages
     tokens_saved: int  # of its own tokens, how many those hits served from the cache
     expires_at: float | None  # on the registry's clock; None: until unregistered
+    mode: str = "exact"  # exact: pinned prefix pages; approximate: a position-free entry
 
 
 @dataclass(frozen=True)
@@ -53,12 +62,14 @@ class _Chunk:
     messages: tuple[Message, ...]  # its own messages
     prefix_tokens: tuple[int, ...]  # canonical tokens of the after-chunks' messages + its own
     start: int  # where its own tokens begin in ``prefix_tokens``
-    page_ids: tuple[int, ...]  # pinned: the full pages of ``prefix_tokens``
+    page_ids: tuple[int, ...]  # pinned: the full pages of ``prefix_tokens`` (exact mode)
+    entry: ChunkEntry | None = None  # pinned: the position-free entry (approximate mode)
 
 
 class ChunkRegistry:
     """``compute(tokens)`` runs the engine over ``tokens`` so that their full pages
-    are cached when it returns (the caller serializes engine access)."""
+    are cached when it returns; ``step_until(done)`` steps the engine until
+    ``done()`` (the caller serializes engine access)."""
 
     def __init__(
         self,
@@ -66,10 +77,12 @@ class ChunkRegistry:
         compute: Callable[[list[int]], None],
         clock: Callable[[], float] = time.monotonic,
         tenant_salt: str | None = None,
+        step_until: Callable[[Callable[[], bool]], None] | None = None,
     ) -> None:
         self._engine = engine
         self._tenant_salt = tenant_salt  # None: the engine's configured salt
         self._compute = compute
+        self._step_until = step_until
         self._clock = clock
         self._chunks: dict[str, _Chunk] = {}  # registration order
 
@@ -85,15 +98,25 @@ class ChunkRegistry:
         role: str = "context",
         ttl_s: float | None = None,
         after: Sequence[str] = (),
+        mode: str = "exact",
     ) -> str:
         self.expire()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
         messages = _messages(content, role)
         _check_ttl(ttl_s)
+        if mode == "approximate" and (after or role != "context" or len(messages) != 1):
+            raise ValueError(
+                "an approximate chunk is one text of role context, position-free: "
+                "`after` does not apply and content must be a string"
+            )
         before = self._resolve(after)
-        chunk_id = self._chunk_id(role, content, after)
+        chunk_id = self._chunk_id(role, content, after, mode)
         expires_at = None if ttl_s is None else self._clock() + ttl_s
         if chunk_id in self._chunks:  # deduplicated: refresh the TTL, pin nothing more
             self._update(chunk_id, expires_at=expires_at)
+        elif mode == "approximate":
+            self._chunks[chunk_id] = self._create_entry(chunk_id, messages, expires_at)
         else:
             self._chunks[chunk_id] = self._create(chunk_id, role, messages, before, expires_at)
         return chunk_id
@@ -175,6 +198,34 @@ class ChunkRegistry:
         info = ChunkInfo(chunk_id, role, len(prefix) - start, pinned_tokens, 0, 0, expires_at)
         return _Chunk(info, tuple(messages), prefix, start, page_ids)
 
+    def _create_entry(
+        self, chunk_id: str, messages: list[Message], expires_at: float | None
+    ) -> _Chunk:
+        """Compute the chunk's position-free entry (alone from position 0) and pin it."""
+        if self._engine.reuse.mode != "exact" or self._step_until is None:
+            raise ValueError(
+                "registering approximate chunks needs an engine with reuse on "
+                f"(this engine's reuse mode is {self._engine.reuse.mode!r})"
+            )
+        tokens = list(self._part_tokens(messages[0]["content"]))
+        pool = self._engine.pool
+        pages = -(-len(tokens) // self._page_size)
+        key = position_free_key(self._engine.namespace(self._tenant_salt), tokens)
+        held = pool.entry(key)
+        if (held is None or held.pins == 0) and pool.num_pinned + pages > self.max_pinned_pages:
+            self._refuse(pages)
+        self._engine.fill_entry(tokens, self._tenant_salt)
+        self._step_until(lambda: pool.entry(key) is not None)
+        entry = pool.entry(key)
+        pool.hold_entry(entry, pin=True)
+        size = len(entry.pages) * self._page_size
+        info = ChunkInfo(chunk_id, "context", len(tokens), size, 0, 0, expires_at, "approximate")
+        return _Chunk(info, tuple(messages), tuple(tokens), 0, (), entry)
+
+    def _part_tokens(self, text: str) -> tuple[int, ...]:
+        """A text's tokens as a content part among others: encoded on its own."""
+        return tuple(self._engine.tokenizer.encode(text, add_special_tokens=False))
+
     def _update(self, chunk_id: str, **changes: object) -> None:
         chunk = self._chunks[chunk_id]
         self._chunks[chunk_id] = replace(chunk, info=replace(chunk.info, **changes))
@@ -182,11 +233,18 @@ class ChunkRegistry:
     def _drop(self, chunk_id: str) -> None:
         """Unpin the chunk's pages and evict those no request or other chunk holds."""
         chunk = self._chunks.pop(chunk_id)
-        self._engine.pool.unpin(chunk.page_ids)
-        self._engine.pool.evict(chunk.page_ids)
+        pool = self._engine.pool
+        if chunk.entry is not None:
+            pool.drop_entry(chunk.entry, pin=True)
+            pool.evict_entry(chunk.entry.key)
+            return
+        pool.unpin(chunk.page_ids)
+        pool.evict(chunk.page_ids)
 
-    def _chunk_id(self, role: str, content: str | Sequence[Message], after: Sequence[str]) -> str:
-        h = hashlib.sha256(b"chunkserve-chunk-v1")
+    def _chunk_id(
+        self, role: str, content: str | Sequence[Message], after: Sequence[str], mode: str
+    ) -> str:
+        h = hashlib.sha256(b"chunkserve-chunk-v1" if mode == "exact" else b"chunkserve-pic-v1")
         canonical = json.dumps(content, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
         for part in (
             self._engine.namespace(self._tenant_salt).digest,
@@ -216,14 +274,17 @@ class ChunkRegistry:
         new = len(prefix) // self._page_size - already
         limit = self.max_pinned_pages
         if pool.num_pinned + new > limit:
-            size = self._page_size
-            raise ValueError(
-                f"cannot pin this chunk: it needs {new * size} more pinned tokens, "
-                f"{pool.num_pinned * size} are pinned already, and at most {limit * size} tokens "
-                f"({limit} pages of {size}) may be pinned so that a max-length request "
-                f"({self._engine.max_model_len} tokens) still fits; unregister chunks or "
-                "give the engine more pages"
-            )
+            self._refuse(new)
+
+    def _refuse(self, new_pages: int) -> None:
+        pool, size, limit = self._engine.pool, self._page_size, self.max_pinned_pages
+        raise ValueError(
+            f"cannot pin this chunk: it needs {new_pages * size} more pinned tokens, "
+            f"{pool.num_pinned * size} are pinned already, and at most {limit * size} tokens "
+            f"({limit} pages of {size}) may be pinned so that a max-length request "
+            f"({self._engine.max_model_len} tokens) still fits; unregister chunks or "
+            "give the engine more pages"
+        )
 
     def _pin(self, prefix: Sequence[int]) -> tuple[int, ...]:
         pages = self._full_pages(prefix)

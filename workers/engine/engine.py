@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from chunkstore.hashing import Namespace, PageKey
+from chunkstore.hashing import Namespace, PageKey, position_free_key
 from workers.engine.approximate import ChunkReuse
 from workers.engine.attention import make_backend
 from workers.engine.attention.base import AttentionShape
@@ -215,7 +215,21 @@ class Engine:
         if ready > item.first_position:
             self.reuse.publish(seq, item.first_position, ready)
 
-    def _queue_fill(self, key: PageKey, tokens: list[int], origin: Sequence) -> None:
+    def fill_entry(self, tokens: list[int], tenant_salt: str | None = None) -> PageKey:
+        """Queue the computation of ``tokens``' position-free entry (unless it is held
+        or queued already); returns its key. The entry exists once ``step`` has run
+        the fill (``pool.entry(key)``)."""
+        if self.placement_problem:
+            raise ValueError(
+                f"approximate reuse is not available for this model: {self.placement_problem}"
+            )
+        self._validate("entry-fill", tokens)
+        namespace = self.namespace(tenant_salt)
+        key = position_free_key(namespace, tokens)
+        self._queue_fill(key, list(tokens), namespace)
+        return key
+
+    def _queue_fill(self, key: PageKey, tokens: list[int], namespace: Namespace) -> None:
         """Queue the computation of a position-free entry (``tokens`` alone from
         position 0) behind the requests already waiting; one fill per key at a time."""
         if key in self._filling or self.pool.entry(key) is not None:
@@ -224,9 +238,9 @@ class Engine:
         fill = Sequence(
             request_id=f"entry-fill-{key.hex()[:16]}",
             arrival=next(self._arrivals),
-            prompt_token_ids=list(tokens),
+            prompt_token_ids=tokens,
             params=SamplingParams(max_tokens=1),
-            namespace=origin.namespace,
+            namespace=namespace,
             fill_key=key,
         )
         self.scheduler.add(fill)

@@ -74,6 +74,7 @@ class KVPool:
         self._entries: dict[PageKey, ChunkEntry] = {}
         self._entry_lru: OrderedDict[PageKey, None] = OrderedDict()  # listed, users == 0
         self._evictable_entry_pages = 0  # pages of the entries in _entry_lru
+        self._pinned_entry_pages = 0  # pages of the entries with pins > 0
 
     # -- queries -------------------------------------------------------------
     @property
@@ -91,8 +92,8 @@ class KVPool:
 
     @property
     def num_pinned(self) -> int:
-        """Pages pinned at least once."""
-        return self._num_pinned
+        """Pages pinned at least once (an entry's pages count while it is pinned)."""
+        return self._num_pinned + self._pinned_entry_pages
 
     def ref_count(self, page_id: int) -> int:
         return self._pages[page_id].ref_count
@@ -264,6 +265,8 @@ class KVPool:
             del self._entry_lru[entry.key]
             self._evictable_entry_pages -= len(entry.pages)
         entry.users += 1
+        if pin and entry.pins == 0:
+            self._pinned_entry_pages += len(entry.pages)
         entry.pins += pin
 
     def drop_entry(self, entry: ChunkEntry, pin: bool = False) -> None:
@@ -271,6 +274,8 @@ class KVPool:
             raise ValueError("entry dropped more often than held")
         entry.users -= 1
         entry.pins -= pin
+        if pin and entry.pins == 0:
+            self._pinned_entry_pages -= len(entry.pages)
         if entry.users == 0:
             if entry.listed:
                 self._make_evictable(entry)

@@ -142,6 +142,15 @@ class EngineLoop:
                 else:
                     self._deliver(output)
 
+    def step_until(self, done: Callable[[], bool]) -> None:
+        """Loop thread only: step the engine, delivering every output, until
+        ``done()`` (e.g. a position-free entry has been filled)."""
+        while not done():
+            if not self._engine.has_unfinished():
+                raise RuntimeError("the engine ran out of work before the awaited state")
+            for output in self._engine.step():
+                self._deliver(output)
+
     def load(self) -> EngineLoad:
         with self._lock:
             c = self._counters

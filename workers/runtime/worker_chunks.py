@@ -93,6 +93,12 @@ class WorkerChunks:
             def compute(tokens: list[int]) -> None:
                 self._loop.prefill(tokens, tenant_salt)
 
-            registry = ChunkRegistry(self._engine, compute, time.time, tenant_salt=tenant_salt)
+            registry = ChunkRegistry(
+                self._engine,
+                compute,
+                time.time,
+                tenant_salt=tenant_salt,
+                step_until=self._loop.step_until,
+            )
             self._registries[tenant_salt] = registry
         return registry
