@@ -11,12 +11,19 @@ Modes (one engine each, same device and dtype):
   token on the CPU; mismatches are counted and reported.
 - ``naive``: naive placement (``workers.engine.naive_placement``): each document's KV
   computed alone at position 0, rotated to its place, nothing recomputed.
+- ``approximate``, one row per repair setting (``--repairs``, e.g. ``k=4`` or
+  ``k=2,r=0.1``): every document's position-free entry is held (filled before the
+  batch), placed, and repaired: the first k tokens of each document and the share r
+  of placed tokens deviating most at layer 1 are recomputed. Cached system-prompt
+  pages are dropped before each setting, so settings do not feed each other.
 
 Per row (mode, hops, docs): exact-match accuracy of the greedy answer, mean KL
-divergence KL(full || mode) of the first answer token's distribution, and the share
-of prompt tokens whose KV the request computed (1.0 for full prefill). Every example
-is asked once per swept position of its first gold document (the link document of a
-two-hop question): first, middle and last by default.
+divergence KL(full || mode) of the first answer token's distribution, the share of
+prompt tokens whose KV the request computed (``recomputed_share``; 1.0 for full
+prefill) and, for placing modes, the share of placed tokens recomputed
+(``placed_recomputed_share``). Every example is asked once per swept position of its
+first gold document (the link document of a two-hop question): first, middle and
+last by default.
 """
 
 from __future__ import annotations
@@ -39,10 +46,12 @@ from modeltools.docqa_data import DocQAExample, generate  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 from workers.engine.naive_placement import NaivePlacement  # noqa: E402
+from workers.engine.reuse_info import ReuseRequest  # noqa: E402
 from workers.engine.sampling_params import SamplingParams  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "modeltools" / "docqa_model"
 MODES = ("full", "exact", "naive")
+DEFAULT_REPAIRS = ("k=0", "k=1", "k=2", "k=4", "k=8", "k=16", "k=0,r=0.1", "k=2,r=0.1", "k=4,r=0.1")
 POSITIONS = {"first": lambda k: 0, "middle": lambda k: k // 2, "last": lambda k: k - 1}
 ANSWER = SamplingParams(max_tokens=16, temperature=0)
 
@@ -60,6 +69,19 @@ class Outcome:
     first_logits: torch.Tensor  # float64 log-probabilities of the first answer token
     computed_share: float
     token_ids: list[int]
+    placed: int  # prompt tokens taken from position-free entries (placing modes)
+    recomputed: int  # of those, recomputed in context
+
+
+def parse_repair(text: str) -> ReuseRequest:
+    """``k=4`` or ``k=2,r=0.1`` -> an approximate ReuseRequest."""
+    values = {"k": "0", "r": "0"}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name.strip() not in values or not value:
+            raise ValueError(f"repair settings look like k=4 or k=2,r=0.1; got {text!r}")
+        values[name.strip()] = value
+    return ReuseRequest("approximate", int(values["k"]), float(values["r"]))
 
 
 def swept(example: DocQAExample, position: int) -> DocQAExample:
@@ -97,7 +119,9 @@ def make_engine(model: str, mode: str, device: str | None, num_pages: int) -> En
     return Engine(config)
 
 
-def run_prompts(engine: Engine, prompts: list[Prompt], place: bool) -> list[Outcome]:
+def run_prompts(
+    engine: Engine, prompts: list[Prompt], place: bool, reuse: ReuseRequest | None = None
+) -> list[Outcome]:
     """Greedy answers of ``prompts`` in one batch, with each one's first-token
     distribution (recorded from the logits the runner returns)."""
     first: dict[str, torch.Tensor] = {}
@@ -116,26 +140,48 @@ def run_prompts(engine: Engine, prompts: list[Prompt], place: bool) -> list[Outc
         ids = [f"q{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts, strict=True):
             spans = prompt.doc_spans if place else ()
-            engine.add_request(rid, prompt.token_ids, ANSWER, placeable=spans)
+            engine.add_request(rid, prompt.token_ids, ANSWER, placeable=spans, reuse=reuse)
         tokens = {rid: [] for rid in ids}
         texts = dict.fromkeys(ids, "")
-        reuse = {}
+        served = {}
         while engine.has_unfinished():
             for out in engine.step():
                 tokens[out.request_id] += out.new_token_ids
-                reuse[out.request_id] = out.reuse
+                served[out.request_id] = out.reuse
         for rid in ids:
             texts[rid] = engine.tokenizer.decode(tokens[rid], skip_special_tokens=True)
     finally:
         engine.runner.run = run
     outcomes = []
     for rid, prompt in zip(ids, prompts, strict=True):
-        info = reuse[rid]
+        info = served[rid]
         computed = len(prompt.token_ids) - info.reused_tokens + info.recomputed_tokens
+        placed = sum(e - s for s, e in prompt.doc_spans) if place else 0
         outcomes.append(
-            Outcome(texts[rid].strip(), first[rid], computed / len(prompt.token_ids), tokens[rid])
+            Outcome(
+                texts[rid].strip(),
+                first[rid],
+                computed / len(prompt.token_ids),
+                tokens[rid],
+                placed,
+                info.recomputed_tokens,
+            )
         )
     return outcomes
+
+
+def fill_entries(engine: Engine, prompts: list[Prompt]) -> None:
+    """Make every document of ``prompts`` a held position-free entry."""
+    for prompt in prompts:
+        for start, end in prompt.doc_spans:
+            engine.fill_entry(prompt.token_ids[start:end])
+    while engine.has_unfinished():
+        engine.step()
+
+
+def drop_cached_pages(engine: Engine) -> None:
+    """Evict every cached page nothing holds (entries stay)."""
+    engine.pool.evict(range(engine.pool.num_pages))
 
 
 def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -152,16 +198,17 @@ def evaluate(
     positions: list[str],
     device: str | None = None,
     batch: int = 32,
+    repairs: tuple[str, ...] = DEFAULT_REPAIRS,
     progress: Callable[[str], None] = print,
 ) -> dict:
     """Every (mode, hops, docs) row, plus exact-vs-full token mismatches."""
-    engines = {}
+    settings = {text: parse_repair(text) for text in repairs}
     rows, mismatches = [], 0
     for k in docs:
         # room for one batch twice over (exact mode keeps a warm copy) plus entries
         num_pages = 3 * batch * (k * 64 + 256) // 16
-        for mode in MODES:
-            engines[mode] = make_engine(model, mode, device, num_pages)
+        engines = {mode: make_engine(model, mode, device, num_pages) for mode in MODES}
+        engines["approximate"] = make_engine(model, "exact", device, num_pages)
         tokenizer = engines["full"].tokenizer
         for h in hops:
             base = generate(seed, examples, k, "heldout", h)
@@ -170,7 +217,7 @@ def evaluate(
                 for ex in base
                 for p in positions
             ]
-            results: dict[str, list[Outcome]] = {m: [] for m in MODES}
+            results: dict[str, list[Outcome]] = {m: [] for m in (*MODES, *settings)}
             for start in range(0, len(prompts), batch):
                 part = prompts[start : start + batch]
                 results["full"] += run_prompts(engines["full"], part, place=False)
@@ -178,43 +225,66 @@ def evaluate(
                 results["exact"] += run_prompts(engines["exact"], part, place=False)
                 results["naive"] += run_prompts(engines["naive"], part, place=True)
                 engines["naive"].reuse.clear()
+                approx = engines["approximate"]
+                approx.pool.clear()  # entries of earlier batches: room for this one's
+                fill_entries(approx, part)
+                for text, repair in settings.items():
+                    drop_cached_pages(approx)
+                    results[text] += run_prompts(approx, part, place=True, reuse=repair)
                 progress(f"docs {k} hops {h}: {min(start + batch, len(prompts))}/{len(prompts)}")
             mismatches += sum(
                 a.token_ids != b.token_ids
                 for a, b in zip(results["full"], results["exact"], strict=True)
             )
-            for mode in MODES:
-                outs = results[mode]
-                correct = sum(
-                    o.text == p.example.answer for o, p in zip(outs, prompts, strict=True)
-                )
+            for name, outs in results.items():
+                repair = settings.get(name)
                 rows.append(
-                    {
-                        "mode": mode,
-                        "hops": h,
-                        "docs": k,
-                        "accuracy": correct / len(outs),
-                        "kl": sum(
-                            kl(f.first_logits, o.first_logits)
-                            for f, o in zip(results["full"], outs, strict=True)
-                        )
-                        / len(outs),
-                        "recomputed_share": sum(o.computed_share for o in outs) / len(outs),
-                        "prompts": len(outs),
-                    }
+                    _row(name if repair is None else "approximate", h, k, outs, prompts, results)
+                    | (
+                        {}
+                        if repair is None
+                        else {
+                            "first_tokens": repair.first_tokens,
+                            "deviation_ratio": repair.deviation_ratio,
+                        }
+                    )
                 )
     return {"rows": rows, "exact_token_mismatches": mismatches}
 
 
+def _row(mode, hops, docs, outs, prompts, results) -> dict:
+    correct = sum(o.text == p.example.answer for o, p in zip(outs, prompts, strict=True))
+    placed = sum(o.placed for o in outs)
+    row = {
+        "mode": mode,
+        "hops": hops,
+        "docs": docs,
+        "accuracy": correct / len(outs),
+        "kl": sum(
+            kl(f.first_logits, o.first_logits) for f, o in zip(results["full"], outs, strict=True)
+        )
+        / len(outs),
+        "recomputed_share": sum(o.computed_share for o in outs) / len(outs),
+        "prompts": len(outs),
+    }
+    if placed:
+        row["placed_recomputed_share"] = sum(o.recomputed for o in outs) / placed
+    return row
+
+
 def format_table(rows: list[dict]) -> str:
     lines = [
-        "| mode | hops | docs | prompts | accuracy | KL vs full | recomputed share |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | repair | hops | docs | prompts | accuracy | KL vs full | computed share "
+        "| placed recomputed |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        repair = f"k={r['first_tokens']},r={r['deviation_ratio']:g}" if "first_tokens" in r else ""
+        placed = r.get("placed_recomputed_share")
         lines.append(
-            f"| {r['mode']} | {r['hops']} | {r['docs']} | {r['prompts']} | "
-            f"{r['accuracy']:.1%} | {r['kl']:.4f} | {r['recomputed_share']:.3f} |"
+            f"| {r['mode']} | {repair} | {r['hops']} | {r['docs']} | {r['prompts']} | "
+            f"{r['accuracy']:.1%} | {r['kl']:.4f} | {r['recomputed_share']:.3f} | "
+            f"{'' if placed is None else f'{placed:.3f}'} |"
         )
     return "\n".join(lines)
 
@@ -235,10 +305,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--batch", type=int, default=32, help="prompts per engine batch")
+    parser.add_argument(
+        "--repairs",
+        nargs="*",
+        default=list(DEFAULT_REPAIRS),
+        help="approximate repair settings, one row each: k=FIRST_TOKENS[,r=DEVIATION_RATIO]",
+    )
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     if args.examples < 1:
         parser.error("--examples must be >= 1")
+    try:
+        [parse_repair(text) for text in args.repairs]
+    except ValueError as error:
+        parser.error(str(error))
     if not Path(args.model, "config.json").is_file():
         parser.error(f"{args.model} is not a checkpoint directory (no config.json)")
     started = time.perf_counter()
@@ -251,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         args.positions,
         args.device,
         args.batch,
+        tuple(args.repairs),
         progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
     result["meta"] = {

@@ -14,6 +14,7 @@ from bench import reuse_quality
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("quality") / "rows.json"
     argv = ["--examples", "4", "--docs", "4", "--hops", "1", "2", "--device", "cpu"]
+    argv += ["--repairs", "k=0", "k=2,r=0.2", "k=10000"]
     assert reuse_quality.main([*argv, "--json", str(out)]) == 0
     return json.loads(out.read_text())
 
@@ -29,9 +30,28 @@ def test_exact_reuse_equals_full_prefill_on_docqa_prompts(result):
         assert exact["recomputed_share"] < 0.2  # a warm cache serves nearly every token
 
 
+def test_approximate_limits_naive_placement_and_full_prefill(result):
+    """k=0 places exactly what naive placement does; recomputing every placed token
+    is full prefill."""
+    rows = {
+        (r["mode"], r.get("first_tokens"), r.get("deviation_ratio"), r["hops"]): r
+        for r in result["rows"]
+    }
+    for hops in (1, 2):
+        naive, full = rows[("naive", None, None, hops)], rows[("full", None, None, hops)]
+        nothing = rows[("approximate", 0, 0.0, hops)]
+        everything = rows[("approximate", 10000, 0.0, hops)]
+        some = rows[("approximate", 2, 0.2, hops)]
+        assert abs(nothing["kl"] - naive["kl"]) < 1e-6
+        assert nothing["placed_recomputed_share"] == 0
+        assert everything["kl"] < 1e-9 and everything["accuracy"] == full["accuracy"]
+        assert everything["placed_recomputed_share"] == 1
+        assert 0.2 < some["placed_recomputed_share"] < 0.5
+
+
 def test_rows_cover_every_mode_with_the_promised_fields(result):
     assert {(r["mode"], r["hops"], r["docs"]) for r in result["rows"]} == {
-        (m, h, 4) for m in ("full", "exact", "naive") for h in (1, 2)
+        (m, h, 4) for m in ("full", "exact", "naive", "approximate") for h in (1, 2)
     }
     for row in result["rows"]:
         assert {"mode", "hops", "docs", "accuracy", "kl", "recomputed_share"} <= set(row)
