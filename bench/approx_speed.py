@@ -1,0 +1,219 @@
+"""Approximate reuse speed, through the engine (random weights: shapes matter here).
+
+1. TTFT: system prompt + 8 documents x 512 tokens + question, where every document
+   is held as a position-free entry but this order and this system prompt were
+   never seen. Approximate (default repair) vs exact (misses: nothing before the
+   documents matches) vs cold (reuse off). Ratios are against exact and cold
+   measured in the same process.
+2. RAG workload: requests draw 8 of 64 documents (Zipf popularity, random order)
+   after one of 8 system prompts, arriving all at once; requests/s and TTFT
+   p50/p90, approximate vs exact (each on a fresh engine with the same stream).
+
+    python bench/approx_speed.py [--model DIR] [--trials 5] [--requests 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import bench_model, print_table  # noqa: E402
+from workers.engine.config import EngineConfig  # noqa: E402
+from workers.engine.engine import Engine  # noqa: E402
+from workers.engine.reuse_info import ReuseRequest  # noqa: E402
+from workers.engine.sampling_params import SamplingParams  # noqa: E402
+
+SYSTEM, DOC, DOCS, QUESTION = 256, 512, 8, 32
+FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+ANSWER = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def layout(system, docs, question):
+    prompt, spans = list(system), []
+    for doc in docs:
+        spans.append((len(prompt), len(prompt) + len(doc)))
+        prompt += doc
+    return prompt + list(question), tuple(spans)
+
+
+class Runner:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.ids = 0
+
+    def submit(self, prompt, spans, reuse, params) -> str:
+        self.ids += 1
+        rid = f"b{self.ids}"
+        self.engine.add_request(rid, prompt, params, placeable=spans, reuse=reuse)
+        return rid
+
+    def drain(self) -> dict[str, float]:
+        """Step until idle; seconds from now to each request's first token."""
+        first: dict[str, float] = {}
+        start = time.perf_counter()
+        while self.engine.has_unfinished():
+            outs = self.engine.step()
+            sync()
+            now = time.perf_counter() - start
+            for out in outs:
+                first.setdefault(out.request_id, now)
+        return first
+
+    def fill(self, docs) -> None:
+        for doc in docs:
+            self.engine.fill_entry(doc)
+        self.drain()
+
+
+def ttft_scenario(model, trials, rng, vocab, repair):
+    draw = lambda n: rng.choices(range(10, vocab - 1), k=n)  # noqa: E731
+    docs = [draw(DOC) for _ in range(DOCS)]
+    engines = {
+        "approximate": Engine(EngineConfig(str(model))),
+        "exact": Engine(EngineConfig(str(model))),
+        "cold": Engine(EngineConfig(str(model), enable_reuse=False)),
+    }
+    runners = {name: Runner(e) for name, e in engines.items()}
+    runners["approximate"].fill(docs)
+    # warm up kernels (and the exact engine's view of these documents in one order)
+    for name, runner in runners.items():
+        prompt, spans = layout(draw(SYSTEM), docs, draw(QUESTION))
+        reuse = repair if name == "approximate" else None
+        runner.submit(prompt, spans, reuse, FIRST_TOKEN)
+        runner.drain()
+    times = {name: [] for name in runners}
+    reused = {name: [] for name in runners}
+    for _ in range(trials):
+        order = docs[:]
+        rng.shuffle(order)
+        prompt, spans = layout(draw(SYSTEM), order, draw(QUESTION))  # never seen
+        for name, runner in runners.items():
+            reuse = repair if name == "approximate" else None
+            rid = runner.submit(prompt, spans, reuse, FIRST_TOKEN)
+            sync()
+            start = time.perf_counter()
+            info = None
+            while info is None:
+                for out in runner.engine.step():
+                    if out.request_id == rid:
+                        info = out.reuse
+            sync()
+            times[name].append(time.perf_counter() - start)
+            reused[name].append((info.reused_tokens, info.recomputed_tokens))
+            runner.drain()
+    return {
+        name: {
+            "ttft_ms": 1e3 * statistics.median(t),
+            "reused_tokens": reused[name][-1][0],
+            "recomputed_tokens": reused[name][-1][1],
+        }
+        for name, t in times.items()
+    } | {"prompt_tokens": len(prompt)}
+
+
+def rag_workload(model, requests, rng, vocab, repair, pool_docs=64, systems=8, zipf=1.0):
+    draw = lambda n: rng.choices(range(10, vocab - 1), k=n)  # noqa: E731
+    docs = [draw(DOC) for _ in range(pool_docs)]
+    system_prompts = [draw(SYSTEM) for _ in range(systems)]
+    weights = np.array([1 / (i + 1) ** zipf for i in range(pool_docs)])
+    weights /= weights.sum()
+    np_rng = np.random.default_rng(rng.randrange(1 << 30))
+    stream = []
+    for _ in range(requests):
+        chosen = np_rng.choice(pool_docs, size=DOCS, replace=False, p=weights)
+        np_rng.shuffle(chosen)
+        stream.append(
+            layout(
+                system_prompts[rng.randrange(systems)], [docs[i] for i in chosen], draw(QUESTION)
+            )
+        )
+    out = {}
+    for name, reuse in (("approximate", repair), ("exact", None)):
+        runner = Runner(Engine(EngineConfig(str(model))))
+        runner.submit(*stream[0], reuse, ANSWER)  # warm-up (kernels, graphs)
+        runner.drain()
+        start = time.perf_counter()
+        ids = [runner.submit(prompt, spans, reuse, ANSWER) for prompt, spans in stream]
+        first = runner.drain()
+        elapsed = time.perf_counter() - start
+        ttfts = sorted(first[rid] for rid in ids)
+        out[name] = {
+            "requests_per_s": len(ids) / elapsed,
+            "ttft_p50_ms": 1e3 * ttfts[len(ttfts) // 2],
+            "ttft_p90_ms": 1e3 * ttfts[int(len(ttfts) * 0.9)],
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model")
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--first-tokens", type=int, default=None, help="default: the engine's")
+    ap.add_argument("--deviation-ratio", type=float, default=None)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    model = bench_model(args.model)
+    defaults = ReuseRequest("approximate")
+    repair = ReuseRequest(
+        "approximate",
+        defaults.first_tokens if args.first_tokens is None else args.first_tokens,
+        defaults.deviation_ratio if args.deviation_ratio is None else args.deviation_ratio,
+    )
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    rng = random.Random(0)
+    ttft = ttft_scenario(model, args.trials, rng, vocab, repair)
+    exact, cold = ttft["exact"]["ttft_ms"], ttft["cold"]["ttft_ms"]
+    print_table(
+        f"TTFT, {ttft['prompt_tokens']} prompt tokens, documents held position-free "
+        f"(repair k={repair.first_tokens}, r={repair.deviation_ratio})",
+        ["mode", "TTFT ms", "x faster than exact", "x faster than cold", "reused", "recomputed"],
+        [
+            [
+                name,
+                r["ttft_ms"],
+                exact / r["ttft_ms"],
+                cold / r["ttft_ms"],
+                r["reused_tokens"],
+                r["recomputed_tokens"],
+            ]
+            for name, r in ttft.items()
+            if name != "prompt_tokens"
+        ],
+    )
+    rag = rag_workload(model, args.requests, rng, vocab, repair)
+    print_table(
+        f"RAG workload: {args.requests} requests, 8 of 64 documents (Zipf 1), 8 system prompts",
+        ["mode", "requests/s", "TTFT p50 ms", "TTFT p90 ms"],
+        [
+            [name, r["requests_per_s"], r["ttft_p50_ms"], r["ttft_p90_ms"]]
+            for name, r in rag.items()
+        ],
+    )
+    ratio = rag["approximate"]["requests_per_s"] / rag["exact"]["requests_per_s"]
+    print(
+        f"\napproximate / exact: {exact / ttft['approximate']['ttft_ms']:.2f}x TTFT, "
+        f"{ratio:.2f}x requests/s"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ttft": ttft, "rag": rag}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
