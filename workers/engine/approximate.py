@@ -108,14 +108,23 @@ class ChunkReuse:
                 return False
             seq.page_ids.extend(pages)
             table = torch.from_numpy(np.frombuffer(seq.page_ids, dtype=np.int32).astype(np.int64))
-            runner = self.runner
-            for start, end, entry in hits:
+            src, dst, delta = [], [], []
+            for start, end, entry in hits:  # one copy for every placed chunk
                 positions = torch.arange(start, end)
-                dst = table[positions // page_size] * page_size + positions % page_size
+                dst.append(table[positions // page_size] * page_size + positions % page_size)
                 src_pages = torch.tensor(entry.pages, dtype=torch.long)
                 local = torch.arange(end - start)
-                src = src_pages[local // page_size] * page_size + local % page_size
-                place_chunk(runner.kv_caches, src, dst, start, runner.model.rope_cache, page_size)
+                src.append(src_pages[local // page_size] * page_size + local % page_size)
+                delta.append(torch.full((end - start,), start, dtype=torch.long))
+            runner = self.runner
+            place_chunk(
+                runner.kv_caches,
+                torch.cat(src),
+                torch.cat(dst),
+                torch.cat(delta),
+                runner.model.rope_cache,
+                page_size,
+            )
         finally:
             for _, _, entry in hits:
                 self.pool.drop_entry(entry)
