@@ -203,3 +203,23 @@ def test_rope_supports_placement(model_factory):
     partial = {**raw, "rope_scaling": None, "rope_parameters": {"rope_type": "default"}}
     partial["partial_rotary_factor"] = 0.5
     assert "partial_rotary_factor" in rope_supports_placement(partial)
+
+
+def test_placing_into_the_stacked_cache_equals_placing_layer_by_layer():
+    """All layers at once (the runner's kv_stack) writes what the per-layer path
+    writes, per-row rotations included, and nothing else."""
+    from workers.engine.layers.rotary import cos_sin_cache
+    from workers.engine.placement import place_chunk
+
+    torch.manual_seed(0)
+    layers, pages, page_size, heads, dim = 3, 12, 16, 2, 8
+    stack = torch.randn(layers, pages, 2, page_size, heads, dim)
+    per_layer = [layer.clone() for layer in stack]
+    table = cos_sin_cache(dim, 10000.0, None, 4096)
+    src = torch.arange(5, 45)
+    dst = torch.arange(70, 110)
+    delta = torch.cat((torch.full((20,), 65), torch.full((20,), 300)))
+    place_chunk(per_layer, src, dst, delta, table, page_size)
+    place_chunk(stack, src, dst, delta, table, page_size)
+    for layer in range(layers):
+        assert torch.equal(stack[layer], per_layer[layer])

@@ -118,7 +118,7 @@ class ChunkReuse:
                 delta.append(torch.full((end - start,), start, dtype=torch.long))
             runner = self.runner
             place_chunk(
-                runner.kv_caches,
+                runner.kv_stack,
                 torch.cat(src),
                 torch.cat(dst),
                 torch.cat(delta),

@@ -104,10 +104,12 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         shape = (num_pages + 1, 2, page_size, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(config.num_layers)
-        ]
+        # One allocation for all layers: ``kv_caches[i]`` is a contiguous view of
+        # ``kv_stack[i]``, so a copy across every layer (placement) is one operation.
+        self.kv_stack = torch.zeros(
+            (config.num_layers, *shape), dtype=self.dtype, device=self.device
+        )
+        self.kv_caches = list(self.kv_stack.unbind(0))
         self.graphs = None
         self.prefill_graphs = None
         if enable_cuda_graphs and self.device.type == "cuda" and backend.name == "flashinfer":

@@ -99,7 +99,7 @@ def slot_rows(slots: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 def place_chunk(
-    kv_caches: Sequence[torch.Tensor],  # per layer [pages, 2, page_size, kv_heads, head_dim]
+    kv_caches: Sequence[torch.Tensor] | torch.Tensor,
     src: torch.Tensor | Sequence[torch.Tensor],
     dst_slots: torch.Tensor,  # [n] int
     delta: int | torch.Tensor,
@@ -107,6 +107,11 @@ def place_chunk(
     page_size: int,
 ) -> None:
     """Copy a chunk's K/V into ``dst_slots`` of every layer, keys rotated by ``delta``.
+
+    ``kv_caches``: one ``[pages, 2, page_size, kv_heads, head_dim]`` tensor per layer,
+    or all layers stacked in one ``[layers, pages, 2, page_size, kv_heads, head_dim]``
+    tensor (the model runner's ``kv_stack``): then, with ``src`` as slots, every layer
+    is gathered, rotated and scattered at once (a few kernels in all).
 
     ``src`` is either a ``[n]`` int tensor of slots in ``kv_caches`` themselves (an
     entry held in the pool's pages), or one ``[n, 2, kv_heads, head_dim]`` tensor per
@@ -126,6 +131,11 @@ def place_chunk(
       an entry computed at position 0 at offset ``p`` is ``delta = p``.
     - One gather and one scatter per layer; no per-token Python work, no host sync.
     """
+    if isinstance(kv_caches, torch.Tensor) and kv_caches.dim() == 6:
+        if not isinstance(src, torch.Tensor):
+            raise ValueError("a stacked cache takes source slots, not rows")
+        _place_stacked(kv_caches, src, dst_slots, delta, cos_sin_cache, page_size)
+        return
     if not kv_caches:
         return
     device = kv_caches[0].device
@@ -157,6 +167,33 @@ def place_chunk(
             keys, values = chunk[:, 0].reshape(n, -1), chunk[:, 1].reshape(n, -1)
         keys = rotate_keys(keys.reshape(n, kv_heads, head_dim), delta, cos_sin_cache)
         flat.index_copy_(0, dst_rows, torch.cat((keys.reshape(n, -1), values)))
+
+
+def _place_stacked(
+    kv_stack: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    delta: int | torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    page_size: int,
+) -> None:
+    """``place_chunk`` over all layers at once: one gather, the rotation, one scatter."""
+    layers, kv_heads, head_dim = kv_stack.shape[0], kv_stack.shape[-2], kv_stack.shape[-1]
+    device = kv_stack.device
+    n = dst_slots.numel()
+    if src_slots.numel() != n:
+        raise ValueError(f"{src_slots.numel()} source slots for {n} destination slots")
+    src_keys = slot_rows(src_slots.to(device), page_size)
+    dst_keys = slot_rows(dst_slots.to(device), page_size)
+    flat = kv_stack.view(layers, -1, kv_heads * head_dim)
+    rows = flat.index_select(1, torch.cat((src_keys, src_keys + page_size)))  # a copy
+    keys = rows[:, :n].reshape(layers * n, kv_heads, head_dim)
+    if isinstance(delta, torch.Tensor):
+        delta = delta.to(device).repeat(layers)
+    rotated = rotate_keys(keys, delta, cos_sin_cache).reshape(layers, n, -1)
+    flat.index_copy_(
+        1, torch.cat((dst_keys, dst_keys + page_size)), torch.cat((rotated, rows[:, n:]), 1)
+    )
 
 
 # Why each refused RoPE variant is not a pure per-position rotation of every head.
