@@ -49,12 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_make_model(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "make-model",
-        help="write a random-weight checkpoint in the Hugging Face layout",
+        help="write a random-weight (or the trained doc-QA) checkpoint in the Hugging Face layout",
         description="Write a random-weight checkpoint (config, safetensors, tokenizer, "
-        "chat template) that transformers and chunkserve both load.",
+        "chat template) that transformers and chunkserve both load. --preset docqa trains "
+        "the small doc-QA model instead (on CUDA where present; see the training options).",
     )
     p.add_argument("dir", help="output directory (created; must be empty unless --overwrite)")
-    p.add_argument("--preset", default="tiny", help="shapes, e.g. tiny or qwen3-0.6b")
+    p.add_argument("--preset", default="tiny", help="shapes, e.g. tiny, qwen3-0.6b or docqa")
     p.add_argument("--family", default="qwen3", help="qwen3 (ChatML) or llama (Llama 3)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     p.add_argument(
@@ -74,7 +75,29 @@ def _add_make_model(subparsers: argparse._SubParsersAction) -> None:
         help="largest safetensors file before the weights are sharded (default 2048)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty directory")
+    t = p.add_argument_group("training (--preset docqa only)")
+    for name, kind, text in _TRAIN_OPTIONS:
+        t.add_argument("--" + name.replace("_", "-"), dest="train_" + name, type=kind, help=text)
     p.set_defaults(handler=_run_make_model)
+
+
+_TRAIN_OPTIONS = (
+    ("steps", int, "optimizer steps (default 12000)"),
+    ("batch_size", int, "conversations per step (default 128)"),
+    ("lr", float, "peak learning rate (default 1e-3; warmup then cosine)"),
+    ("warmup_steps", int, "learning-rate warmup steps (default 300)"),
+    ("weight_decay", float, "AdamW weight decay of matrices (default 0.1)"),
+    ("answer_weight", float, "loss weight of answer and end tokens (default 5)"),
+    ("curriculum_frac", float, "share of steps over which documents grow 4 -> 16 (default 0.3)"),
+    ("eval_every", int, "steps between held-out evaluations (default 500)"),
+    ("eval_examples", int, "held-out examples per evaluation (default 512)"),
+    ("final_eval_examples", int, "held-out 8-document examples at the end (default 2000)"),
+    ("log_every", int, "steps between loss lines (default 100)"),
+    ("time_budget_s", float, "fit the number of steps to this many seconds of training"),
+    ("device", str, "cuda or cpu (default: cuda where available)"),
+    ("num_workers", int, "data-loader processes (default: up to 8 on cuda, else 0)"),
+    ("init_from", str, "continue from this checkpoint's weights"),
+)
 
 
 def _parse_assignment(text: str) -> tuple[str, object]:
@@ -91,6 +114,30 @@ def _run_make_model(args: argparse.Namespace) -> int:
     from modeltools.make_model import make_model
 
     optional = {"dtype": args.dtype, "shard_size_mb": args.shard_size_mb}
+    training = {
+        name: getattr(args, "train_" + name)
+        for name, _, _ in _TRAIN_OPTIONS
+        if getattr(args, "train_" + name) is not None
+    }
+    if args.preset == "docqa":
+        from modeltools.docqa_train import make_docqa_model
+
+        if args.family != "qwen3":
+            raise ValueError("preset 'docqa' exists for the qwen3 family only")
+        out = make_docqa_model(
+            args.dir,
+            seed=args.seed,
+            overrides=dict(args.overrides),
+            dtype=args.dtype,
+            overwrite=args.overwrite,
+            **training,
+        )
+        print(f"wrote the trained docqa checkpoint (seed {args.seed}) to {out}:")
+        for path in sorted(p for p in out.iterdir() if p.is_file()):
+            print(f"  {path.name:<40} {path.stat().st_size:>14,} bytes")
+        return EXIT_OK
+    if training:
+        raise ValueError(f"training options ({', '.join(sorted(training))}) need --preset docqa")
     out = make_model(
         args.dir,
         preset=args.preset,

@@ -120,7 +120,25 @@ PRESETS: dict[str, Preset] = {
         llama3_original_max_position=8192,
         dtype=torch.bfloat16,
     ),
+    # Trained, not random: make_model delegates to modeltools.docqa_train (the tokenizer
+    # is the doc-QA one, so vocab_size follows it).
+    "docqa": Preset(
+        hidden_size=256,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=640,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        vocab_size=None,
+        llama3_original_max_position=2048,
+        dtype=torch.bfloat16,
+    ),
 }
+TRAINED_PRESETS = ("docqa",)
 
 
 @dataclass(frozen=True)
@@ -146,7 +164,16 @@ def make_model(
     overwrite: bool = False,
 ) -> Path:
     """Writes a random-weight checkpoint into ``out_dir`` and returns its path.
-    Every argument is validated before anything is written."""
+    Every argument is validated before anything is written.
+
+    ``preset="docqa"`` trains the doc-QA model instead (``modeltools.docqa_train``, with
+    its default training options; qwen3 family only)."""
+    if preset in TRAINED_PRESETS:
+        if family != "qwen3":
+            raise ValueError(f"preset {preset!r} exists for the qwen3 family only")
+        from modeltools.docqa_train import make_docqa_model
+
+        return make_docqa_model(out_dir, seed, overrides, dtype, overwrite)
     out = Path(out_dir)
     _check_out_dir(out, overwrite)
     if shard_size_mb <= 0:

@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,8 +102,13 @@ def chat_family(family: str) -> ChatFamily:
     return FAMILIES[family]
 
 
-def train_bpe(special_tokens: tuple[str, ...], vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
-    """Byte-level BPE over the shipped corpus; ``vocab_size`` counts the special tokens."""
+def train_bpe(
+    special_tokens: tuple[str, ...],
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    extra_texts: Sequence[str] = (),
+) -> Tokenizer:
+    """Byte-level BPE over the shipped corpus plus ``extra_texts`` (in order);
+    ``vocab_size`` counts the special tokens."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + len(special_tokens):
         raise ValueError(
@@ -118,16 +124,21 @@ def train_bpe(special_tokens: tuple[str, ...], vocab_size: int = DEFAULT_VOCAB_S
         initial_alphabet=alphabet,
         show_progress=False,
     )
-    tokenizer.train_from_iterator([CORPUS_PATH.read_text(encoding="utf-8")], trainer=trainer)
+    corpus = [CORPUS_PATH.read_text(encoding="utf-8"), *extra_texts]
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
     return tokenizer
 
 
 def build_tokenizer(
-    family: str = "qwen3", vocab_size: int = DEFAULT_VOCAB_SIZE
+    family: str = "qwen3",
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    extra_texts: Sequence[str] = (),
 ) -> PreTrainedTokenizerFast:
+    """The family's tokenizer; ``extra_texts`` are trained on after the shipped corpus
+    (the doc-QA model passes its generated conversations)."""
     spec = chat_family(family)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=train_bpe(spec.special_tokens, vocab_size),
+        tokenizer_object=train_bpe(spec.special_tokens, vocab_size, extra_texts),
         bos_token=spec.bos,
         eos_token=spec.eos,
         pad_token=spec.pad,

@@ -1,0 +1,489 @@
+"""Training and evaluating the doc-QA model (``make-model --preset docqa``).
+
+The model is a small Qwen3 (``modeltools.make_model.PRESETS["docqa"]``) trained from
+scratch on ``modeltools.docqa_data`` conversations, tokenized exactly as the engine
+serves them: the prompt is ``chunk_conversation``'s canonical chunk-by-chunk
+tokenization, the target is the assistant turn the ChatML template renders — the answer,
+then ``<|im_end|>`` (an id the engine stops on). Ordinary causal attention over whole
+conversations; LM loss on every token, the answer and end token up-weighted.
+
+Invariants:
+- The tokenizer is deterministic (shipped corpus + generated doc-QA text, fixed seed);
+  every entity is one token, with and without a leading space.
+- Given the arguments, the data stream, the curriculum and the initial weights are
+  deterministic (GPU kernels may still differ in the last bits). With a time budget the
+  number of steps is chosen once, from a short timing run, before training starts, and
+  recorded in training.json; ``--steps`` with that number reproduces the run.
+- The output directory has the layout ``make_model`` writes (config.json,
+  model.safetensors, generation_config.json, tokenizer files) plus training.json.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
+
+from modeltools import docqa_data
+from modeltools.docqa_data import DocQAExample
+from modeltools.tokenizer_builder import build_tokenizer, chat_family, save_tokenizer
+
+FAMILY = "qwen3"
+VOCAB_SIZE = 1536
+TOKENIZER_SEED = 0
+TOKENIZER_EXAMPLES = 3000
+_HELDOUT_EVAL_SEED = 7  # held-out stream used while training (final eval uses others)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 12000
+    batch_size: int = 128
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 300
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    answer_weight: float = 5.0  # loss weight of the answer tokens and the end token
+    curriculum_frac: float = 0.3  # max documents grow from 4 to 16 over this share of steps
+    eval_every: int = 500
+    eval_examples: int = 512  # held-out, 8 documents, half single- half two-hop
+    final_eval_examples: int = 2000
+    log_every: int = 100
+    time_budget_s: float | None = None  # training time; steps fitted to it up front
+    device: str | None = None  # None: cuda where available
+    num_workers: int | None = None  # data-loader processes; None: up to 8 on cuda, else 0
+    init_from: str | None = None  # continue from this checkpoint's weights
+    seed: int = 0
+
+
+# -- tokenization -----------------------------------------------------------------------
+
+
+def build_docqa_tokenizer() -> PreTrainedTokenizerFast:
+    tokenizer = build_tokenizer(
+        FAMILY, VOCAB_SIZE, docqa_data.tokenizer_texts(TOKENIZER_SEED, TOKENIZER_EXAMPLES)
+    )
+    split = [
+        w
+        for w in docqa_data.entity_words()
+        if len(tokenizer.encode(w)) != 1 or len(tokenizer.encode(" " + w)) != 1
+    ]
+    if split:
+        raise ValueError(f"doc-QA entities that are not single tokens: {split[:10]}")
+    return tokenizer
+
+
+def chunk_texts(ex: DocQAExample) -> list[str]:
+    """The chunk texts ``chunk_conversation`` renders for ``ex.messages`` with the ChatML
+    template (system, one per document, the question, the generation prompt); fast path
+    for training, checked against the real thing by ``check_tokenization``."""
+    docs = list(ex.documents)
+    return [
+        f"<|im_start|>system\n{ex.system}<|im_end|>\n",
+        f"<|im_start|>user\n{docs[0]}",
+        *docs[1:],
+        f"{ex.question}<|im_end|>\n",
+        "<|im_start|>assistant\n",
+    ]
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerFast, ex: DocQAExample) -> list[int]:
+    encodings = tokenizer.backend_tokenizer.encode_batch(chunk_texts(ex), add_special_tokens=False)
+    return [t for e in encodings for t in e.ids]
+
+
+def answer_ids(tokenizer: PreTrainedTokenizerFast, ex: DocQAExample) -> list[int]:
+    """The assistant turn's tokens up to the end-of-turn token the engine stops on."""
+    end = tokenizer.convert_tokens_to_ids(chat_family(FAMILY).eos)
+    return tokenizer.encode(ex.answer, add_special_tokens=False) + [end]
+
+
+def check_tokenization(tokenizer: PreTrainedTokenizerFast, examples: Sequence[DocQAExample]) -> None:
+    """Raises unless the fast path equals the engine's canonical tokenization."""
+    from chunkstore.chunking import chunk_conversation
+
+    for ex in examples:
+        canonical = [t for c in chunk_conversation(tokenizer, ex.messages) for t in c.token_ids]
+        if canonical != prompt_ids(tokenizer, ex):
+            raise AssertionError(f"fast tokenization differs from chunk_conversation: {ex}")
+
+
+# -- batches ----------------------------------------------------------------------------
+
+
+def max_docs_at(step: int, cfg: TrainConfig) -> int:
+    """Curriculum: documents per example drawn from [2, max_docs_at(step)]."""
+    if step < cfg.warmup_steps:
+        return 4
+    ramp = max(1.0, cfg.curriculum_frac * cfg.steps)
+    return min(docqa_data.MAX_DOCS, 4 + int(12 * step / ramp))
+
+
+def encode_batch(
+    tokenizer: PreTrainedTokenizerFast, examples: Sequence[DocQAExample], answer_weight: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input ids, target ids, loss weights), right-padded; targets are the next tokens."""
+    seqs, weights = [], []
+    for ex in examples:
+        prompt, answer = prompt_ids(tokenizer, ex), answer_ids(tokenizer, ex)
+        seqs.append(prompt + answer)
+        # weight of predicting token i+1 from position i
+        weights.append([1.0] * (len(prompt) - 1) + [answer_weight] * len(answer))
+    length = max(len(s) for s in seqs) - 1
+    pad = tokenizer.pad_token_id
+    inputs = torch.full((len(seqs), length), pad, dtype=torch.long)
+    targets = torch.full((len(seqs), length), pad, dtype=torch.long)
+    w = torch.zeros((len(seqs), length))
+    for i, (s, ws) in enumerate(zip(seqs, weights, strict=True)):
+        inputs[i, : len(s) - 1] = torch.tensor(s[:-1])
+        targets[i, : len(s) - 1] = torch.tensor(s[1:])
+        w[i, : len(ws)] = torch.tensor(ws)
+    return inputs, targets, w
+
+
+class _Batches(torch.utils.data.IterableDataset):
+    """Training batches; worker k of n makes the batches of steps k, k+n, ... (the
+    order a DataLoader reads its workers in), each from its own seeded generator, so
+    the stream does not depend on the number of workers."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, cfg: TrainConfig, first_step: int = 0):
+        self.tokenizer, self.cfg, self.first_step = tokenizer, cfg, first_step
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        step = self.first_step + worker
+        while True:
+            rng = random.Random(f"docqa-train/{self.cfg.seed}/{step}")
+            high = max_docs_at(step, self.cfg)
+            examples = [
+                docqa_data.generate_example(rng, rng.randint(docqa_data.MIN_DOCS, high), "train")
+                for _ in range(self.cfg.batch_size)
+            ]
+            yield encode_batch(self.tokenizer, examples, self.cfg.answer_weight)
+            step += workers
+
+
+def _loader(tokenizer, cfg: TrainConfig, workers: int, first_step: int = 0):
+    return torch.utils.data.DataLoader(
+        _Batches(tokenizer, cfg, first_step),
+        batch_size=None,
+        num_workers=workers,
+        prefetch_factor=4 if workers else None,
+        persistent_workers=False,
+    )
+
+
+# -- evaluation -------------------------------------------------------------------------
+
+
+def heldout_set(seed: int, count: int, num_docs: int) -> list[DocQAExample]:
+    """``count`` held-out examples, half single-hop then half two-hop."""
+    half = count // 2
+    return docqa_data.generate(seed, half, num_docs, "heldout", hops=1) + docqa_data.generate(
+        seed + 1, count - half, num_docs, "heldout", hops=2
+    )
+
+
+@torch.no_grad()
+def exact_match(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerFast,
+    examples: Sequence[DocQAExample],
+    device: torch.device,
+    batch_size: int = 128,
+) -> list[bool]:
+    """Greedy exact match per example: the argmax at every position of the assistant
+    turn (answer, then end token) is the target given the target before it — which is
+    exactly when greedy decoding emits the answer and stops."""
+    was_training = model.training
+    model.eval()
+    out: list[bool] = []
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
+        inputs, targets, weights = encode_batch(tokenizer, chunk, 2.0)
+        with _autocast(device):
+            logits = model(input_ids=inputs.to(device)).logits
+        predicted = logits.argmax(-1).cpu()
+        is_answer = weights == 2.0
+        ok = ((predicted == targets) | ~is_answer).all(dim=1)
+        out += ok.tolist()
+    model.train(was_training)
+    return out
+
+
+def accuracy_by_hops(examples: Sequence[DocQAExample], ok: Sequence[bool]) -> dict[str, float]:
+    result = {}
+    for hops in (1, 2):
+        hits = [o for ex, o in zip(examples, ok, strict=True) if ex.hops == hops]
+        if hits:
+            result[f"{hops}hop"] = sum(hits) / len(hits)
+    return result
+
+
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+# -- training ---------------------------------------------------------------------------
+
+
+def _lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def _optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+        fused=device.type == "cuda",
+    )
+
+
+def _step(model, optimizer, batch, device, cfg) -> float:
+    inputs, targets, weights = (t.to(device, non_blocking=True) for t in batch)
+    with _autocast(device):
+        logits = model(input_ids=inputs).logits
+    losses = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+    loss = (losses * weights).sum() / weights.sum()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    return loss.detach()
+
+
+def _fit_steps(model, tokenizer, cfg, device, workers, log, started: float) -> int:
+    """Steps that fit ``cfg.time_budget_s``, timed on a throwaway copy of the model."""
+    probe = copy.deepcopy(model)
+    optimizer = _optimizer(probe, cfg, device)
+    late = TrainConfig(**{**asdict(cfg), "seed": cfg.seed + 99991})
+    warm, timed = (10, 50) if device.type == "cuda" else (1, 2)
+    loader = iter(_loader(tokenizer, late, workers, first_step=cfg.steps - warm - timed))
+    for i in range(warm + timed):
+        if i == warm:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+        _step(probe, optimizer, next(loader), device, cfg)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    per_step = (time.perf_counter() - start) / timed
+    # in-loop evaluations cost about as much as a few steps each
+    left = cfg.time_budget_s - (time.perf_counter() - started)
+    steps = int(left / (per_step * (1 + 6 / max(1, cfg.eval_every))))
+    log(f"timing: {per_step * 1000:.1f} ms/step at full length -> {steps} steps fit the budget")
+    del probe, optimizer, loader
+    return max(1, min(cfg.steps, steps))
+
+
+def train(
+    model: Qwen3ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    cfg: TrainConfig,
+    log: Callable[[str], None] = print,
+) -> dict[str, object]:
+    """Trains ``model`` in place; returns a summary (steps, losses, held-out accuracy)."""
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(cfg.seed)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    model.to(device).train()
+    workers = cfg.num_workers
+    if workers is None:
+        workers = min(8, (os.cpu_count() or 2) - 1) if device.type == "cuda" else 0
+    check_tokenization(tokenizer, docqa_data.generate(cfg.seed, 20, (2, 16), "train"))
+    started = time.perf_counter()
+    requested_steps = cfg.steps
+    if cfg.time_budget_s is not None:
+        cfg = TrainConfig(**{**asdict(cfg), "steps": _fit_steps(model, tokenizer, cfg, device, workers, log, started)})
+    evalset = heldout_set(_HELDOUT_EVAL_SEED, cfg.eval_examples, 8)
+    optimizer = _optimizer(model, cfg, device)
+    loader = iter(_loader(tokenizer, cfg, workers))
+    history: list[dict[str, float]] = []
+    best: tuple[float, dict[str, torch.Tensor] | None, int] = (-1.0, None, 0)
+    loss_sum, loss_n = torch.zeros((), device=device), 0
+    train_start = time.perf_counter()
+    step = 0
+    stopped_early = False
+    for step in range(cfg.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step, cfg)
+        loss_sum += _step(model, optimizer, next(loader), device, cfg)
+        loss_n += 1
+        done = step + 1
+        if done % cfg.log_every == 0 or done == cfg.steps:
+            elapsed = time.perf_counter() - train_start
+            log(
+                f"step {done}/{cfg.steps} loss {loss_sum.item() / loss_n:.4f} "
+                f"lr {_lr_at(step, cfg):.2e} docs<= {max_docs_at(step, cfg)} {elapsed:.0f}s"
+            )
+            loss_sum, loss_n = torch.zeros((), device=device), 0
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            acc = accuracy_by_hops(evalset, exact_match(model, tokenizer, evalset, device))
+            history.append({"step": done, **acc})
+            log(f"step {done} held-out 8 docs: " + " ".join(f"{k} {v:.3f}" for k, v in acc.items()))
+            score = sum(acc.values()) / len(acc)
+            if score >= best[0]:
+                state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+                best = (score, state, done)
+        if cfg.time_budget_s is not None and time.perf_counter() - started > cfg.time_budget_s:
+            log(f"time budget reached after {done} steps")
+            stopped_early = True
+            break
+    if best[1] is not None and best[2] != step + 1:
+        log(f"restoring the weights of step {best[2]} (best held-out accuracy)")
+        model.load_state_dict(best[1])
+    final = final_evaluation(model, tokenizer, cfg, device, log)
+    return {
+        "requested_steps": requested_steps,
+        "steps": cfg.steps,
+        "steps_done": step + 1,
+        "stopped_early": stopped_early,
+        "kept_step": best[2] or step + 1,
+        "train_seconds": round(time.perf_counter() - train_start, 1),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "history": history,
+        "heldout": final,
+    }
+
+
+def final_evaluation(model, tokenizer, cfg: TrainConfig, device, log) -> dict[str, dict[str, float]]:
+    results = {}
+    for num_docs in (4, 8, 16):
+        count = cfg.final_eval_examples if num_docs == 8 else cfg.final_eval_examples // 2
+        examples = heldout_set(1000 + num_docs, max(2, count), num_docs)
+        acc = accuracy_by_hops(examples, exact_match(model, tokenizer, examples, device))
+        results[f"{num_docs}docs"] = {**acc, "examples": len(examples)}
+        log(f"final held-out {num_docs} docs ({len(examples)}): " + " ".join(f"{k} {v:.3f}" for k, v in acc.items()))
+    return results
+
+
+# -- the checkpoint ---------------------------------------------------------------------
+
+
+def make_docqa_model(
+    out_dir: str | Path,
+    seed: int = 0,
+    overrides: Mapping[str, object] | None = None,
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+    log: Callable[[str], None] | None = None,
+    **train_options: object,
+) -> Path:
+    """Trains the doc-QA model and writes it to ``out_dir`` in the Hugging Face layout.
+    ``train_options`` are ``TrainConfig`` fields (steps, batch_size, lr, ...)."""
+    from modeltools.make_model import (
+        _DTYPES,
+        _check_out_dir,
+        _clear_stale_weights,
+        _dtype_name,
+        _write_config,
+        _write_generation_config,
+        build_config,
+    )
+
+    known = {f.name for f in fields(TrainConfig)}
+    unknown = sorted(set(train_options) - known)
+    if unknown:
+        raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
+    cfg = TrainConfig(**{**train_options, "seed": seed})  # type: ignore[arg-type]
+    if cfg.steps < 1 or cfg.batch_size < 1:
+        raise ValueError("steps and batch_size must be positive")
+    out = Path(out_dir)
+    _check_out_dir(out, overwrite)
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    tokenizer = build_docqa_tokenizer()
+    config = build_config("docqa", FAMILY, tokenizer, overrides, dtype)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).float()
+    if cfg.init_from:
+        _load_weights(model, Path(cfg.init_from))
+        log(f"initialised from {cfg.init_from}")
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"doc-QA model: {n_params / 1e6:.2f}M parameters, vocab {config.vocab_size}")
+    summary = train(model, tokenizer, cfg, log)
+    summary = {"seed": seed, "parameters": n_params, "config": asdict(cfg), **summary}
+    _clear_stale_weights(out)
+    weight_dtype = _DTYPES[_dtype_name(config.dtype)]
+    state = {
+        k: v.detach().to("cpu", weight_dtype).contiguous()
+        for k, v in model.state_dict().items()
+        if not (config.tie_word_embeddings and k == "lm_head.weight")
+    }
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    _write_config(out, config)
+    _write_generation_config(out, tokenizer, FAMILY)
+    tokenizer.model_max_length = config.max_position_embeddings
+    save_tokenizer(tokenizer, out)
+    (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return out
+
+
+def _load_weights(model: torch.nn.Module, source: Path) -> None:
+    state = load_file(source / "model.safetensors")
+    own = model.state_dict()
+    if "lm_head.weight" not in state and "lm_head.weight" in own:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    mismatched = sorted(k for k in own if k not in state or state[k].shape != own[k].shape)
+    if mismatched:
+        raise ValueError(f"{source}: weights do not fit this model: {mismatched[:5]}")
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+
+
+def load_for_eval(model_dir: str | Path, device: str | None = None):
+    """(model, tokenizer) of a doc-QA checkpoint via transformers, float32 on CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m modeltools.docqa_train eval DIR [--docs 8] [--examples 400]``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m modeltools.docqa_train")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("eval", help="held-out exact match of a checkpoint (transformers)")
+    e.add_argument("dir")
+    e.add_argument("--docs", type=int, nargs="+", default=[4, 8, 16])
+    e.add_argument("--examples", type=int, default=400)
+    e.add_argument("--seed", type=int, default=2000)
+    e.add_argument("--device")
+    args = p.parse_args(argv)
+    model, tokenizer = load_for_eval(args.dir, args.device)
+    dev = next(model.parameters()).device
+    for n in args.docs:
+        examples = heldout_set(args.seed + n, args.examples, n)
+        acc = accuracy_by_hops(examples, exact_match(model, tokenizer, examples, dev, 32))
+        print(f"{n} docs ({len(examples)}): " + " ".join(f"{k} {v:.3f}" for k, v in acc.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
