@@ -23,7 +23,7 @@ def test_shipped_configs_cover_local_redis_and_h200():
     by_name = {p.name: load_config(p) for p in CONFIGS}
     assert by_name["local.yaml"].directory.kind == "embedded"
     assert by_name["local.yaml"].workers.count == 1
-    assert by_name["local.yaml"].model.make_if_missing is not None
+    assert (REPO / by_name["local.yaml"].model.path / "config.json").is_file()  # shipped model
     assert by_name["redis.yaml"].directory.kind == "redis"
     assert by_name["redis.yaml"].workers.count > 1
     h200 = by_name["h200x8.yaml"]
