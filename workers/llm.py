@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from chunkstore.chunking import Message, chunk_conversation, chunk_prompt
+from chunkstore.chunking import Message, chunk_conversation, chunk_prompt, placeable_spans
 from workers.engine.chunk_registry import ChunkInfo, ChunkRegistry
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
-from workers.engine.reuse_info import ReuseInfo
+from workers.engine.reuse_info import REQUEST_MODES, ReuseInfo, ReuseRequest
 from workers.engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
+Span = tuple[int, int]
+# What ``reuse=`` takes: a mode name, {"mode", "first_tokens", "deviation_ratio"} or
+# a ReuseRequest; None is exact.
+ReuseArg = str | Mapping[str, object] | ReuseRequest | None
 
 
 @dataclass(frozen=True)
@@ -65,21 +69,32 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        reuse: ReuseArg = None,
     ) -> list[RequestOutput]:
+        """``reuse``: see ``chat``; a plain prompt is one chunk, so approximate reuse
+        has nothing to place in it (its output says it was served approximately)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         token_lists = [self._tokens(p) for p in prompts]
-        return self.generate_tokens(token_lists, params)
+        return self.generate_tokens(token_lists, params, reuse=reuse)
 
     def chat(
         self,
         conversations: Sequence[Message] | Sequence[Sequence[Message]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        reuse: ReuseArg = None,
     ) -> list[RequestOutput]:
+        """``reuse``: "exact" (default), "approximate", a dict ``{"mode", "first_tokens",
+        "deviation_ratio"}`` or a ``ReuseRequest``. Approximate reuse places the KV of
+        each message (part) held as a position-free entry wherever it appears; a missed
+        one of at least ``min_entry_tokens`` tokens is computed alone after the request,
+        before this call returns, so the next call can place it."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        token_lists = [self.chat_tokens(c) for c in conversations]
-        return self.generate_tokens(token_lists, params)
+        chunk_lists = [chunk_conversation(self.tokenizer, c) for c in conversations]
+        token_lists = [[t for chunk in chunks for t in chunk.token_ids] for chunks in chunk_lists]
+        spans = [placeable_spans(chunks) for chunks in chunk_lists]
+        return self.generate_tokens(token_lists, params, reuse=reuse, placeable=spans)
 
     def chat_tokens(self, messages: Sequence[Message]) -> list[int]:
         """The canonical (chunk-by-chunk) tokenization of a conversation."""
@@ -133,13 +148,24 @@ class LLM:
         self,
         token_lists: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        reuse: ReuseArg = None,
+        placeable: Sequence[Sequence[Span]] | None = None,
     ) -> list[RequestOutput]:
+        """``placeable``: per prompt, the chunk spans approximate reuse may place."""
         params_list = _per_prompt(params, len(token_lists))
+        request = reuse_request(reuse)
+        spans = [()] * len(token_lists) if placeable is None else list(placeable)
+        if len(spans) != len(token_lists):
+            raise ValueError(
+                f"got {len(spans)} placeable span lists for {len(token_lists)} prompts"
+            )
         ids = [f"offline-{next(self._ids)}" for _ in token_lists]
         added: list[str] = []
         try:
-            for request_id, tokens, p in zip(ids, token_lists, params_list, strict=True):
-                self.engine.add_request(request_id, list(tokens), p)
+            for request_id, tokens, p, s in zip(ids, token_lists, params_list, spans, strict=True):
+                self.engine.add_request(
+                    request_id, list(tokens), p, placeable=tuple(s), reuse=request
+                )
                 added.append(request_id)
         except ValueError:
             for request_id in added:
@@ -148,9 +174,11 @@ class LLM:
         return self._run(ids, token_lists)
 
     def _run(self, ids: list[str], token_lists: Sequence[Sequence[int]]) -> list[RequestOutput]:
+        """Step until the requests finished and the engine is idle: entry fills that
+        approximate requests queued complete before the call returns."""
         collected = {rid: _Collected() for rid in ids}
         pending = set(ids)
-        while pending:
+        while pending or self.engine.has_unfinished():
             for out in self.engine.step():
                 entry = collected.get(out.request_id)
                 if entry is None:
@@ -187,6 +215,35 @@ def _output(request_id: str, tokens: Sequence[int], collected: _Collected) -> Re
         num_cached_tokens=collected.num_cached_tokens,
         reuse=collected.reuse,
         logprobs=tuple(collected.logprobs),
+    )
+
+
+def reuse_request(reuse: ReuseArg) -> ReuseRequest:
+    """The ``ReuseRequest`` a ``reuse=`` argument names; ``ValueError`` lists what is
+    allowed."""
+    if reuse is None:
+        return ReuseRequest()
+    if isinstance(reuse, ReuseRequest):
+        return reuse
+    if isinstance(reuse, str):
+        return ReuseRequest(reuse)
+    if isinstance(reuse, Mapping):
+        unknown = set(reuse) - {"mode", "first_tokens", "deviation_ratio"}
+        if "mode" not in reuse or unknown:
+            raise ValueError(
+                "a reuse dict takes 'mode' (one of "
+                f"{REQUEST_MODES}) and optionally 'first_tokens', 'deviation_ratio'; "
+                f"got keys {sorted(reuse)}"
+            )
+        ratio = reuse.get("deviation_ratio", ReuseRequest.deviation_ratio)
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float):
+            raise ValueError(f"deviation_ratio must be a number in [0, 1], got {ratio!r}")
+        first = reuse.get("first_tokens", ReuseRequest.first_tokens)
+        if isinstance(first, bool):
+            raise ValueError(f"first_tokens must be an integer >= 0, got {first!r}")
+        return ReuseRequest(reuse["mode"], first, float(ratio))
+    raise ValueError(
+        f"reuse must be one of {REQUEST_MODES}, a dict with 'mode' or a ReuseRequest, got {reuse!r}"
     )
 
 

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import queue
 import selectors
+import shutil
 import threading
 
 import pytest
 
 from chunkstore.events import CacheEvent, EventKind
+from chunkstore.hashing import Namespace, position_free_key
+from tests.chunkstore.testkit import wait_until
+from workers.engine.checkpoint import checkpoint_fingerprint
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, StepOutput
-from workers.engine.reuse_info import ReuseInfo
+from workers.engine.reuse_info import ReuseInfo, ReuseRequest
 from workers.engine.sampling_params import SamplingParams
 from workers.runtime.actor import _collect, coalesce
 from workers.runtime.cache_mirror import CacheMirror
@@ -32,9 +37,10 @@ def loop(tiny_qwen3):
     assert not fatal
 
 
-def collect(loop: EngineLoop, request_id: str, prompt, params) -> list:
+def collect(loop: EngineLoop, request_id: str, prompt, params, **reuse) -> list:
+    """``reuse``: ``placeable`` and ``reuse`` as ``EngineLoop.submit`` takes them."""
     items: queue.SimpleQueue = queue.SimpleQueue()
-    loop.submit(request_id, tuple(prompt), params, "", items.put)
+    loop.submit(request_id, tuple(prompt), params, "", items.put, **reuse)
     out = []
     while True:
         item = items.get(timeout=30)
@@ -59,6 +65,44 @@ def test_outputs_rejections_counters_and_mirror(loop):
     assert again[0].num_cached_tokens == 48  # the last page is always recomputed
     rejected = collect(loop, "c", [10**9], SamplingParams(max_tokens=1))
     assert isinstance(rejected[0], Rejected) and "vocabulary" in rejected[0].message
+
+
+def test_approximate_requests_reach_the_engine_with_their_spans(loop, tiny_qwen3, tmp_path):
+    """A request's spans and reuse request go to ``add_request``; a model that cannot
+    place chunks refuses approximate requests with the engine's message."""
+    loop, mirror = loop
+    docs = [list(range(200, 240)), list(range(300, 340))]
+    prompt = list(range(100, 120)) + docs[0] + docs[1] + list(range(400, 410))
+    spans = ((20, 60), (60, 100))
+    approximate = ReuseRequest("approximate")
+    params = SamplingParams(max_tokens=1)
+    first = collect(loop, "a", prompt, params, placeable=spans, reuse=approximate)[-1]
+    assert first.reuse == ReuseInfo("approximate", 0, 0)
+    # the documents' entries are filled by the loop after the request: wait for them
+    namespace = Namespace(f"{tiny_qwen3.resolve().name}@{checkpoint_fingerprint(tiny_qwen3)}")
+    entries = {position_free_key(namespace, doc) for doc in docs}
+    assert wait_until(lambda: entries <= set(mirror.snapshot()), timeout_s=30)
+    swapped = list(range(500, 520)) + docs[1] + docs[0] + list(range(400, 410))
+    second = collect(loop, "b", swapped, params, placeable=spans, reuse=approximate)[-1]
+    assert second.reuse == ReuseInfo("approximate", 80, 8)  # both placed, 4 repaired each
+    assert collect(loop, "c", swapped, params, placeable=spans)[-1].reuse.mode == "exact"
+
+    partial = tmp_path / "partial"
+    shutil.copytree(tiny_qwen3, partial)
+    config = json.loads((partial / "config.json").read_text())
+    (partial / "config.json").write_text(json.dumps({**config, "partial_rotary_factor": 0.5}))
+    fatal: list[BaseException] = []
+    refusing = EngineLoop(Engine(EngineConfig(model_dir=str(partial))), mirror.absorb, fatal.append)
+    refusing.start()
+    try:
+        refused = collect(refusing, "d", prompt, params, placeable=spans, reuse=approximate)
+        assert isinstance(refused[0], Rejected)
+        assert "approximate reuse is not available" in refused[0].message
+        assert "partial_rotary_factor" in refused[0].message
+        assert collect(refusing, "e", prompt, params)[-1].reuse.mode == "exact"
+    finally:
+        refusing.stop()
+    assert not fatal
 
 
 def test_abort_stops_a_request_and_frees_its_load(loop):

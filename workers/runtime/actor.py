@@ -103,7 +103,13 @@ class Worker:
         ids = [f"{request.request_id}#{i}" for i in range(len(request.params))]
         for request_id, params in zip(ids, request.params, strict=True):
             self._loop.submit(
-                request_id, request.prompt_token_ids, params, request.tenant_salt, sink
+                request_id,
+                request.prompt_token_ids,
+                params,
+                request.tenant_salt,
+                sink,
+                placeable=request.placeable,
+                reuse=request.reuse,
             )
         recorded = not request.chunk_ids
         try:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from chunkstore.events import CacheEvent
 from workers.engine.engine import Engine, StepOutput
+from workers.engine.reuse_info import ReuseRequest
 from workers.engine.sampling_params import SamplingParams
 from workers.runtime.worker_types import EngineLoad
 
@@ -52,6 +53,8 @@ class _Submit:
     params: SamplingParams
     tenant_salt: str
     sink: Sink
+    placeable: tuple[tuple[int, int], ...]
+    reuse: ReuseRequest | None
 
 
 @dataclass(frozen=True)
@@ -116,8 +119,16 @@ class EngineLoop:
         params: SamplingParams,
         tenant_salt: str,
         sink: Sink,
+        placeable: tuple[tuple[int, int], ...] = (),
+        reuse: ReuseRequest | None = None,
     ) -> None:
-        self._commands.put(_Submit(request_id, prompt_token_ids, params, tenant_salt, sink))
+        """``placeable`` and ``reuse``: as ``Engine.add_request`` takes them (a request
+        the engine refuses, e.g. approximate on a model that cannot place chunks, gets
+        a ``Rejected`` naming why)."""
+        command = _Submit(
+            request_id, prompt_token_ids, params, tenant_salt, sink, tuple(placeable), reuse
+        )
+        self._commands.put(command)
 
     def abort(self, request_id: str) -> None:
         """Stop a choice (a no-op once it finished)."""
@@ -214,6 +225,8 @@ class EngineLoop:
                 list(command.prompt_token_ids),
                 command.params,
                 tenant_salt=command.tenant_salt,
+                placeable=command.placeable,
+                reuse=command.reuse,
             )
         except ValueError as error:
             command.sink(Rejected(command.request_id, str(error)))

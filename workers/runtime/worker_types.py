@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workers.engine.config import EngineConfig
-from workers.engine.reuse_info import ReuseInfo
+from workers.engine.reuse_info import ReuseInfo, ReuseRequest
 from workers.engine.sampling_params import SamplingParams
 from workers.runtime.directory_client import DirectorySpec
 
@@ -40,6 +40,10 @@ class WorkerRequest:
     # After the first delta, at least this long between deltas (what arrives meanwhile
     # is coalesced); math.inf: only the first and the last (callers that buffer).
     stream_interval_s: float = 0.0
+    reuse: ReuseRequest = ReuseRequest()  # what the request asks of reuse (exact or not)
+    # (start, end) spans of the prompt's chunks approximate reuse may place
+    # (chunking.placeable_spans); exact requests carry none
+    placeable: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.params:
