@@ -13,6 +13,7 @@ from cluster.router import Router, RouterSettings
 from cluster.routing_policy import Policy, RoutingWeights
 from cluster.worker_pool import WorkerPool
 from workers.engine.checkpoint import checkpoint_fingerprint, load_tokenizer
+from workers.engine.reuse_info import ReuseRequest
 
 
 def namespace_model(cfg: ClusterConfig, model_dir: Path) -> str:
@@ -50,5 +51,6 @@ def build_service(
         default_max_tokens=cfg.server.default_max_tokens,
         max_attempts=cfg.router.max_attempts,
         stream_interval_s=cfg.server.stream_interval_s,
+        default_reuse=ReuseRequest(cfg.server.default_reuse),
     )
     return CompletionService(router, load_tokenizer(model_dir), settings, metrics)

@@ -1,7 +1,8 @@
 """Where ``chunkserve chat`` sends its turns: a running server or an in-process engine.
 
-Both backends answer the same three questions: a streamed reply with its token
-counts and time to first token, registering a chunk, and listing chunks. A message
+Both backends answer the same three questions: a streamed reply (in the reuse mode
+asked for) with its token counts and time to first token, registering a chunk, and
+listing chunks. A message
 ``{"role": ..., "chunk_id": ID}`` stands for a registered chunk: the remote backend
 sends it as a chunk content part (the server expands it); the local backend expands
 it itself from what it registered.
@@ -37,7 +38,11 @@ class ChunkRow:
 
 
 class Backend(Protocol):
-    def reply(self, messages: Sequence[Message], on_text: Callable[[str], None]) -> Turn: ...
+    def reply(
+        self, messages: Sequence[Message], on_text: Callable[[str], None], reuse: str = "exact"
+    ) -> Turn:
+        """``reuse``: exact or approximate (``Turn.reuse_mode`` says what served it)."""
+        ...
 
     def register(self, content: str, role: str, after: Sequence[str]) -> str: ...
 
@@ -58,7 +63,9 @@ class RemoteBackend:
         self._model = model or self._client.models.list().data[0].id
         self._max_tokens = max_tokens
 
-    def reply(self, messages: Sequence[Message], on_text: Callable[[str], None]) -> Turn:
+    def reply(
+        self, messages: Sequence[Message], on_text: Callable[[str], None], reuse: str = "exact"
+    ) -> Turn:
         started = time.monotonic()
         stream = self._client.chat.completions.create(
             model=self._model,
@@ -67,6 +74,7 @@ class RemoteBackend:
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
+            extra_body={"reuse": reuse},  # chunkserve's request field
         )
         text, ttft, usage, reuse = "", 0.0, None, None
         for chunk in stream:
@@ -117,19 +125,28 @@ class LocalBackend:
         self._contents: dict[str, str] = {}  # chunk id -> its registered text
         self._ids = itertools.count()
 
-    def reply(self, messages: Sequence[Message], on_text: Callable[[str], None]) -> Turn:
+    def reply(
+        self, messages: Sequence[Message], on_text: Callable[[str], None], reuse: str = "exact"
+    ) -> Turn:
+        from chunkstore.chunking import chunk_conversation, placeable_spans
+        from workers.engine.reuse_info import ReuseRequest
         from workers.engine.sampling_params import SamplingParams
 
         expanded = [
             {"role": m["role"], "content": self._contents[m["chunk_id"]]} if "chunk_id" in m else m
             for m in messages
         ]
-        tokens = self._llm.chat_tokens(expanded)
+        chunks = chunk_conversation(self._llm.tokenizer, expanded)
+        tokens = [t for chunk in chunks for t in chunk.token_ids]
         engine = self._llm.engine
         request_id = f"chat-{next(self._ids)}"
         started = time.monotonic()
         engine.add_request(
-            request_id, tokens, SamplingParams(max_tokens=self._max_tokens, temperature=0)
+            request_id,
+            tokens,
+            SamplingParams(max_tokens=self._max_tokens, temperature=0),
+            placeable=placeable_spans(chunks),
+            reuse=ReuseRequest(reuse),
         )
         text, ttft, reuse = "", 0.0, None
         while engine.has_unfinished():

@@ -5,7 +5,9 @@ registered documents (chunks, in registration order), then the turns. After ever
 reply one line reports ``reuse MODE: reused R / computed C prompt tokens, TTFT T ms``.
 
 Commands: ``/system TEXT``, ``/register`` (the current system prompt),
-``/register-file PATH`` (a document, after the system prompt), ``/chunks``, ``/quit``.
+``/register-file PATH`` (a document, after the system prompt), ``/chunks``,
+``/reuse [exact|approximate]`` (the reuse mode of the following turns; without an
+argument, the current one), ``/quit``.
 Invariant: a document is registered after the system prompt's chunk, so its KV is
 computed in the context every later request has, and reused exactly.
 """
@@ -19,9 +21,10 @@ from pathlib import Path
 from cluster.chat_backends import Backend, Message, Turn
 
 HELP = (
-    "commands: /system TEXT, /register, /register-file PATH, /chunks, /quit "
-    "(anything else is a message)"
+    "commands: /system TEXT, /register, /register-file PATH, /chunks, "
+    "/reuse [exact|approximate], /quit (anything else is a message)"
 )
+REUSE_MODES = ("exact", "approximate")
 
 
 @dataclass
@@ -50,10 +53,12 @@ def reuse_line(turn: Turn) -> str:
 
 
 class ChatSession:
-    def __init__(self, backend: Backend, out: Callable[[str], None]) -> None:
+    def __init__(self, backend: Backend, out: Callable[[str], None], reuse: str = "exact") -> None:
+        _check_mode(reuse)
         self._backend = backend
         self._out = out  # prints a whole line
         self.conversation = Conversation()
+        self.reuse = reuse  # the reuse mode each turn asks for
 
     def handle(self, line: str, write: Callable[[str], None]) -> bool:
         """Act on one input line; False once the user quits."""
@@ -64,7 +69,7 @@ class ChatSession:
             return self._command(line)
         self.conversation.turns.append({"role": "user", "content": line})
         write("assistant> ")
-        turn = self._backend.reply(self.conversation.messages(), write)
+        turn = self._backend.reply(self.conversation.messages(), write, self.reuse)
         write("\n")
         self.conversation.turns.append({"role": "assistant", "content": turn.text})
         self._out(reuse_line(turn))
@@ -86,6 +91,11 @@ class ChatSession:
                 self._register_file(arg)
             elif name == "/chunks":
                 self._list()
+            elif name == "/reuse":
+                if arg:
+                    _check_mode(arg)
+                    self.reuse = arg
+                self._out(f"reuse mode: {self.reuse}")
             else:
                 self._out(HELP)
         except (ValueError, OSError) as error:
@@ -122,13 +132,18 @@ class ChatSession:
             )
 
 
-def run_chat(backend: Backend) -> None:
-    """Read lines until /quit or end of input."""
+def _check_mode(mode: str) -> None:
+    if mode not in REUSE_MODES:
+        raise ValueError(f"reuse mode must be one of {', '.join(REUSE_MODES)}, got {mode!r}")
+
+
+def run_chat(backend: Backend, reuse: str = "exact") -> None:
+    """Read lines until /quit or end of input; turns ask for ``reuse`` until /reuse."""
 
     def write(text: str) -> None:
         print(text, end="", flush=True)
 
-    session = ChatSession(backend, lambda line: print(line, flush=True))
+    session = ChatSession(backend, lambda line: print(line, flush=True), reuse)
     print(HELP, flush=True)
     while True:
         try:

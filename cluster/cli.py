@@ -239,7 +239,7 @@ def _add_chat(subparsers: argparse._SubParsersAction) -> None:
         description="An interactive chat against a running server (--url) or an in-process "
         "engine (--model DIR). After each reply it prints the prompt tokens reused from the "
         "KV cache, those computed, and the time to first token. Commands: /system TEXT, "
-        "/register, /register-file PATH, /chunks, /quit.",
+        "/register, /register-file PATH, /chunks, /reuse [exact|approximate], /quit.",
     )
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="the server's API base, e.g. http://127.0.0.1:8000/v1")
@@ -248,6 +248,12 @@ def _add_chat(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model-name", help="model id for --url (default: the server's first)")
     p.add_argument("--device", help="cuda or cpu, for --model (default: cuda if available)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per reply (default 64)")
+    p.add_argument(
+        "--reuse",
+        choices=("exact", "approximate"),
+        default="exact",
+        help="reuse mode of the turns (default exact; /reuse changes it)",
+    )
     p.set_defaults(handler=_run_chat)
 
 
@@ -261,7 +267,7 @@ def _run_chat(args: argparse.Namespace) -> int:
         backend = RemoteBackend(args.url, args.api_key, args.max_tokens, args.model_name)
     else:
         backend = LocalBackend(args.model, args.max_tokens, args.device)
-    run_chat(backend)
+    run_chat(backend, args.reuse)
     return EXIT_OK
 
 

@@ -45,6 +45,7 @@ from cluster.prompts import (
     prepare_text,
 )
 from cluster.router import Router, WorkerStream
+from workers.engine.reuse_info import ReuseRequest
 from workers.engine.sampling_params import SamplingParams
 from workers.runtime.worker_types import WorkerRequest
 
@@ -63,6 +64,7 @@ class ServiceSettings:
     default_max_tokens: int
     max_attempts: int  # buffered answers: workers tried when one dies mid-answer
     stream_interval_s: float = 0.0  # streamed answers: least time between worker deltas
+    default_reuse: ReuseRequest = ReuseRequest()  # for requests whose `reuse` is absent
 
 
 @dataclass(frozen=True)
@@ -105,11 +107,14 @@ class CompletionService:
             messages = [m.as_chunking_message() for m in body.messages]
         namespace = Namespace(self._settings.namespace_model, tenant_salt)
         page_size = self._settings.page_size
+        asked = body.reuse_request(self._settings.default_reuse)
+        approximate = asked.mode == "approximate"
         prompt = await self._prepare(
-            lambda: prepare_chat(self._encoder, messages, namespace, page_size), "messages"
+            lambda: prepare_chat(self._encoder, messages, namespace, page_size, approximate),
+            "messages",
         )
         fmt = ChatFormat(body.model, self._token_text, body.top_logprobs or 0)
-        return await self._run(body, prompt, tenant_salt, fmt, "messages")
+        return await self._run(body, prompt, tenant_salt, fmt, "messages", asked)
 
     async def completion(self, body: CompletionRequest, tenant_salt: str) -> Reply:
         self._check_model(body.model)
@@ -126,9 +131,12 @@ class CompletionService:
             def prepare() -> PreparedPrompt:
                 return prepare_chunks([chunk], namespace, page_size)
 
+        # a text prompt is one chunk: approximate reuse has nothing to place, but the
+        # request is still served (and reported) in the mode it asked for
+        asked = body.reuse_request(self._settings.default_reuse)
         prompt = await self._prepare(prepare, "prompt")
         fmt = CompletionFormat(body.model, self._token_text, body.logprobs or 0)
-        return await self._run(body, prompt, tenant_salt, fmt, "prompt")
+        return await self._run(body, prompt, tenant_salt, fmt, "prompt", asked)
 
     # -- internals -----------------------------------------------------------------
     async def _prepare(self, prepare: Callable[[], PreparedPrompt], param: str) -> PreparedPrompt:
@@ -139,8 +147,15 @@ class CompletionService:
             raise BadRequest(str(error), param=param) from None
 
     async def _run(
-        self, body: Body, prompt: PreparedPrompt, tenant_salt: str, fmt: ResponseFormat, param: str
+        self,
+        body: Body,
+        prompt: PreparedPrompt,
+        tenant_salt: str,
+        fmt: ResponseFormat,
+        param: str,
+        asked: ReuseRequest,
     ) -> Reply:
+        """``asked``: what the request asks of reuse (its ``reuse`` field or the default)."""
         started = time.monotonic()
         await self.router.pool.start()
         request = WorkerRequest(
@@ -151,6 +166,8 @@ class CompletionService:
             chunk_ids=body.chunk_ids if isinstance(body, ChatCompletionRequest) else (),
             # buffered: nothing to show before the end, so no deltas in between
             stream_interval_s=self._settings.stream_interval_s if body.stream else math.inf,
+            reuse=asked,
+            placeable=prompt.placeable,
         )
         if body.stream:
             stream = await self.router.open(prompt, request)

@@ -170,6 +170,14 @@ class ServerSection(_Section):
     default_max_tokens: int = Field(
         256, gt=0, description="max_tokens of requests that give none (capped by context)"
     )
+    default_reuse: Literal["exact", "approximate"] = Field(
+        "exact",
+        description="reuse mode of requests whose `reuse` field is absent: exact (KV reused "
+        "only after identical preceding tokens; output equals plain generation) or "
+        "approximate (also documents' position-free KV placed wherever they appear, then "
+        "repaired with the engine's default settings; output differs from plain generation, "
+        "and models whose RoPE cannot be moved answer 400)",
+    )
     stream_interval_s: float = Field(
         0.02,
         ge=0,

@@ -8,11 +8,26 @@ other than it asked for.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from cluster.errors import BadRequest
+from workers.engine.reuse_info import (
+    DEFAULT_DEVIATION_RATIO,
+    DEFAULT_FIRST_TOKENS,
+    ReuseRequest,
+)
 
 MAX_N = 16
 MAX_STOP = 4
@@ -48,6 +63,53 @@ class StreamOptions(_Request):
     include_usage: bool = Field(False, description="send a last chunk carrying usage")
 
 
+ReuseMode = Literal["exact", "approximate"]
+REUSE_SHAPE = (
+    '"exact", "approximate" or an object {"mode": "exact" | "approximate", '
+    '"first_tokens": integer >= 0, "deviation_ratio": number in [0, 1]}'
+)
+
+
+class ReuseOptions(BaseModel):
+    """The ``reuse`` request field as an object: a mode with its repair settings."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    mode: ReuseMode = Field(
+        description="exact: KV reused only after identical preceding tokens (output equals "
+        "plain generation); approximate: also each chunk's position-free KV, placed "
+        "wherever the chunk appears and repaired (output differs from plain generation)"
+    )
+    first_tokens: int = Field(
+        DEFAULT_FIRST_TOKENS,
+        ge=0,
+        description="approximate: tokens at the start of every placed chunk recomputed in context",
+    )
+    deviation_ratio: float = Field(
+        DEFAULT_DEVIATION_RATIO,
+        ge=0,
+        le=1,
+        description="approximate: share of each placed chunk's tokens, those whose KV "
+        "deviates most in this context, recomputed as well",
+    )
+
+    def request(self) -> ReuseRequest:
+        return ReuseRequest(self.mode, self.first_tokens, self.deviation_ratio)
+
+
+def _reuse_error(value: object, error: ValidationError) -> PydanticCustomError:
+    """One message naming every allowed value, plus what is wrong inside an object."""
+    detail = ""
+    if isinstance(value, dict):
+        inner = [e for e in error.errors() if e["loc"][:1] == ("ReuseOptions",)]
+        detail = "; ".join(f"{_dotted(e['loc'][1:]) or 'object'}: {e['msg']}" for e in inner[:2])
+    got = json.dumps(value) if isinstance(value, str | int | float | bool | None) else None
+    suffix = f" ({detail})" if detail else (f", got {got:.60}" if got else "")
+    return PydanticCustomError("reuse", "must be {shape}{suffix}", {
+        "shape": REUSE_SHAPE, "suffix": suffix,
+    })  # fmt: skip
+
+
 class _SamplingRequest(_Request):
     model: str = Field(description="the served model id (GET /v1/models)")
     max_tokens: int | None = Field(
@@ -67,6 +129,31 @@ class _SamplingRequest(_Request):
     presence_penalty: float = Field(0.0, description="not supported: must be 0")
     frequency_penalty: float = Field(0.0, description="not supported: must be 0")
     user: str | None = Field(None, description="end-user id (accepted, unused)")
+    reuse: ReuseMode | ReuseOptions | None = Field(
+        None,
+        description="chunkserve: how cached KV may serve the prompt, "
+        f"{REUSE_SHAPE.replace('an object', 'an object (repair settings)')}; "
+        "null: the server's default (server.default_reuse). With the openai client: "
+        'extra_body={"reuse": ...}',
+    )
+
+    @field_validator("reuse", mode="wrap")
+    @classmethod
+    def _check_reuse(
+        cls, value: object, handler: ValidatorFunctionWrapHandler
+    ) -> ReuseMode | ReuseOptions | None:
+        try:
+            return handler(value)
+        except ValidationError as error:
+            raise _reuse_error(value, error) from None
+
+    def reuse_request(self, default: ReuseRequest) -> ReuseRequest:
+        """What this request asks of reuse (``default`` when it names nothing)."""
+        if self.reuse is None:
+            return default
+        if isinstance(self.reuse, str):
+            return ReuseRequest(self.reuse)
+        return self.reuse.request()
 
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingRequest:
@@ -197,9 +284,9 @@ class Reuse(_Response):
     """How the prompt was served (chunkserve's addition beside ``usage``)."""
 
     mode: str = Field(
-        description="reuse mode that served the prompt: off (no KV reused) or exact (KV "
-        "reused only after identical preceding tokens; output equals plain generation); "
-        "later versions may add modes"
+        description="reuse mode that served the prompt: off (no KV reused), exact (KV "
+        "reused only after identical preceding tokens; output equals plain generation) or "
+        "approximate (chunks' position-free KV placed and repaired; output differs)"
     )
     reused_tokens: int = Field(
         description="prompt tokens whose KV came from the cache "

@@ -3,7 +3,9 @@
 The tokenization is the canonical one of ``chunkstore.chunking`` (each chunk on its
 own), which is also what the engine keys its pages by; the keys use the same
 namespace (model id + checkpoint fingerprint + tenant salt) the engine uses, so a
-key the router looks up is exactly a key a worker published.
+key the router looks up is exactly a key a worker published. For a request that asks
+for approximate reuse the prompt also carries its placeable chunk spans and their
+position-free entry keys (what ``ChunkReuse`` in the engine looks up).
 """
 
 from __future__ import annotations
@@ -14,9 +16,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from chunkstore.chunking import ChatTokenizer, Chunk, Message, chunk_conversation, chunk_prompt
+from chunkstore.chunking import (
+    ChatTokenizer,
+    Chunk,
+    Message,
+    chunk_conversation,
+    chunk_prompt,
+    placeable_spans,
+)
 from chunkstore.directory import MAX_LOOKUP_KEYS
-from chunkstore.hashing import Namespace, PageKey, page_keys
+from chunkstore.hashing import Namespace, PageKey, page_keys, position_free_key
 
 
 class EncodeCache:
@@ -60,24 +69,38 @@ class EncodeCache:
         return tokens
 
 
+Span = tuple[int, int]
+
+
 @dataclass(frozen=True)
 class PreparedPrompt:
+    """Invariants: ``len(lookup_keys) + len(entry_keys) <= MAX_LOOKUP_KEYS`` (one
+    directory lookup); ``entry_keys[i]`` is the position-free key of the tokens of
+    ``placeable[i]``; both are empty unless approximate reuse was asked for."""
+
     token_ids: tuple[int, ...]
     lookup_keys: tuple[PageKey, ...]  # chunk keys: distinct, in prompt order
     token_ends: tuple[int, ...]  # prompt tokens covered up to each key (page-aligned)
+    placeable: tuple[Span, ...] = ()  # chunks approximate reuse may place (for the worker)
+    entry_keys: tuple[PageKey, ...] = ()  # of the leading placeable spans (for the router)
 
 
 def prepare_chat(
-    tokenizer: ChatTokenizer, messages: Sequence[Message], namespace: Namespace, page_size: int
+    tokenizer: ChatTokenizer,
+    messages: Sequence[Message],
+    namespace: Namespace,
+    page_size: int,
+    approximate: bool = False,
 ) -> PreparedPrompt:
-    """Raises ``ValueError`` for messages the chat template cannot render."""
+    """Raises ``ValueError`` for messages the chat template cannot render.
+    ``approximate``: also find the placeable chunks and their entry keys."""
     try:
         chunks = chunk_conversation(tokenizer, messages)
     except ValueError:
         raise
     except Exception as error:  # a template rejecting a role, say: the client's fault
         raise ValueError(f"the chat template cannot render these messages: {error}") from None
-    return prepare_chunks(chunks, namespace, page_size)
+    return prepare_chunks(chunks, namespace, page_size, approximate)
 
 
 def prepare_text(
@@ -86,7 +109,9 @@ def prepare_text(
     return prepare_chunks(chunk_prompt(tokenizer, prompt), namespace, page_size)
 
 
-def prepare_chunks(chunks: Sequence[Chunk], namespace: Namespace, page_size: int) -> PreparedPrompt:
+def prepare_chunks(
+    chunks: Sequence[Chunk], namespace: Namespace, page_size: int, approximate: bool = False
+) -> PreparedPrompt:
     token_ids = tuple(t for chunk in chunks for t in chunk.token_ids)
     if not token_ids:
         raise ValueError("the prompt is empty")
@@ -101,8 +126,16 @@ def prepare_chunks(chunks: Sequence[Chunk], namespace: Namespace, page_size: int
             continue  # no full page yet, or the chunk ends inside the previous key's page
         lookup.append(keys[full_pages - 1])
         ends.append(full_pages * page_size)
+    lookup, ends = lookup[:MAX_LOOKUP_KEYS], ends[:MAX_LOOKUP_KEYS]
+    placeable = placeable_spans(chunks) if approximate else ()
+    entry_keys = tuple(
+        position_free_key(namespace, token_ids[start:end])
+        for start, end in placeable[: MAX_LOOKUP_KEYS - len(lookup)]
+    )
     return PreparedPrompt(
         token_ids=token_ids,
-        lookup_keys=tuple(lookup[:MAX_LOOKUP_KEYS]),
-        token_ends=tuple(ends[:MAX_LOOKUP_KEYS]),
+        lookup_keys=tuple(lookup),
+        token_ends=tuple(ends),
+        placeable=placeable,
+        entry_keys=entry_keys,
     )

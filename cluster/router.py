@@ -1,7 +1,9 @@
 """The chunk-aware router: one directory lookup, a policy decision, a worker stream.
 
 Invariants:
-- One directory lookup per request (its result is reused when retrying).
+- One directory lookup per request (its result is reused when retrying): the
+  prompt's chunk keys and, for an approximate request, its chunks' entry keys, in
+  one call; scored by ``routing_policy.prefill_saved``.
 - ``open`` returns only once the chosen worker produced the first delta. Until then
   nothing reached the client, so a worker that dies (or is draining) is skipped and
   the request goes to another one, at most ``max_attempts`` workers in all.
@@ -36,9 +38,11 @@ from cluster.routing_policy import (
     Unroutable,
     WorkerView,
     choose_worker,
+    prefill_saved,
     round_robin,
 )
 from cluster.worker_pool import WorkerPool
+from workers.engine.reuse_info import ReuseRequest
 from workers.runtime.worker_types import WorkerDelta, WorkerRefusal, WorkerRequest
 
 logger = logging.getLogger(__name__)
@@ -121,7 +125,7 @@ class Router:
     async def open(self, prompt: PreparedPrompt, request: WorkerRequest) -> WorkerStream:
         """Route ``request`` and wait for its first delta (see the module invariants)."""
         await self.pool.start()
-        holdings = await self._lookup(prompt) if self._chunk_aware else None
+        holdings = await self._lookup(prompt, request.reuse) if self._chunk_aware else None
         tried: set[str] = set()
         for attempt in range(self._settings.max_attempts):
             views = [v for v in self.pool.views() if v.worker_id not in tried]
@@ -153,15 +157,27 @@ class Router:
             return choose_worker(views, holdings, weights, rotation)
         return round_robin(views, weights.max_requests_per_worker, rotation)
 
-    async def _lookup(self, prompt: PreparedPrompt) -> dict[str, int] | None:
-        if not prompt.lookup_keys:
+    async def _lookup(self, prompt: PreparedPrompt, reuse: ReuseRequest) -> dict[str, int] | None:
+        """Worker id -> prompt tokens it would not compute; None: no information."""
+        if not prompt.lookup_keys and not prompt.entry_keys:
             return {}  # nothing shareable: an answer, not an outage
-        result = await self._directory.lookup(prompt.lookup_keys, prompt.token_ends)
+        result = await self._directory.lookup(
+            prompt.lookup_keys, prompt.token_ends, prompt.entry_keys
+        )
         self._metrics.lookups.inc()
         if not result.available:
             self._metrics.lookup_failures.inc()
             return None
-        return {h.worker_id: h.tokens for h in result.holdings}
+        exact = {h.worker_id: h.tokens for h in result.holdings}
+        if not prompt.entry_keys:
+            return exact
+        return prefill_saved(
+            exact,
+            {e.worker_id: e.entries for e in result.entries},
+            prompt.placeable[: len(prompt.entry_keys)],
+            reuse.first_tokens,
+            reuse.deviation_ratio,
+        )
 
     async def _start(self, decision: Decision, request: WorkerRequest) -> WorkerStream | None:
         """The stream once its first delta arrived; None if the worker cannot take it."""

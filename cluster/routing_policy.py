@@ -16,11 +16,18 @@ among the still tied, so equal workers share requests evenly.
 
 ``round_robin`` is the baseline that ignores caches and load: the open workers in id
 order, one after another (``rotation`` counts requests).
+
+``prefill_saved`` turns a directory answer into the ``holdings`` above: per worker,
+the prompt tokens it would not compute. For an exact request that is its exactly
+held prefix; an approximate request adds, for each placeable chunk after that prefix
+whose position-free entry the worker holds, the chunk's tokens minus those repair
+recomputes (``min(first_tokens, n) + round(deviation_ratio * n)`` of an ``n``-token
+chunk; ``placed_saving``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -60,7 +67,7 @@ class Unroutable(StrEnum):
 class Decision:
     worker_id: str
     reason: Reason
-    expected_cached_tokens: int  # what the directory says the worker holds
+    expected_cached_tokens: int  # prefill the directory says the worker saves (holdings)
 
 
 def choose_worker(
@@ -91,6 +98,38 @@ def choose_worker(
         if score(best) > -penalty * least:
             return Decision(best.worker_id, Reason.AFFINITY, holdings[best.worker_id])
     return _least_loaded(open_, rotation, Reason.LOAD)
+
+
+def placed_saving(length: int, first_tokens: int, deviation_ratio: float) -> int:
+    """Prompt tokens an approximate hit on an ``length``-token chunk saves: its tokens
+    less the ones repair recomputes (never below 0)."""
+    recomputed = min(first_tokens, length) + round(deviation_ratio * length)
+    return max(0, length - recomputed)
+
+
+def prefill_saved(
+    exact_tokens: Mapping[str, int],
+    entries: Mapping[str, Collection[int]],
+    spans: Sequence[tuple[int, int]],
+    first_tokens: int,
+    deviation_ratio: float,
+) -> dict[str, int]:
+    """Worker id -> prompt tokens it would not compute (the ``holdings`` of
+    ``choose_worker``). ``exact_tokens``: worker -> exactly held prefix tokens;
+    ``entries``: worker -> indices into ``spans`` (placeable chunks, sorted) whose
+    entries it holds. A held entry counts only where its span starts at or after the
+    worker's exact prefix (the engine places nothing inside that prefix). Workers
+    saving nothing are left out."""
+    saved = dict(exact_tokens)
+    for worker, held in entries.items():
+        prefix = exact_tokens.get(worker, 0)
+        placed = sum(
+            placed_saving(end - start, first_tokens, deviation_ratio)
+            for start, end in (spans[i] for i in held)
+            if start >= prefix
+        )
+        saved[worker] = prefix + placed
+    return {worker: tokens for worker, tokens in saved.items() if tokens > 0}
 
 
 def round_robin(

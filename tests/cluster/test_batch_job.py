@@ -1,6 +1,7 @@
 """``ray job submit`` of ``chunkserve batch --config configs/local.yaml`` against the
 session's real ``ray start --head``: a job stopped half-way and resubmitted writes
-every id exactly once, in input order, with bad lines as error records."""
+every id exactly once, in input order, with bad lines as error records; lines asking
+for approximate reuse are served (and labelled) so."""
 
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ pytestmark = pytest.mark.ray
 EXAMPLE = REPO / "configs" / "examples" / "rag_requests.jsonl"
 SLOW_LINES = 12  # long answers first, so the job is surely mid-way when stopped
 FAST_LINES = 24
+# lines asking for approximate reuse (the body's `reuse` field, as over HTTP)
+APPROXIMATE = {
+    f"req-{SLOW_LINES + 5:03d}": "approximate",
+    f"req-{SLOW_LINES + 6:03d}": {"mode": "approximate", "first_tokens": 8},
+}
 
 
 def make_input(path: Path) -> list[str]:
@@ -31,6 +37,8 @@ def make_input(path: Path) -> list[str]:
         body = line.get("body", line)
         body["max_tokens"] = 200 if i < SLOW_LINES else 8
         line["custom_id"] = f"req-{i:03d}"
+        if line["custom_id"] in APPROXIMATE:
+            body["reuse"] = APPROXIMATE[line["custom_id"]]
         lines.append(json.dumps(line))
         ids.append(line["custom_id"])
         if i == SLOW_LINES + 3:
@@ -38,6 +46,9 @@ def make_input(path: Path) -> list[str]:
             ids.append(f"line-{len(lines)}")
             lines.append(json.dumps({"custom_id": "typed", "messages": [], "max_tokens": "x"}))
             ids.append("typed")
+            bad_reuse = {"mode": "approximate", "deviation_ratio": 2}
+            lines.append(json.dumps({**body, "custom_id": "bad-reuse", "reuse": bad_reuse}))
+            ids.append("bad-reuse")
     path.write_text("\n".join(lines) + "\n")
     return ids
 
@@ -90,12 +101,19 @@ def test_job_stopped_half_way_and_resubmitted_writes_each_id_once(ray_cluster, t
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["custom_id"] for r in records] == ids  # complete, in order, each id once
     errors = {r["custom_id"]: r for r in records if r["error"] is not None}
-    assert set(errors) == {ids[ids.index("typed") - 1], "typed"}
+    assert set(errors) == {ids[ids.index("typed") - 1], "typed", "bad-reuse"}
     assert errors["typed"]["response"]["status_code"] == 400
+    assert errors["bad-reuse"]["response"]["status_code"] == 400
+    assert '"exact", "approximate"' in errors["bad-reuse"]["error"]["message"]
     ok = [r for r in records if r["error"] is None]
     assert all(r["response"]["body"]["choices"][0]["finish_reason"] for r in ok)
     cached = [r["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] for r in ok]
     assert sum(cached) > 0  # the requests share a system prompt and documents
-    assert [r["response"]["body"]["reuse"] for r in ok] == [
-        {"mode": "exact", "reused_tokens": c, "recomputed_tokens": 0} for c in cached
-    ]
+    reuse = {r["custom_id"]: r["response"]["body"]["reuse"] for r in ok}
+    for record, tokens in zip(ok, cached, strict=True):
+        got = reuse[record["custom_id"]]
+        assert got["reused_tokens"] == tokens
+        if record["custom_id"] in APPROXIMATE:
+            assert got["mode"] == "approximate"
+        else:
+            assert got == {"mode": "exact", "reused_tokens": tokens, "recomputed_tokens": 0}

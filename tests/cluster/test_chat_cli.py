@@ -1,5 +1,6 @@
 """``chunkserve chat --model DIR`` driven through a pseudo-terminal: every reply is
-followed by the reuse line, and later turns reuse the registered chunks' KV."""
+followed by the reuse line naming the mode (/reuse switches it), and later turns
+reuse the registered chunks' KV."""
 
 from __future__ import annotations
 
@@ -41,6 +42,15 @@ def test_chat_shows_reuse_after_each_turn(tiny_qwen3, tmp_path):
             reused.append(int(child.match.group(2)))
         assert reused[0] > 0  # the registered chunks
         assert reused[1] > reused[0]  # ... and the first turn
+
+        child.sendline("/reuse sloppy")
+        child.expect_exact("error: reuse mode must be one of exact, approximate")
+        child.sendline("/reuse approximate")
+        child.expect_exact("reuse mode: approximate")
+        child.expect_exact(PROMPT)
+        child.sendline("Is there a free plan?")
+        child.expect(REUSE)
+        assert child.match.group(1) == b"approximate"
 
         child.sendline("/chunks")
         child.expect(r"system +\d+ tokens, \d+ pinned")

@@ -8,6 +8,8 @@ import pytest
 
 from cluster.cli import main
 from cluster.config import ClusterConfig, load_config
+from cluster.openai_protocol import ChatCompletionRequest
+from workers.engine.reuse_info import ReuseRequest
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -55,6 +57,17 @@ def test_overrides_parse_values_as_yaml():
     assert cfg.directory.redis.url == "redis://h:1/0"
 
 
+def test_default_reuse_serves_requests_that_name_no_reuse():
+    cfg = load_config(REPO / "configs" / "local.yaml", ["server.default_reuse=approximate"])
+    default = ReuseRequest(cfg.server.default_reuse)
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    unnamed = ChatCompletionRequest.model_validate(body)
+    named = ChatCompletionRequest.model_validate({**body, "reuse": "exact"})
+    assert unnamed.reuse_request(default) == ReuseRequest("approximate")
+    assert named.reuse_request(default) == ReuseRequest("exact")
+    assert load_config(REPO / "configs" / "local.yaml").server.default_reuse == "exact"
+
+
 @pytest.mark.parametrize(
     ("text", "overrides", "expected"),
     [
@@ -67,6 +80,7 @@ def test_overrides_parse_values_as_yaml():
         ("model: {name: m, path: /x}\n", ["model.name.x=1"], "is not a section"),
         ("model: {name: m, path: /x}\n", ["router.policy=random"], "router.policy: Input should be 'chunk_aware' or 'round_robin'"),
         ("model: {name: m, path: /x}\n", ["server.stream_interval_s=-1"], "server.stream_interval_s: Input should be greater than or equal to 0"),
+        ("model: {name: m, path: /x}\n", ["server.default_reuse=sloppy"], "server.default_reuse: Input should be 'exact' or 'approximate'"),
     ],
 )  # fmt: skip
 def test_bad_configs_say_what_is_wrong(tmp_path, text, overrides, expected):

@@ -226,6 +226,117 @@ def test_tenants_never_share_chunks(app, client):
     assert again_b.usage.prompt_tokens_details.cached_tokens > 0
 
 
+PLACE_SYSTEMS = (
+    "You are the approximate-reuse assistant of the Harbor handbook. " * 3,
+    "Every answer quotes the handbook document it comes from, nothing else. " * 3,
+)
+PLACE_DOCS = (  # documents as messages of their own: the same tokens in any position
+    "Handbook A: the Oslo office opens at eight and the Bergen office at nine. " * 3,
+    "Handbook B: invoices go out on the first working day of every month. " * 3,
+    "Handbook C: on-call engineers rotate weekly and hand over on Mondays. " * 3,
+)
+
+
+def placed_messages(system: str, docs: tuple[str, ...], question: str) -> list[dict]:
+    documents = [{"role": "user", "content": d} for d in docs]
+    return [
+        {"role": "system", "content": system},
+        *documents,
+        {"role": "user", "content": question},
+    ]
+
+
+def test_reuse_field_asks_for_approximate_reuse_streamed_or_not(client):
+    """``extra_body={"reuse": ...}`` through the official client: the documents'
+    entries are filled on the first request and placed by later ones after another
+    system prompt, in another order; the reuse object and cached_tokens say so."""
+    first = client.chat.completions.create(
+        model="tiny",
+        messages=placed_messages(PLACE_SYSTEMS[0], PLACE_DOCS, "Q: Oslo?"),
+        max_tokens=2,
+        temperature=0,
+        extra_body={"reuse": "approximate"},
+    )
+    assert reuse_of(first) == {"mode": "approximate", "reused_tokens": 0, "recomputed_tokens": 0}
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    reordered = placed_messages(PLACE_SYSTEMS[1], PLACE_DOCS[::-1], "Q: invoices?")
+
+    def placed(repair) -> dict:
+        reply = client.chat.completions.create(
+            model="tiny", messages=reordered, max_tokens=2, extra_body={"reuse": repair}
+        )
+        return reuse_of(reply) | {"cached": reply.usage.prompt_tokens_details.cached_tokens}
+
+    # the entries are filled by the worker after the first request: wait for them
+    deadline = time.monotonic() + 20
+    while (got := placed("approximate"))["recomputed_tokens"] < 4 * len(PLACE_DOCS):
+        assert time.monotonic() < deadline, got
+        time.sleep(0.1)
+    assert got["mode"] == "approximate" and got["reused_tokens"] == got["cached"] > 0
+    assert got["recomputed_tokens"] == 4 * len(PLACE_DOCS)  # first_tokens 4 per document
+    repaired = placed({"mode": "approximate", "first_tokens": 8, "deviation_ratio": 0})
+    assert repaired["recomputed_tokens"] == 8 * len(PLACE_DOCS)
+
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=placed_messages(PLACE_SYSTEMS[1], PLACE_DOCS[1:], "Q: on-call?"),
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"reuse": {"mode": "approximate"}},
+    )
+    last = list(stream)[-1]
+    assert reuse_of(last)["mode"] == "approximate"
+    assert reuse_of(last)["reused_tokens"] == last.usage.prompt_tokens_details.cached_tokens > 0
+    text = client.completions.create(
+        model="tiny", prompt="The harbor", max_tokens=2, extra_body={"reuse": "approximate"}
+    )
+    assert reuse_of(text)["mode"] == "approximate"  # one chunk: nothing to place
+    # an exact request (the default) of the same prompt: exact, never placed KV
+    exact_reply = client.chat.completions.create(model="tiny", messages=reordered, max_tokens=2)
+    assert reuse_of(exact_reply)["mode"] == "exact"
+    assert reuse_of(exact_reply)["recomputed_tokens"] == 0
+
+
+BAD_REUSE = [
+    ("unknown mode", "sloppy", 'got "sloppy"'),
+    ("unknown mode in object", {"mode": "fuzzy"}, "mode"),
+    ("negative first_tokens", {"mode": "approximate", "first_tokens": -1}, "first_tokens"),
+    ("ratio 2", {"mode": "approximate", "deviation_ratio": 2}, "deviation_ratio"),
+    ("wrong type", 7, "got 7"),
+    ("list", ["approximate"], ""),
+    ("unknown setting", {"mode": "approximate", "first_token": 2}, "first_token"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_bad_reuse_values_get_400_listing_the_allowed_values(app, path):
+    body = {"model": "tiny", "max_tokens": 1}
+    if path == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": "x"}]
+    else:
+        body["prompt"] = "x"
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    failures = []
+    for name, reuse_value, detail in BAD_REUSE:
+        for stream in (False, True):
+            response = httpx.post(
+                app.url(path), json={**body, "reuse": reuse_value, "stream": stream},
+                headers=headers, timeout=30,
+            )  # fmt: skip
+            error = response.json().get("error", {})
+            message = error.get("message", "")
+            allowed = '"exact", "approximate" or an object {"mode": "exact" | "approximate"'
+            if (
+                response.status_code != 400
+                or error.get("param") != "reuse"
+                or allowed not in message
+                or detail not in message
+            ):
+                failures.append((name, stream, response.status_code, message))
+    assert not failures
+
+
 def test_n_seed_and_stop(client):
     reply = client.chat.completions.create(
         model="tiny",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from chunkstore.chunking import chunk_conversation
+from chunkstore.chunking import chunk_conversation, placeable_spans
 from chunkstore.events import EventKind
 from chunkstore.hashing import Namespace
 from cluster.assembly import namespace_model
@@ -11,6 +11,7 @@ from cluster.prompts import EncodeCache, prepare_chat
 from workers.engine.checkpoint import load_tokenizer
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
+from workers.engine.reuse_info import ReuseRequest
 from workers.engine.sampling_params import SamplingParams
 
 SYSTEM = "You answer from the documents. " * 8
@@ -41,6 +42,38 @@ def test_router_keys_are_engine_keys(tiny_qwen3):
     assert list(prompt.token_ends) == sorted(set(e for e in ends if e))
     other_tenant = prepare_chat(engine.tokenizer, messages("Q?"), Namespace(namespace.model_id), 16)
     assert not set(other_tenant.lookup_keys) & stored
+
+
+def test_router_entry_keys_are_engine_entry_keys(tiny_qwen3):
+    """An approximate request's prompt carries its placeable spans and their entry keys,
+    exactly the keys of the entries the engine fills (and publishes) for them."""
+    engine = Engine(EngineConfig(model_dir=str(tiny_qwen3), model_id="tiny", page_size=16))
+    namespace = Namespace(engine.namespace_model, "tenant-1")
+    two_docs = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": DOC},
+        {"role": "user", "content": "Second document: " + DOC},
+        {"role": "user", "content": "Q?"},
+    ]
+    exact = prepare_chat(engine.tokenizer, two_docs, namespace, 16)
+    assert (exact.placeable, exact.entry_keys) == ((), ())
+    prompt = prepare_chat(engine.tokenizer, two_docs, namespace, 16, approximate=True)
+    assert prompt.placeable == placeable_spans(chunk_conversation(engine.tokenizer, two_docs))
+    assert len(prompt.entry_keys) == len(prompt.placeable) == 2
+    assert prompt.lookup_keys == exact.lookup_keys and prompt.token_ids == exact.token_ids
+    engine.add_request(
+        "r",
+        list(prompt.token_ids),
+        SamplingParams(max_tokens=1),
+        "tenant-1",
+        placeable=prompt.placeable,
+        reuse=ReuseRequest("approximate"),
+    )
+    while engine.has_unfinished():  # the request, then its documents' entry fills
+        engine.step()
+    events = engine.pool.drain_events()
+    filled = [k for e in events if e.kind is EventKind.ENTRY_STORED for k in e.keys]
+    assert sorted(filled) == sorted(prompt.entry_keys)
 
 
 def test_encode_cache_gives_the_tokenizer_tokens_and_stays_within_its_bound(tiny_qwen3):

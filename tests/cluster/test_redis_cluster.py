@@ -1,5 +1,6 @@
 """Two workers, two router replicas, the Redis directory (a private redis-server we
-may kill): affinity, Redis outage, a worker killed mid-load, and ``chunkserve status``."""
+may kill): affinity (exact prefixes and approximate reuse's position-free entries),
+Redis outage, a worker killed mid-load, and ``chunkserve status``."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class Reply:
     worker: str
     cached: int
     text: str
+    reuse: dict | None = None  # the response's reuse object
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +93,12 @@ class Probe:
     def wait_held(self, messages: list[dict], worker: str, timeout_s: float = 5) -> bool:
         return wait_until(lambda: worker in self.holders(messages), timeout_s)
 
+    def entry_holders(self, messages: list[dict]) -> dict[str, tuple[int, ...]]:
+        """Worker -> indices of the placeable chunks whose entries it holds."""
+        prompt = prepare_chat(self.tokenizer, messages, self.namespace, self.page_size, True)
+        result = self.directory.lookup(prompt.lookup_keys, prompt.token_ends, prompt.entry_keys)
+        return {e.worker_id: e.entries for e in result.entries} if result.available else {}
+
 
 @pytest.fixture(scope="module")
 def probe(app):
@@ -104,18 +112,18 @@ def rag(system: str, question: str) -> list[dict]:
     return [{"role": "system", "content": system}, {"role": "user", "content": parts}]
 
 
-def post(app, messages: list[dict], max_tokens: int = 8) -> Reply:
-    response = httpx.post(
-        app.url("/v1/chat/completions"),
-        json={"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0},
-        timeout=60,
-    )
+def post(app, messages: list[dict], max_tokens: int = 8, reuse: str | None = None) -> Reply:
+    body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    if reuse is not None:
+        body["reuse"] = reuse
+    response = httpx.post(app.url("/v1/chat/completions"), json=body, timeout=60)
     assert response.status_code == 200, response.text
     body = response.json()
     return Reply(
         worker=response.headers["x-chunkserve-worker"],
         cached=body["usage"]["prompt_tokens_details"]["cached_tokens"],
         text=body["choices"][0]["message"]["content"],
+        reuse=body["reuse"],
     )
 
 
@@ -137,6 +145,42 @@ def test_requests_sharing_chunks_land_on_the_worker_holding_them(app, probe):
         post(app, [{"role": "user", "content": f"unrelated {i} " * 20}]).worker for i in range(6)
     }
     assert unique == {f"{app.name}-worker-0", f"{app.name}-worker-1"}  # spread by load
+
+
+PLACED_DOCS = (
+    "Runbook A: restart the ingest service before touching the queue workers. " * 3,
+    "Runbook B: rotate the signing keys on the first Monday of each quarter. " * 3,
+    "Runbook C: the status page is updated by whoever holds the incident pager. " * 3,
+)
+
+
+def placed(system: str, order: tuple[int, ...], question: str) -> list[dict]:
+    documents = [{"role": "user", "content": PLACED_DOCS[i]} for i in order]
+    return [
+        {"role": "system", "content": system},
+        *documents,
+        {"role": "user", "content": question},
+    ]
+
+
+def test_approximate_requests_go_where_the_documents_entries_are(app, probe):
+    """After one worker filled the documents' position-free entries, approximate
+    requests with the documents in other orders, after system prompts nobody holds,
+    are routed to it (one Redis lookup of chunk and entry keys) and place them."""
+    first = post(
+        app, placed("You write runbook summaries. " * 4, (0, 1, 2), "Q: a?"), 2, "approximate"
+    )
+    assert first.reuse["mode"] == "approximate"
+    home = first.worker
+    later = placed("Someone else's system prompt. " * 4, (2, 0, 1), "Q: b?")
+    assert wait_until(lambda: probe.entry_holders(later).get(home) == (0, 1, 2), timeout_s=20)
+    for k, order in enumerate([(2, 0, 1), (1, 2, 0), (0, 2, 1)]):
+        system = f"System prompt number {k} that no worker has seen. " * 3
+        reply = post(app, placed(system, order, f"Q: {k}?"), 2, "approximate")
+        assert reply.worker == home
+        assert reply.reuse["mode"] == "approximate"
+        assert reply.reuse["reused_tokens"] == reply.cached > 0
+        assert reply.reuse["recomputed_tokens"] == 4 * len(PLACED_DOCS)
 
 
 def test_redis_stopped_mid_load_then_affinity_returns(app, probe, redis_server):

@@ -1,4 +1,5 @@
-"""The routing policy is a pure function: cached tokens against load."""
+"""The routing policy is a pure function: saved prefill (exact prefixes and approximate
+hits) against load."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from cluster.routing_policy import (
     Unroutable,
     WorkerView,
     choose_worker,
+    placed_saving,
+    prefill_saved,
     round_robin,
 )
 
@@ -78,3 +81,43 @@ def test_round_robin_rotates_over_open_workers_ignoring_caches_and_load():
     assert round_robin(views(10, 0, 10), 10, 5).worker_id == "w1"  # full ones are skipped
     assert round_robin([], 10, 0) is Unroutable.NO_WORKER
     assert round_robin(views(10, 11), 10, 0) is Unroutable.OVERLOADED
+
+
+SPANS = [(32, 96), (96, 136), (136, 200)]  # placeable chunks of 64, 40 and 64 tokens
+
+
+def test_an_approximate_hit_saves_the_chunk_less_what_repair_recomputes():
+    assert placed_saving(64, first_tokens=4, deviation_ratio=0.0) == 60
+    assert placed_saving(40, first_tokens=8, deviation_ratio=0.1) == 40 - 8 - 4
+    assert placed_saving(3, first_tokens=4, deviation_ratio=0.0) == 0  # all recomputed
+    assert placed_saving(10, first_tokens=4, deviation_ratio=1.0) == 0  # never negative
+
+
+def test_prefill_saved_adds_held_entries_after_the_exact_prefix():
+    saved = prefill_saved(
+        exact_tokens={"w0": 32, "w1": 96, "w2": 16},
+        entries={"w0": [0, 2], "w1": [0, 1], "w3": [1]},
+        spans=SPANS,
+        first_tokens=4,
+        deviation_ratio=0.0,
+    )
+    assert saved == {
+        "w0": 32 + 60 + 60,  # both entries start at or after its prefix
+        "w1": 96 + 36,  # chunk 0 lies inside its exact prefix: not placed again
+        "w2": 16,  # exact prefix only
+        "w3": 36,  # entries alone, no exact prefix
+    }
+    # exact requests look up no entries: the exact prefixes as they were
+    assert prefill_saved({"w0": 32}, {}, SPANS, 4, 0.0) == {"w0": 32}
+    assert prefill_saved({}, {"w0": [0]}, [(10, 12)], 4, 0.0) == {}  # saves nothing
+
+
+def test_an_approximate_holder_beats_a_short_exact_prefix():
+    """A worker holding the documents' entries (after another system prompt) wins over
+    one holding just the system prompt exactly, and loses once its queue costs more."""
+    saved = prefill_saved({"w0": 32}, {"w1": [0, 1, 2]}, SPANS, 4, 0.0)
+    assert saved == {"w0": 32, "w1": 60 + 36 + 60}
+    decision = choose_worker(views(0, 0), saved, WEIGHTS)
+    assert decision == Decision("w1", Reason.AFFINITY, 156)
+    busy = choose_worker(views(0, 2), saved, WEIGHTS)  # 156 - 200 < 32 - 0
+    assert busy.worker_id == "w0" and busy.reason is Reason.AFFINITY
