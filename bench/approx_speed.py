@@ -7,7 +7,9 @@
    measured in the same process.
 2. RAG workload: requests draw 8 of 64 documents (Zipf popularity, random order)
    after one of 8 system prompts, arriving all at once; requests/s and TTFT
-   p50/p90, approximate vs exact (each on a fresh engine with the same stream).
+   p50/p90, approximate vs exact (each on a fresh engine with the same stream),
+   measured after a warm-up stream of the same kind (steady state: popular
+   documents held, as a serving worker would).
 
     python bench/approx_speed.py [--model DIR] [--trials 5] [--requests 256]
 """
@@ -34,6 +36,7 @@ from workers.engine.reuse_info import ReuseRequest  # noqa: E402
 from workers.engine.sampling_params import SamplingParams  # noqa: E402
 
 SYSTEM, DOC, DOCS, QUESTION = 256, 512, 8, 32
+PAGES = 6144  # per engine (several share the GPU): 98K tokens of KV
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 ANSWER = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
@@ -41,6 +44,14 @@ ANSWER = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def release_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def layout(system, docs, question):
@@ -84,9 +95,9 @@ def ttft_scenario(model, trials, rng, vocab, repair):
     draw = lambda n: rng.choices(range(10, vocab - 1), k=n)  # noqa: E731
     docs = [draw(DOC) for _ in range(DOCS)]
     engines = {
-        "approximate": Engine(EngineConfig(str(model))),
-        "exact": Engine(EngineConfig(str(model))),
-        "cold": Engine(EngineConfig(str(model), enable_reuse=False)),
+        "approximate": Engine(EngineConfig(str(model), num_pages=PAGES)),
+        "exact": Engine(EngineConfig(str(model), num_pages=PAGES)),
+        "cold": Engine(EngineConfig(str(model), num_pages=PAGES, enable_reuse=False)),
     }
     runners = {name: Runner(e) for name, e in engines.items()}
     runners["approximate"].fill(docs)
@@ -116,6 +127,8 @@ def ttft_scenario(model, trials, rng, vocab, repair):
             times[name].append(time.perf_counter() - start)
             reused[name].append((info.reused_tokens, info.recomputed_tokens))
             runner.drain()
+    del engines, runners
+    release_memory()
     return {
         name: {
             "ttft_ms": 1e3 * statistics.median(t),
@@ -126,7 +139,7 @@ def ttft_scenario(model, trials, rng, vocab, repair):
     } | {"prompt_tokens": len(prompt)}
 
 
-def rag_workload(model, requests, rng, vocab, repair, pool_docs=64, systems=8, zipf=1.0):
+def rag_workload(model, requests, warm, rng, vocab, repair, pool_docs=64, systems=8, zipf=1.0):
     draw = lambda n: rng.choices(range(10, vocab - 1), k=n)  # noqa: E731
     docs = [draw(DOC) for _ in range(pool_docs)]
     system_prompts = [draw(SYSTEM) for _ in range(systems)]
@@ -134,7 +147,7 @@ def rag_workload(model, requests, rng, vocab, repair, pool_docs=64, systems=8, z
     weights /= weights.sum()
     np_rng = np.random.default_rng(rng.randrange(1 << 30))
     stream = []
-    for _ in range(requests):
+    for _ in range(warm + requests):
         chosen = np_rng.choice(pool_docs, size=DOCS, replace=False, p=weights)
         np_rng.shuffle(chosen)
         stream.append(
@@ -144,11 +157,12 @@ def rag_workload(model, requests, rng, vocab, repair, pool_docs=64, systems=8, z
         )
     out = {}
     for name, reuse in (("approximate", repair), ("exact", None)):
-        runner = Runner(Engine(EngineConfig(str(model))))
-        runner.submit(*stream[0], reuse, ANSWER)  # warm-up (kernels, graphs)
+        runner = Runner(Engine(EngineConfig(str(model), num_pages=PAGES)))
+        for prompt, spans in stream[:warm]:  # kernels, graphs, and a warm cache
+            runner.submit(prompt, spans, reuse, ANSWER)
         runner.drain()
         start = time.perf_counter()
-        ids = [runner.submit(prompt, spans, reuse, ANSWER) for prompt, spans in stream]
+        ids = [runner.submit(prompt, spans, reuse, ANSWER) for prompt, spans in stream[warm:]]
         first = runner.drain()
         elapsed = time.perf_counter() - start
         ttfts = sorted(first[rid] for rid in ids)
@@ -157,6 +171,8 @@ def rag_workload(model, requests, rng, vocab, repair, pool_docs=64, systems=8, z
             "ttft_p50_ms": 1e3 * ttfts[len(ttfts) // 2],
             "ttft_p90_ms": 1e3 * ttfts[int(len(ttfts) * 0.9)],
         }
+        del runner
+        release_memory()
     return out
 
 
@@ -165,6 +181,7 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--warm-requests", type=int, default=128, help="unmeasured, first")
     ap.add_argument("--first-tokens", type=int, default=None, help="default: the engine's")
     ap.add_argument("--deviation-ratio", type=float, default=None)
     ap.add_argument("--json")
@@ -197,9 +214,10 @@ def main() -> None:
             if name != "prompt_tokens"
         ],
     )
-    rag = rag_workload(model, args.requests, rng, vocab, repair)
+    rag = rag_workload(model, args.requests, args.warm_requests, rng, vocab, repair)
     print_table(
-        f"RAG workload: {args.requests} requests, 8 of 64 documents (Zipf 1), 8 system prompts",
+        f"RAG workload: {args.requests} requests after {args.warm_requests} warm-up ones, "
+        "8 of 64 documents (Zipf 1), 8 system prompts",
         ["mode", "requests/s", "TTFT p50 ms", "TTFT p90 ms"],
         [
             [name, r["requests_per_s"], r["ttft_p50_ms"], r["ttft_p90_ms"]]

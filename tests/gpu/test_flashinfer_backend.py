@@ -104,36 +104,33 @@ def test_cascade_decode(levels):
     assert backend.last_plan_kind == "cascade"
 
 
-def _scattered_layout(page_lists, kv_lens, query_positions):
-    """Each sequence's new tokens at the given (sorted, scattered) positions."""
-    indptr, indices, last, qo, slots, positions = [0], [], [], [0], [], []
-    for pages, kv_len, wanted in zip(page_lists, kv_lens, query_positions, strict=True):
-        used = pages[: -(-kv_len // PAGE)]
-        indices += used
-        indptr.append(len(indices))
-        last.append(kv_len - (len(used) - 1) * PAGE)
-        qo.append(qo[-1] + len(wanted))
-        slots += [used[p // PAGE] * PAGE + p % PAGE for p in wanted]
-        positions += wanted
-    t = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    return BatchLayout(
-        t(qo), t(indptr), t(indices), t(last), t(kv_lens), t(slots), PAGE, t(positions), False
-    )
-
-
-def test_prefill_at_scattered_positions_uses_a_position_mask():
+def test_prefill_at_scattered_positions_runs_as_causal_rows():
     """Queries at scattered positions over filled KV (repairs of placed chunks) beside
-    a plain tail: FlashInfer's custom-mask prefill agrees with the torch reference."""
+    a plain tail: the runner gives each run of positions its own causal row over the
+    KV up to the run's end; FlashInfer agrees with the torch reference (by position)."""
+    from array import array
+
+    import numpy as np
+
     from workers.engine.attention.flashinfer_backend import FlashInferBackend
+    from workers.engine.model_runner import build_inputs
+    from workers.engine.request import Sequence
+    from workers.engine.sampling_params import SamplingParams
+    from workers.engine.scheduler import ScheduledSeq
 
     rng = random.Random(3)
-    kv_lens = [300, 77, 1000]
-    wanted = [
-        sorted(rng.sample(range(290), 40)) + list(range(290, 300)),
-        list(range(60, 77)),  # a plain tail in the same step
-        sorted(rng.sample(range(999), 100)) + [999],
-    ]
-    layout = _scattered_layout(_random_pages(rng, 3, 70), kv_lens, wanted)
+    pages = _random_pages(rng, 3, 70)
+    items = []
+    for i, (kv_len, tail) in enumerate([(300, 10), (77, 17), (1000, 1)]):
+        seq = Sequence(f"s{i}", i, [7] * kv_len, SamplingParams(max_tokens=1), None)
+        seq.page_ids = array("i", pages[i])
+        scattered = None
+        if i != 1:  # the second sequence is a plain tail in the same step
+            chosen = sorted(rng.sample(range(kv_len - tail), 60))
+            scattered = np.asarray(chosen, dtype=np.int64)
+        items.append(ScheduledSeq(seq, kv_len - tail, tail, scattered))
+    layout = build_inputs(items, PAGE).layout
+    assert layout.batch_size > 3  # runs became rows
     backend = FlashInferBackend(_shape())
     assert _compare(layout, backend) <= 1e-2
     assert backend.last_plan_kind == "prefill"

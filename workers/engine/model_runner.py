@@ -24,37 +24,43 @@ class StepInputs:
 
 def build_inputs(batch: list[ScheduledSeq], page_size: int) -> StepInputs:
     """Flatten a batch (CPU tensors). Pure function of the batch; no device work.
-    Page tables are copied as int32 buffers (this runs every step, for every request)."""
+    Page tables are copied as int32 buffers (this runs every step, for every request).
+
+    Layout rows are runs of consecutive positions: a sequence whose step computes
+    scattered positions contributes one row per maximal run, each seeing the KV up to
+    its own end. A row's new tokens are then always the last ones of its KV, so the
+    plain causal kernel attends exactly by position (a query at p sees 0..p), with
+    no custom mask."""
     input_ids: list[int] = []
-    tables, positions, counts, ends, logits_indices = [], [], [], [], []
-    scattered = False
+    tables, positions, counts, ends, row_tokens, logits_indices = [], [], [], [], [], []
     for item in batch:
         seq = item.seq
-        run = np.arange(item.start, item.end, dtype=np.int64)
-        if item.scattered is not None:
-            scattered = True
-            token_ids = np.asarray(seq.token_ids, dtype=np.int64)
-            input_ids += token_ids[item.scattered].tolist()
-            positions.append(np.concatenate((item.scattered, run)))
+        table = _int32(seq.page_ids)
+        if item.scattered is None:  # the common case: one run
+            input_ids += seq.token_ids[item.start : item.end]
+            positions.append(np.arange(item.start, item.end, dtype=np.int64))
+            _add_row(tables, counts, ends, row_tokens, table, item.end, item.num_tokens, page_size)
         else:
-            positions.append(run)
-        input_ids += seq.token_ids[item.start : item.end]
-        num_pages = -(-item.end // page_size)
-        tables.append(_int32(seq.page_ids)[:num_pages])
-        counts.append(num_pages)
-        ends.append(item.end)
+            computed = np.concatenate(
+                (item.scattered, np.arange(item.start, item.end, dtype=np.int64))
+            )
+            input_ids += np.asarray(seq.token_ids, dtype=np.int64)[computed].tolist()
+            positions.append(computed)
+            for run in np.split(computed, np.flatnonzero(np.diff(computed) != 1) + 1):
+                end = int(run[-1]) + 1
+                _add_row(tables, counts, ends, row_tokens, table, end, len(run), page_size)
         if item.samples:
             logits_indices.append(len(input_ids) - 1)
     pos = np.concatenate(positions)
     ends_np = np.asarray(ends, dtype=np.int32)
     counts_np = np.asarray(counts, dtype=np.int32)
-    page_indptr = np.zeros(len(batch) + 1, dtype=np.int32)
+    page_indptr = np.zeros(len(ends) + 1, dtype=np.int32)
     np.cumsum(counts_np, out=page_indptr[1:])
-    qo_indptr = np.zeros(len(batch) + 1, dtype=np.int32)
-    np.cumsum([item.num_computed_tokens for item in batch], out=qo_indptr[1:])
+    qo_indptr = np.zeros(len(ends) + 1, dtype=np.int32)
+    np.cumsum(row_tokens, out=qo_indptr[1:])
     page_indices = np.concatenate(tables)
-    # slot of each new token: its sequence's page for that position, plus the offset
-    owner = np.repeat(np.arange(len(batch)), np.diff(qo_indptr))
+    # slot of each new token: its row's page for that position, plus the offset
+    owner = np.repeat(np.arange(len(ends)), np.diff(qo_indptr))
     pages = page_indices[page_indptr[owner] + pos // page_size]
     slots = (pages.astype(np.int64) * page_size + pos % page_size).astype(np.int32)
     pos_tensor = torch.from_numpy(pos)
@@ -67,7 +73,6 @@ def build_inputs(batch: list[ScheduledSeq], page_size: int) -> StepInputs:
         slot_mapping=torch.from_numpy(slots),
         page_size=page_size,
         positions=pos_tensor.to(torch.int32),
-        causal_tail=not scattered,
     )
     return StepInputs(
         torch.tensor(input_ids, dtype=torch.long),
@@ -75,6 +80,15 @@ def build_inputs(batch: list[ScheduledSeq], page_size: int) -> StepInputs:
         layout,
         torch.tensor(logits_indices, dtype=torch.long),
     )
+
+
+def _add_row(tables, counts, ends, row_tokens, table, end, num_tokens, page_size) -> None:
+    """One layout row: ``num_tokens`` queries ending at position ``end`` - 1."""
+    num_pages = -(-end // page_size)
+    tables.append(table[:num_pages])
+    counts.append(num_pages)
+    ends.append(end)
+    row_tokens.append(num_tokens)
 
 
 def _int32(page_ids) -> np.ndarray:

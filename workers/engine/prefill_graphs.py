@@ -62,7 +62,6 @@ class PrefillGraphs:
     def can_run(self, layout: BatchLayout) -> bool:
         return (
             layout.batch_size == 1
-            and layout.causal_tail
             and 1 < layout.num_tokens <= self.buckets[-1]
             and layout.kv_page_indices.numel() <= self.max_pages_per_seq
         )

@@ -10,8 +10,8 @@ tokens (a prefill chunk, one decode token, or tokens at scattered positions over
 that is already filled, e.g. repairs of placed chunks) and attends causally *by
 position*: a new token at position p sees every KV position <= p of its sequence
 (including the other new tokens' KV, written before attention). ``BatchLayout``
-describes that once per step; ``AttentionBackend.plan`` turns it into backend
-metadata that every layer reuses.
+describes that once per step, as rows that are each a causal tail of their KV;
+``AttentionBackend.plan`` turns it into backend metadata that every layer reuses.
 """
 
 from __future__ import annotations
@@ -26,14 +26,17 @@ import torch
 class BatchLayout:
     """One step's batch shape. All tensors are int32 on the CPU.
 
-    Invariants: ``qo_indptr[-1]`` is the number of new tokens T; the new tokens of
-    sequence i have strictly increasing ``positions``, all below ``kv_lens[i]``, the
-    last one computed in this step or earlier; ``kv_page_indptr`` indexes
-    ``kv_page_indices`` with exactly ``ceil(kv_lens[i] / page_size)`` pages per
-    sequence. ``causal_tail``: every sequence's new tokens are the last ones of its KV
-    (positions ``kv_lens[i] - n .. kv_lens[i] - 1``), so a plain causal kernel
-    computes the by-position mask. ``positions`` is None only in layouts built
-    inside a backend for tail-only batches (decode subsets, graph padding).
+    A row is a run of consecutive new tokens of one sequence, seeing that sequence's
+    KV up to the run's end (a sequence computing scattered positions gives one row
+    per run, sharing its page table).
+
+    Invariants: ``qo_indptr[-1]`` is the number of new tokens T; row i's new tokens
+    are the last ones of its KV, at positions ``kv_lens[i] - n .. kv_lens[i] - 1``
+    (so a plain causal kernel attends exactly by position); every earlier position
+    holds KV or is computed by another row of the same step; ``kv_page_indptr``
+    indexes ``kv_page_indices`` with exactly ``ceil(kv_lens[i] / page_size)`` pages
+    per row. ``positions`` repeats the new tokens' positions (None only in layouts
+    built inside a backend: decode subsets, graph padding).
     """
 
     qo_indptr: torch.Tensor  # [B + 1]
@@ -44,7 +47,6 @@ class BatchLayout:
     slot_mapping: torch.Tensor  # [T], page * page_size + offset of each new token
     page_size: int
     positions: torch.Tensor | None = None  # [T], position of each new token
-    causal_tail: bool = True
 
     @property
     def batch_size(self) -> int:
@@ -56,8 +58,8 @@ class BatchLayout:
 
     @property
     def is_decode(self) -> bool:
-        """Every sequence contributes exactly one new token, its last."""
-        return self.causal_tail and self.num_tokens == self.batch_size
+        """Every row is exactly one new token."""
+        return self.num_tokens == self.batch_size
 
     def query_positions(self, i: int) -> torch.Tensor:
         """Positions of sequence i's new tokens (int64)."""

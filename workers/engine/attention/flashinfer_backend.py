@@ -1,7 +1,6 @@
 """FlashInfer attention on CUDA: paged prefill (cached prefix + new tokens), paged
-decode, and cascade decode for requests that share leading pages. A prefill whose
-new tokens are not all at the tail of their KV (scattered positions) runs with a
-custom mask built from positions; every other prefill uses the causal kernel.
+decode, and cascade decode for requests that share leading pages. Scattered
+positions need nothing special: the layout gives each run its own causal row.
 
 Plans are built once per step (``plan``) and reused by every layer (``forward``).
 """
@@ -17,7 +16,6 @@ from workers.engine.attention.base import (
     AttentionShape,
     BatchLayout,
     kv_write_rows,
-    position_mask,
     write_kv,
 )
 from workers.engine.attention.cascade_plan import (
@@ -85,8 +83,8 @@ class FlashInferBackend:
             self.shape.device, non_blocking=True
         )
         if not layout.is_decode:
-            self._plan_prefill(layout)
             self.last_plan_kind = "prefill"
+            plan_prefill(self.prefill, layout, self.shape)
             return FlashInferMetadata(slots, self.prefill)
         cascade = self._cascade_plan(layout)
         if cascade is None:
@@ -109,13 +107,6 @@ class FlashInferBackend:
         return out
 
     # -- planning --------------------------------------------------------------
-    def _plan_prefill(self, layout: BatchLayout) -> None:
-        if layout.causal_tail:
-            plan_prefill(self.prefill, layout, self.shape)
-            return
-        mask = torch.cat([position_mask(layout, i).flatten() for i in range(layout.batch_size)])
-        plan_prefill(self.prefill, layout, self.shape, causal=False, custom_mask=mask)
-
     def _plan_decode(self, layout: BatchLayout) -> None:
         plan_decode(self.decode, layout, self.shape)
 
@@ -198,12 +189,10 @@ def plan_prefill(
     shape: AttentionShape,
     causal: bool = True,
     fixed_split_size=None,
-    custom_mask: torch.Tensor | None = None,
 ) -> None:
     """Plan a paged prefill wrapper (also cascade levels and graph-mode wrappers);
     ``layout`` has ``qo_indptr``, ``kv_page_indptr``, ``kv_page_indices``,
-    ``kv_last_page_len``. ``custom_mask``: flattened bool ``[q_len_i * kv_len_i]``
-    per request, concatenated (True: may attend); replaces ``causal``."""
+    ``kv_last_page_len``."""
     wrapper.plan(
         layout.qo_indptr,
         layout.kv_page_indptr,
@@ -214,7 +203,6 @@ def plan_prefill(
         shape.head_dim,
         shape.page_size,
         causal=causal,
-        custom_mask=None if custom_mask is None else custom_mask.to(shape.device),
         fixed_split_size=fixed_split_size,
         q_data_type=shape.dtype,
         kv_data_type=shape.dtype,
