@@ -71,7 +71,11 @@ def output_ids(path: Path) -> list[str]:
     return [json.loads(line)["custom_id"] for line in path.read_text().splitlines() if line]
 
 
-def test_job_stopped_half_way_and_resubmitted_writes_each_id_once(ray_cluster, tmp_path):
+def test_job_stopped_half_way_and_resubmitted_writes_each_id_once(
+    ray_cluster, tmp_path, model_factory
+):
+    """On the tiny random-weight model, which never stops early, so the long answers
+    keep the job busy until it is stopped."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     ids = make_input(tmp_path / "in.jsonl")
@@ -79,7 +83,7 @@ def test_job_stopped_half_way_and_resubmitted_writes_each_id_once(ray_cluster, t
     command = (
         f"cd {REPO} && {sys.executable} -m cluster.cli batch --config configs/local.yaml "
         f"--input {tmp_path / 'in.jsonl'} --output {out} "
-        f"--set model.path={tmp_path / 'model'} --set workers.num_cpus=0.5 "
+        f"--set model.path={model_factory('qwen3')} --set workers.num_cpus=0.5 "
         "--set batch.concurrency=2"
     )
     jobs = JobSubmissionClient(ray_cluster.dashboard_url)
