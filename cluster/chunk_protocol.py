@@ -32,6 +32,13 @@ class RegisterChunkRequest(_Strict):
         default_factory=list,
         description="ids of chunks that precede this one: its KV is computed after theirs",
     )
+    mode: Literal["exact", "approximate"] = Field(
+        "exact",
+        description="exact: pin the KV of the chunk after its `after` chunks (reused by "
+        "requests that start that way); approximate: pin one position-free copy of a "
+        "context text, placed by approximate requests wherever it appears as a content "
+        "part, after any system prompt (`after` must be empty)",
+    )
 
     @model_validator(mode="after")
     def _check_content(self) -> RegisterChunkRequest:
@@ -42,6 +49,13 @@ class RegisterChunkRequest(_Strict):
                 raise ValueError("content must be a string or a non-empty list of messages")
             if any(m.chunk_ids for m in self.content):
                 raise ValueError("a chunk's content cannot contain chunk parts")
+        if self.mode == "approximate" and (
+            self.after or self.role != "context" or not isinstance(self.content, str)
+        ):
+            raise ValueError(
+                "an approximate chunk is a text of role context, position-free: "
+                "`after` must be empty and `content` a string"
+            )
         return self
 
     def content_for_registry(self) -> str | list[dict]:
@@ -62,6 +76,9 @@ class Chunk(BaseModel):
     expires_at: float | None = Field(description="Unix time its pin ends; null: until DELETE")
     hits: int = Field(0, description="requests served from its pinned pages, all holders")
     tokens_saved: int = Field(0, description="of its tokens, how many those hits reused")
+    mode: Literal["exact", "approximate"] = Field(
+        "exact", description="exact: pinned prefix pages; approximate: a position-free copy"
+    )
 
 
 class ChunkList(BaseModel):

@@ -43,7 +43,9 @@ class ChunkService:
         content = body.content_for_registry()
         results = await self._each(
             chosen,
-            lambda w: w.register_chunk.remote(tenant, content, body.role, body.ttl_s, body.after),
+            lambda w: w.register_chunk.remote(
+                tenant, content, body.role, body.ttl_s, body.after, body.mode
+            ),
         )
         done = {w: r for w, r in results.items() if isinstance(r, Registered)}
         if len(done) < len(chosen):
@@ -182,6 +184,7 @@ def _chunk(info: ChunkInfo, holders: list[str], infos: Sequence[ChunkInfo]) -> C
         expires_at=None if None in expiries else max(expiries),
         hits=sum(i.hits for i in infos),
         tokens_saved=sum(i.tokens_saved for i in infos),
+        mode=info.mode,
     )
 
 

@@ -268,3 +268,47 @@ def test_chat_command_against_the_server(app, http_a, tmp_path):
     assert child.exitstatus == 0
     for chunk in http_a.get(f"{app.base_url}/chunks").json()["data"]:
         assert http_a.delete(f"{app.base_url}/chunks/{chunk['id']}").status_code == 200
+
+
+def test_an_approximate_chunk_is_one_pinned_copy_for_every_system_prompt(app, http_a):
+    doc = register(http_a, app, content=DOC, mode="approximate")
+    assert doc["mode"] == "approximate" and doc["role"] == "context"
+    assert doc["pinned_tokens"] >= doc["tokens"] > 0 and len(doc["holders"]) == 1
+    assert register(http_a, app, content=DOC, mode="approximate")["id"] == doc["id"]
+    client = openai_client(app, KEY_A)
+    for system in ("You are terse.", "You are the archivist; quote the handbook."):
+        messages = [
+            {"role": "system", "content": system},
+            {
+                "role": "user",
+                "content": [*chunk_part(doc["id"]), {"type": "text", "text": QUESTION}],
+            },
+        ]
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=4,
+            temperature=0,
+            extra_body={"reuse": "approximate"},
+        )
+        reply = raw.parse()
+        assert raw.headers["x-chunkserve-worker"] == doc["holders"][0]  # routed to the copy
+        assert reply.reuse["mode"] == "approximate"
+        assert reply.reuse["reused_tokens"] >= doc["tokens"]
+        assert reply.usage.prompt_tokens_details.cached_tokens == reply.reuse["reused_tokens"]
+    [listed] = http_a.get(f"{app.base_url}/chunks").json()["data"]
+    assert listed["pinned_tokens"] == doc["pinned_tokens"]  # still one copy
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"content": DOC, "mode": "approximate", "after": ["x"]},
+        {"content": DOC, "mode": "approximate", "role": "system"},
+        {"content": DOC, "mode": "fuzzy"},
+    ],
+)
+def test_bad_approximate_registrations_are_400(app, http_a, body):
+    response = http_a.post(f"{app.base_url}/chunks", json=body)
+    assert response.status_code == 400, response.text
+    assert http_a.get(f"{app.base_url}/chunks").json()["data"] == []

@@ -139,10 +139,11 @@ class Worker:
         role: str,
         ttl_s: float | None,
         after: Sequence[str],
+        mode: str = "exact",
     ) -> Registered | ChunkFailure:
         chunks = self._chunks
         return await asyncio.wrap_future(
-            self._loop.call(lambda: chunks.register(tenant_salt, content, role, ttl_s, after))
+            self._loop.call(lambda: chunks.register(tenant_salt, content, role, ttl_s, after, mode))
         )
 
     async def unregister_chunk(self, tenant_salt: str, chunk_id: str) -> bool:

@@ -47,11 +47,12 @@ class WorkerChunks:
         role: str,
         ttl_s: float | None,
         after: Sequence[str],
+        mode: str = "exact",
     ) -> Registered | ChunkFailure:
         registry = self._registry(tenant_salt)
         before = {info.chunk_id for info in registry.infos()}
         try:
-            chunk_id = registry.register(content, role, ttl_s, tuple(after))
+            chunk_id = registry.register(content, role, ttl_s, tuple(after), mode)
         except UnknownChunkError as error:
             return ChunkFailure(str(error), unknown=True)
         except ValueError as error:
