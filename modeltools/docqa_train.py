@@ -57,7 +57,17 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     answer_weight: float = 5.0  # loss weight of the answer tokens and the end token
-    curriculum_frac: float = 0.3  # max documents grow from 4 to 16 over this share of steps
+    lr_schedule: str = "wsd"  # "wsd": warmup, constant, linear decay over decay_frac; "cosine"
+    decay_frac: float = 0.2  # share of the steps the wsd schedule decays over (to min_lr_ratio)
+    curriculum: str = "gated"  # "gated" (accuracy-gated), "linear" or a schedule "0:4,900:6,..."
+    curriculum_start: int = 4  # max documents at the start (gated); examples draw [2, max]
+    gate_accuracy: float = 0.9  # gated: add 2 documents once held-out accuracy at the max reaches this
+    gate_every: int = 250  # gated: steps between gate checks
+    gate_examples: int = 256  # gated: held-out examples per check
+    curriculum_frac: float = 0.8  # linear: max documents reach 16 at this share of steps; gated:
+    # a floor that rises 4 -> 16 from floor_start_frac to this share (of steps, or of the
+    # time budget where one is given)
+    floor_start_frac: float = 0.45
     eval_every: int = 500
     eval_examples: int = 512  # held-out, 8 documents, half single- half two-hop
     final_eval_examples: int = 2000
@@ -111,6 +121,24 @@ def answer_ids(tokenizer: PreTrainedTokenizerFast, ex: DocQAExample) -> list[int
     return tokenizer.encode(ex.answer, add_special_tokens=False) + [end]
 
 
+def _batch_ids(
+    tokenizer: PreTrainedTokenizerFast, examples: Sequence[DocQAExample]
+) -> list[tuple[list[int], list[int]]]:
+    """(prompt_ids, answer_ids) of every example, from one tokenizer call."""
+    end = tokenizer.convert_tokens_to_ids(chat_family(FAMILY).eos)
+    texts, spans = [], []
+    for ex in examples:
+        chunks = chunk_texts(ex)
+        spans.append((len(texts), len(chunks)))
+        texts += [*chunks, ex.answer]
+    encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+    out = []
+    for first, n in spans:
+        prompt = [t for e in encodings[first : first + n] for t in e.ids]
+        out.append((prompt, [*encodings[first + n].ids, end]))
+    return out
+
+
 def check_tokenization(tokenizer: PreTrainedTokenizerFast, examples: Sequence[DocQAExample]) -> None:
     """Raises unless the fast path equals the engine's canonical tokenization."""
     from chunkstore.chunking import chunk_conversation
@@ -124,12 +152,38 @@ def check_tokenization(tokenizer: PreTrainedTokenizerFast, examples: Sequence[Do
 # -- batches ----------------------------------------------------------------------------
 
 
+def parse_schedule(text: str) -> list[tuple[int, int]]:
+    """``"0:4,900:6,1500:8"`` -> [(0, 4), (900, 6), (1500, 8)] (from step, max documents)."""
+    points = []
+    for item in text.split(","):
+        step, _, docs = item.partition(":")
+        points.append((int(step), int(docs)))
+    if not points or points[0][0] != 0 or sorted(points) != points:
+        raise ValueError(f"curriculum schedule must start at step 0 and be sorted: {text!r}")
+    if not all(docqa_data.MIN_DOCS <= d <= docqa_data.MAX_DOCS for _, d in points):
+        raise ValueError(f"curriculum schedule documents out of range: {text!r}")
+    return points
+
+
+def gated_floor(progress: float, cfg: TrainConfig) -> int:
+    """Gated curriculum: least max documents at ``progress`` (share of the steps or of the
+    time budget), so that a gate that stalls still reaches 16 documents."""
+    span = max(1e-9, cfg.curriculum_frac - cfg.floor_start_frac)
+    grown = int(12 * min(1.0, max(0.0, (progress - cfg.floor_start_frac) / span)))
+    return min(docqa_data.MAX_DOCS, 4 + grown)
+
+
 def max_docs_at(step: int, cfg: TrainConfig) -> int:
-    """Curriculum: documents per example drawn from [2, max_docs_at(step)]."""
-    if step < cfg.warmup_steps:
-        return 4
-    ramp = max(1.0, cfg.curriculum_frac * cfg.steps)
-    return min(docqa_data.MAX_DOCS, 4 + int(12 * step / ramp))
+    """Max documents at ``step`` of the linear or scheduled curriculum (documents per
+    example are drawn from [2, max]); the gated one's loader is told its max instead."""
+    if cfg.curriculum == "linear":
+        if step < cfg.warmup_steps:
+            return 4
+        ramp = max(1.0, cfg.curriculum_frac * cfg.steps)
+        return min(docqa_data.MAX_DOCS, 4 + int(12 * step / ramp))
+    if cfg.curriculum == "gated":
+        return docqa_data.MIN_DOCS
+    return max(d for s, d in parse_schedule(cfg.curriculum) if s <= step)
 
 
 def encode_batch(
@@ -137,21 +191,16 @@ def encode_batch(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input ids, target ids, loss weights), right-padded; targets are the next tokens."""
     seqs, weights = [], []
-    for ex in examples:
-        prompt, answer = prompt_ids(tokenizer, ex), answer_ids(tokenizer, ex)
+    for prompt, answer in _batch_ids(tokenizer, examples):
         seqs.append(prompt + answer)
         # weight of predicting token i+1 from position i
         weights.append([1.0] * (len(prompt) - 1) + [answer_weight] * len(answer))
-    length = max(len(s) for s in seqs) - 1
+    length = -(-(max(len(s) for s in seqs) - 1) // 16) * 16  # a multiple of 16
     pad = tokenizer.pad_token_id
-    inputs = torch.full((len(seqs), length), pad, dtype=torch.long)
-    targets = torch.full((len(seqs), length), pad, dtype=torch.long)
-    w = torch.zeros((len(seqs), length))
-    for i, (s, ws) in enumerate(zip(seqs, weights, strict=True)):
-        inputs[i, : len(s) - 1] = torch.tensor(s[:-1])
-        targets[i, : len(s) - 1] = torch.tensor(s[1:])
-        w[i, : len(ws)] = torch.tensor(ws)
-    return inputs, targets, w
+    rows = [s + [pad] * (length + 1 - len(s)) for s in seqs]
+    ids = torch.tensor(rows, dtype=torch.long)
+    w = torch.tensor([ws + [0.0] * (length - len(ws)) for ws in weights])
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), w
 
 
 class _Batches(torch.utils.data.IterableDataset):
@@ -159,8 +208,15 @@ class _Batches(torch.utils.data.IterableDataset):
     order a DataLoader reads its workers in), each from its own seeded generator, so
     the stream does not depend on the number of workers."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerFast, cfg: TrainConfig, first_step: int = 0):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerFast,
+        cfg: TrainConfig,
+        first_step: int = 0,
+        gated_docs: int = 0,
+    ):
         self.tokenizer, self.cfg, self.first_step = tokenizer, cfg, first_step
+        self.gated_docs = gated_docs  # the gate's max documents (gated curriculum)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         info = torch.utils.data.get_worker_info()
@@ -168,7 +224,7 @@ class _Batches(torch.utils.data.IterableDataset):
         step = self.first_step + worker
         while True:
             rng = random.Random(f"docqa-train/{self.cfg.seed}/{step}")
-            high = max_docs_at(step, self.cfg)
+            high = max(self.gated_docs, max_docs_at(step, self.cfg))
             examples = [
                 docqa_data.generate_example(rng, rng.randint(docqa_data.MIN_DOCS, high), "train")
                 for _ in range(self.cfg.batch_size)
@@ -177,9 +233,9 @@ class _Batches(torch.utils.data.IterableDataset):
             step += workers
 
 
-def _loader(tokenizer, cfg: TrainConfig, workers: int, first_step: int = 0):
+def _loader(tokenizer, cfg: TrainConfig, workers: int, first_step: int = 0, gated_docs: int = 0):
     return torch.utils.data.DataLoader(
-        _Batches(tokenizer, cfg, first_step),
+        _Batches(tokenizer, cfg, first_step, gated_docs),
         batch_size=None,
         num_workers=workers,
         prefetch_factor=4 if workers else None,
@@ -246,6 +302,12 @@ def _autocast(device: torch.device):
 def _lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "wsd":
+        decay_start = cfg.steps - max(1, round(cfg.decay_frac * cfg.steps))
+        if step < decay_start:
+            return cfg.lr
+        progress = min(1.0, (step - decay_start) / max(1, cfg.steps - decay_start))
+        return cfg.lr * (1 - (1 - cfg.min_lr_ratio) * progress)
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
     cosine = 0.5 * (1 + math.cos(math.pi * progress))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
@@ -293,7 +355,10 @@ def _fit_steps(model, tokenizer, cfg, device, workers, log, started: float) -> i
     per_step = (time.perf_counter() - start) / timed
     # in-loop evaluations cost about as much as a few steps each
     left = cfg.time_budget_s - (time.perf_counter() - started)
-    steps = int(left / (per_step * (1 + 6 / max(1, cfg.eval_every))))
+    overhead = 6 / max(1, cfg.eval_every)
+    if cfg.curriculum == "gated":
+        overhead += 4 / max(1, cfg.gate_every)  # gate checks and loader restarts
+    steps = int(left / (per_step * (1 + overhead)))
     log(f"timing: {per_step * 1000:.1f} ms/step at full length -> {steps} steps fit the budget")
     del probe, optimizer, loader
     return max(1, min(cfg.steps, steps))
@@ -317,30 +382,83 @@ def train(
     check_tokenization(tokenizer, docqa_data.generate(cfg.seed, 20, (2, 16), "train"))
     started = time.perf_counter()
     requested_steps = cfg.steps
-    if cfg.time_budget_s is not None:
+    gated = cfg.curriculum == "gated"
+    # Gated with a time budget: the floor follows the share of the budget spent, and the
+    # wsd decay starts at 1 - decay_frac of it, its length fitted to the time left; the
+    # summary records the steps, decay and documents schedule that replay the run.
+    by_time = gated and cfg.time_budget_s is not None
+    if cfg.time_budget_s is not None and not by_time:
         cfg = TrainConfig(**{**asdict(cfg), "steps": _fit_steps(model, tokenizer, cfg, device, workers, log, started)})
+    if by_time and cfg.lr_schedule != "wsd":
+        raise ValueError("a gated curriculum with a time budget needs lr_schedule wsd")
     evalset = heldout_set(_HELDOUT_EVAL_SEED, cfg.eval_examples, 8)
+    if not gated and cfg.curriculum != "linear":
+        parse_schedule(cfg.curriculum)  # fail early on a bad schedule
+    gate_docs = cfg.curriculum_start if gated else 0
+    gate_sets: dict[int, list[DocQAExample]] = {}
     optimizer = _optimizer(model, cfg, device)
-    loader = iter(_loader(tokenizer, cfg, workers))
+    loader = iter(_loader(tokenizer, cfg, workers, 0, gate_docs))
     history: list[dict[str, float]] = []
+    schedule: list[tuple[int, int]] = [(0, max(gate_docs, max_docs_at(0, cfg)))]
     best: tuple[float, dict[str, torch.Tensor] | None, int] = (-1.0, None, 0)
     loss_sum, loss_n = torch.zeros((), device=device), 0
     train_start = time.perf_counter()
-    step = 0
+    budget_left = (cfg.time_budget_s or 0) - (train_start - started)
+    decay_started = not by_time
+    marks: list[tuple[int, float]] = [(0, train_start)]  # recent (step, time), for the step rate
+    step = -1
     stopped_early = False
-    for step in range(cfg.steps):
+    while step + 1 < cfg.steps:
+        step += 1
+        done = step + 1
+        if by_time and not decay_started and step >= cfg.warmup_steps:
+            spent = (time.perf_counter() - train_start) / budget_left
+            if spent >= 1 - cfg.decay_frac:
+                now = time.perf_counter()
+                rate = (step - marks[0][0]) / max(1e-6, now - marks[0][1])
+                left = int(0.92 * rate * (budget_left - (now - train_start)))
+                total = step + max(1, left)
+                cfg = TrainConfig(**{**asdict(cfg), "steps": total, "decay_frac": (total - step) / total})
+                decay_started = True
+                log(f"step {step}: decay over the last {total - step} steps ({rate:.1f} steps/s)")
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, cfg)
         loss_sum += _step(model, optimizer, next(loader), device, cfg)
         loss_n += 1
-        done = step + 1
+        if by_time and done % 50 == 0:
+            marks = [*marks[-5:], (done, time.perf_counter())]
         if done % cfg.log_every == 0 or done == cfg.steps:
             elapsed = time.perf_counter() - train_start
             log(
                 f"step {done}/{cfg.steps} loss {loss_sum.item() / loss_n:.4f} "
-                f"lr {_lr_at(step, cfg):.2e} docs<= {max_docs_at(step, cfg)} {elapsed:.0f}s"
+                f"lr {_lr_at(step, cfg):.2e} docs<= {schedule[-1][1]} {elapsed:.0f}s"
             )
             loss_sum, loss_n = torch.zeros((), device=device), 0
+        new_docs = gate_docs
+        if gated and done % cfg.gate_every == 0 and gate_docs < docqa_data.MAX_DOCS and done < cfg.steps:
+            if gate_docs not in gate_sets:
+                gate_sets[gate_docs] = heldout_set(_HELDOUT_EVAL_SEED + 100 * gate_docs, cfg.gate_examples, gate_docs)
+            acc = accuracy_by_hops(gate_sets[gate_docs], exact_match(model, tokenizer, gate_sets[gate_docs], device))
+            score = sum(acc.values()) / len(acc)
+            log(f"step {done} gate at {gate_docs} docs: " + " ".join(f"{k} {v:.3f}" for k, v in acc.items()))
+            if score >= cfg.gate_accuracy:
+                new_docs = min(docqa_data.MAX_DOCS, gate_docs + 2)
+                log(f"step {done}: gate passed, documents now up to {new_docs}")
+            if by_time:
+                progress = (time.perf_counter() - train_start) / budget_left
+            else:
+                progress = done / cfg.steps
+            floor = gated_floor(progress, cfg)
+            if floor > new_docs:
+                new_docs = floor
+                log(f"step {done}: curriculum floor, documents now up to {new_docs}")
+        if new_docs != gate_docs:
+            gate_docs = new_docs
+            schedule.append((done, gate_docs))
+            del loader
+            loader = iter(_loader(tokenizer, cfg, workers, done, gate_docs))
+        if not gated and max_docs_at(done, cfg) != schedule[-1][1] and done < cfg.steps:
+            schedule.append((done, max_docs_at(done, cfg)))
         if done % cfg.eval_every == 0 or done == cfg.steps:
             acc = accuracy_by_hops(evalset, exact_match(model, tokenizer, evalset, device))
             history.append({"step": done, **acc})
@@ -349,7 +467,7 @@ def train(
             if score >= best[0]:
                 state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
                 best = (score, state, done)
-        if cfg.time_budget_s is not None and time.perf_counter() - started > cfg.time_budget_s:
+        if cfg.time_budget_s is not None and time.perf_counter() - started > cfg.time_budget_s + 30 * by_time:
             log(f"time budget reached after {done} steps")
             stopped_early = True
             break
@@ -363,6 +481,9 @@ def train(
         "steps_done": step + 1,
         "stopped_early": stopped_early,
         "kept_step": best[2] or step + 1,
+        "decay_frac": cfg.decay_frac,
+        # max documents from each step on: passing it as --curriculum replays the run
+        "curriculum_schedule": ",".join(f"{a}:{b}" for a, b in schedule),
         "train_seconds": round(time.perf_counter() - train_start, 1),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "history": history,

@@ -83,6 +83,11 @@ def test_training_tokenization_is_the_engines(shipped_tokenizer):
     end = shipped_tokenizer.convert_tokens_to_ids("<|im_end|>")
     gen_config = json.loads((SHIPPED / "generation_config.json").read_text())
     assert end in gen_config["eos_token_id"]
+    from modeltools.docqa_train import _batch_ids
+
+    assert _batch_ids(shipped_tokenizer, examples) == [
+        (prompt_ids(shipped_tokenizer, ex), answer_ids(shipped_tokenizer, ex)) for ex in examples
+    ]  # the trainer's one-call batch tokenization
     for ex in examples:
         ids = answer_ids(shipped_tokenizer, ex)
         assert ids[-1] == end and len(ids) == 2  # one entity token, then end of turn
@@ -136,6 +141,21 @@ def test_shipped_model_answers_heldout_questions(shipped_llm):
     correct = [o.text == ex.answer and o.finish_reason == "stop" for o, ex in zip(outs, examples, strict=True)]
     assert sum(correct) >= 5, [(ex.answer, o.text) for o, ex in zip(outs, examples, strict=True)]
     assert all(prompt_ids(shipped_llm.tokenizer, ex) == list(o.prompt_token_ids) for o, ex in zip(outs, examples, strict=True))
+
+
+def test_curriculum_schedule_and_floor():
+    from modeltools.docqa_train import TrainConfig, _lr_at, gated_floor, max_docs_at, parse_schedule
+
+    cfg = TrainConfig(steps=1000, curriculum="0:4,100:8,300:16")
+    assert parse_schedule(cfg.curriculum) == [(0, 4), (100, 8), (300, 16)]
+    assert [max_docs_at(s, cfg) for s in (0, 99, 100, 299, 300, 999)] == [4, 4, 8, 8, 16, 16]
+    with pytest.raises(ValueError):
+        parse_schedule("5:4")
+    gated = TrainConfig(curriculum="gated")
+    assert gated_floor(0.0, gated) == 4 and gated_floor(0.45, gated) == 4
+    assert gated_floor(0.8, gated) == 16 and 4 < gated_floor(0.6, gated) < 16
+    wsd = TrainConfig(steps=1000, lr=1e-3, warmup_steps=10, decay_frac=0.2, lr_schedule="wsd")
+    assert _lr_at(500, wsd) == 1e-3 and _lr_at(800, wsd) == 1e-3 and _lr_at(999, wsd) < 1e-4
 
 
 def test_make_model_docqa_writes_a_loadable_checkpoint(tmp_path):
