@@ -113,11 +113,18 @@ class KVPool:
         """
         hits: list[int] = []
         for key, tokens in zip(keys, token_pages, strict=False):
-            page_id = self._by_key.get(key)
-            if page_id is None or self._pages[page_id].token_ids != tuple(tokens):
+            page_id = self.lookup(key, tokens)
+            if page_id is None:
                 break
             hits.append(page_id)
         return hits
+
+    def lookup(self, key: PageKey, tokens: Sequence[int]) -> int | None:
+        """The page holding ``key`` with exactly these token ids, if any (no reference)."""
+        page_id = self._by_key.get(key)
+        if page_id is None or self._pages[page_id].token_ids != tuple(tokens):
+            return None
+        return page_id
 
     def cached_keys(self) -> list[PageKey]:
         """Every key this pool holds, page keys and entry keys (a snapshot for the

@@ -82,10 +82,14 @@ class ExactPrefixReuse:
     def admit(self, seq: Sequence) -> bool:
         page_size = self.pool.page_size
         # Keep at least one token to compute: its logits produce the next token.
-        usable = (len(seq.token_ids) - 1) // page_size * page_size
-        keys = seq.extend_page_keys(page_size, usable)[: usable // page_size]
-        token_pages = [seq.page_tokens(i, page_size) for i in range(len(keys))]
-        matched = self.pool.match_prefix(keys, token_pages)
+        usable_pages = (len(seq.token_ids) - 1) // page_size
+        matched: list[int] = []
+        for index in range(usable_pages):  # hash a page only while its parent matched
+            key = seq.extend_page_keys(page_size, (index + 1) * page_size)[index]
+            page = self.pool.lookup(key, seq.page_tokens(index, page_size))
+            if page is None:
+                break
+            matched.append(page)
         self.pool.acquire(matched)
         start_from(seq, self.mode, matched, len(matched) * page_size)
         return True
