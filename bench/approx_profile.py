@@ -1,0 +1,68 @@
+"""Where an approximate request's time to first token goes (torch profiler): the
+TTFT scenario of bench/approx_speed.py (system + 8 documents x 512 tokens held
+position-free, unseen order and system prompt), one request profiled after warm-up.
+
+    python bench/approx_profile.py [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.approx_speed import DOC, DOCS, FIRST_TOKEN, PAGES, QUESTION, SYSTEM, Runner, layout, sync  # noqa: E402  # noqa: E402
+from bench.common import bench_model  # noqa: E402
+from workers.engine.config import EngineConfig  # noqa: E402
+from workers.engine.engine import Engine  # noqa: E402
+from workers.engine.reuse_info import ReuseRequest  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model")
+    args = ap.parse_args()
+    model = bench_model(args.model)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    rng = random.Random(1)
+    draw = lambda n: rng.choices(range(10, vocab - 1), k=n)  # noqa: E731
+    docs = [draw(DOC) for _ in range(DOCS)]
+    runner = Runner(Engine(EngineConfig(str(model), num_pages=PAGES)))
+    runner.fill(docs)
+    reuse = ReuseRequest("approximate")
+
+    def first_token() -> float:
+        order = docs[:]
+        rng.shuffle(order)
+        prompt, spans = layout(draw(SYSTEM), order, draw(QUESTION))
+        rid = runner.submit(prompt, spans, reuse, FIRST_TOKEN)
+        sync()
+        start = time.perf_counter()
+        while not any(o.request_id == rid for o in runner.engine.step()):
+            pass
+        sync()
+        return time.perf_counter() - start
+
+    for _ in range(3):
+        first_token()
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    )
+    with profile(activities=activities) as prof:
+        seconds = first_token()
+    print(f"TTFT under the profiler: {seconds * 1e3:.1f} ms")
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=15))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+
+
+if __name__ == "__main__":
+    main()
