@@ -67,6 +67,12 @@ class EngineSection(_Section):
         None, ge=2, description="context length; null: the model's, capped by the KV pool"
     )
     enable_reuse: bool = Field(True, description="reuse cached KV pages of equal prefixes")
+    min_entry_tokens: int = Field(
+        32,
+        gt=0,
+        description="approximate reuse: a chunk that misses is kept as a position-free "
+        "entry (computed alone, in the background) only if it has at least this many tokens",
+    )
     attention_backend: Literal["torch", "flashinfer"] | None = Field(
         None, description="null: flashinfer on cuda, torch elsewhere"
     )
