@@ -1,61 +1,85 @@
 """Several personas (different system prompts) answer questions about one shared
-document set, from registered chunks; prints the prompt tokens reused per answer.
+document set, from ONE pinned position-free copy of each document; prints each
+answer and how its prompt was served.
 
-    python configs/examples/personas.py MODEL_DIR [--device cpu]
+    python configs/examples/personas.py [MODEL_DIR] [--device cpu]
 
-Exact mode: a chunk's KV is reused only after exactly the tokens it was registered
-after, so each persona registers the documents after its own system prompt (one
-pinned copy per persona); every question, sent inline, then reuses persona +
-documents: exact mode matches the registered chunks' tokens wherever they recur.
+The documents are registered once with ``mode="approximate"``: each is computed
+alone from position 0 and pinned. Every persona's request then places those copies
+after its own system prompt (approximate reuse), recomputing only the first tokens
+of each document, the system prompt and the question. In exact mode each persona
+would need a copy of its own: a document's exact KV depends on everything before
+it. The default model is the doc-QA model shipped in modeltools/docqa_model.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from pathlib import Path
 
 from workers import LLM, SamplingParams
 
+MODEL = Path(__file__).resolve().parents[2] / "modeltools" / "docqa_model"
 PERSONAS = {
-    "analyst": "You are a financial analyst. Answer from the documents, with numbers.",
-    "support": "You are a friendly support agent. Answer from the documents, simply.",
-    "auditor": "You are a strict auditor. Quote the documents and flag any risk.",
+    "concise": "You answer questions from the documents in the conversation. "
+    "Reply with the answer only.",
+    "directory": "You are the staff directory assistant. Use only the notes provided and "
+    "answer with one name, team, city or number.",
+    "reader": "Read the records below and answer the question with a single word.",
 }
 DOCUMENTS = (
-    "Pricing: Starter costs 29 dollars a month for five seats and one workspace; "
-    "Team costs 99 dollars for twenty seats. Annual plans get two months free.\n"
-    "Backups: snapshots run every six hours and are kept for thirty days in two "
-    "regions; restores take under an hour for workspaces below 50 GB."
+    "Staff note: Mira lives in Oslo and is 34 years old.\n",
+    "Team note: the Falcon team is based in Lima and is led by Omar.\n",
+    "Staff note: Omar works in the Cedar team and lives in Cairo.\n",
+    "Team note: the Cedar team is led by Lena and is based in Dublin.\n",
 )
-QUESTIONS = ("How much do twenty seats cost?", "How long are backups kept?")
+QUESTIONS = {  # question -> the answer the documents give
+    "How old is Mira?": "34",
+    "Who leads the Falcon team?": "Omar",
+    "Which team does Omar work in?": "Cedar",
+    "Where is the team of Omar based?": "Dublin",  # two hops: Omar -> Cedar -> Dublin
+}
+
+
+def run(llm: LLM, say: Callable[[str], None] = print) -> list[dict]:
+    """Register the documents once, ask every persona every question; one record each."""
+    chunk_ids = [llm.register_chunk(doc, mode="approximate") for doc in DOCUMENTS]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    records = []
+    for persona, system in PERSONAS.items():
+        for question, expected in QUESTIONS.items():
+            parts = [{"type": "text", "text": t} for t in (*DOCUMENTS, f"Question: {question}")]
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": parts}]
+            out = llm.chat(messages, params, reuse="approximate")[0]
+            record = {
+                "persona": persona,
+                "question": question,
+                "answer": out.text.strip(),
+                "expected": expected,
+                "reuse": out.reuse,
+                "prompt_tokens": len(out.prompt_token_ids),
+            }
+            records.append(record)
+            say(
+                f"[{persona}] {question} -> {record['answer']!r} (documents say {expected!r}); "
+                f"reuse {out.reuse.mode}: reused {out.reuse.reused_tokens}, recomputed "
+                f"{out.reuse.recomputed_tokens} of {record['prompt_tokens']} prompt tokens"
+            )
+    pinned = {info.chunk_id: info.pinned_tokens for info in llm.list_chunks()}
+    say(
+        f"{len(chunk_ids)} documents, one pinned copy each: {sum(pinned.values())} pinned "
+        f"tokens in all, for {len(PERSONAS)} personas"
+    )
+    return records
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model_dir")
+    parser.add_argument("model_dir", nargs="?", default=str(MODEL))
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
-    llm = LLM(args.model_dir, device=args.device)
-    params = SamplingParams(max_tokens=12, temperature=0)
-    for name, prompt in PERSONAS.items():
-        system = llm.register_chunk(prompt, role="system")
-        llm.register_chunk(DOCUMENTS, role="context", after=[system])  # pinned
-        for question in QUESTIONS:  # sent inline: only the question is new
-            messages = [
-                {"role": "system", "content": prompt},
-                {"role": "user", "content": DOCUMENTS},
-                {"role": "user", "content": question},
-            ]
-            out = llm.chat(messages, params)[0]
-            computed = len(out.prompt_token_ids) - out.num_cached_tokens
-            print(
-                f"[{name}] {question} reused {out.num_cached_tokens} / computed {computed} "
-                f"prompt tokens -> {out.text!r}"
-            )
-    for info in llm.list_chunks():
-        print(
-            f"chunk {info.chunk_id[:12]} {info.role:<7} {info.num_tokens:>3} tokens, "
-            f"{info.pinned_tokens:>3} pinned"
-        )
+    run(LLM(args.model_dir, device=args.device))
 
 
 if __name__ == "__main__":
