@@ -76,7 +76,8 @@ def test_recomputing_scattered_positions_reproduces_one_plain_pass(engine, seed)
 
     torch.testing.assert_close(logits[1], plain_logits[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(logits[0], alone_logits[0], atol=1e-5, rtol=0)
-    for layer, (got, want) in enumerate(zip(_kv_rows(engine, seq, len(tokens)), plain_kv)):
+    got_kv = _kv_rows(engine, seq, len(tokens))
+    for layer, (got, want) in enumerate(zip(got_kv, plain_kv, strict=True)):
         assert (got - want).abs().max() <= 1e-5, f"layer {layer}"
     for s in (seq, neighbour, neighbour_alone):
         engine.pool.release(s.page_ids)
