@@ -4,6 +4,7 @@
 #   bash bench/gpu_run.sh tests     # GPU tests (first FlashInfer JIT compiles happen here)
 #   bash bench/gpu_run.sh bench     # benchmarks, tables printed last
 #   bash bench/gpu_run.sh cluster   # bench/cluster_rag.py on Ray (needs both ray halves)
+#   bash bench/gpu_run.sh approx    # approximate reuse: speed, its profile, reuse quality
 # Wheel bundles that arrived with this call are installed into /tmp/site (see
 # .whl/install.sh); ones installed by an earlier call on the same machine stay.
 # The cluster run needs ray, which arrives in two calls: tests (or any mode) with
@@ -33,6 +34,12 @@ case "${1:-all}" in
     for b in ${BENCHES:-decode_kernel cascade chunk_reuse latency throughput}; do
       python3 bench/$b.py --model $model 2>&1 | grep -v Warning | tee "$out/$b.txt"
     done ;;
+  approx)
+    python3 bench/approx_speed.py --model $model --json "$out/approx_speed.json" 2>&1 \
+      | grep -v Warning | tee "$out/approx_speed.txt"
+    python3 bench/approx_profile.py --model $model 2>&1 | grep -v Warning > "$out/approx_profile.txt"
+    python3 bench/reuse_quality.py --examples 100 --docs 4 8 16 --hops 1 2 \
+      --json "$out/reuse_quality.json" 2>&1 | grep -v " hops " | tee "$out/reuse_quality.txt" ;;
   cluster)
     # A private, single-user machine: Ray's token auth is not needed.
     RAY_AUTH_MODE=disabled python3 bench/cluster_rag.py --model $model \
