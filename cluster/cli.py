@@ -91,15 +91,27 @@ _TRAIN_OPTIONS = (
     ("lr_schedule", str, "wsd (warmup, constant, linear decay) or cosine (default wsd)"),
     ("decay_frac", float, "share of steps the wsd schedule decays over (default 0.2)"),
     ("min_lr_ratio", float, "final learning rate over the peak (default 0.05)"),
-    ("curriculum", str, "gated (documents grow 4 -> 16 by 2 as held-out accuracy passes "
-     "--gate-accuracy), linear, or a schedule STEP:DOCS,... to replay (default gated)"),
+    (
+        "curriculum",
+        str,
+        "gated (documents grow 4 -> 16 by 2 as held-out accuracy passes "
+        "--gate-accuracy), linear, or a schedule STEP:DOCS,... to replay (default gated)",
+    ),
     ("curriculum_start", int, "gated: max documents per example at the start (default 4)"),
-    ("gate_accuracy", float, "gated: accuracy at the current max that adds 2 documents (default 0.9)"),
+    (
+        "gate_accuracy",
+        float,
+        "gated: accuracy at the current max that adds 2 documents (default 0.9)",
+    ),
     ("gate_every", int, "gated: steps between gate checks (default 250)"),
     ("gate_examples", int, "gated: held-out examples per gate check (default 256)"),
-    ("curriculum_frac", float, "linear: share of steps over which documents grow 4 -> 16; gated: "
-     "share (of steps, or of --time-budget-s) by which a floor rising from --floor-start-frac "
-     "reaches 16 (default 0.8)"),
+    (
+        "curriculum_frac",
+        float,
+        "linear: share of steps over which documents grow 4 -> 16; gated: "
+        "share (of steps, or of --time-budget-s) by which a floor rising from --floor-start-frac "
+        "reaches 16 (default 0.8)",
+    ),
     ("floor_start_frac", float, "gated: share where the floor starts rising from 4 (default 0.45)"),
     ("eval_every", int, "steps between held-out evaluations (default 500)"),
     ("eval_examples", int, "held-out examples per evaluation (default 512)"),

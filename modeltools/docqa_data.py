@@ -197,7 +197,9 @@ def _candidates(people: list[_Person], teams: list[_Team]) -> list[tuple[str, st
         if leader is not None:
             for fact, kind in (("age", "leader_age"), ("city", "leader_city")):
                 if fact in leader.facts:
-                    out.append((kind, t.name, leader.facts[fact], [t.name, leader.name], leader.name))
+                    out.append(
+                        (kind, t.name, leader.facts[fact], [t.name, leader.name], leader.name)
+                    )
     return out
 
 

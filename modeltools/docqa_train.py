@@ -61,7 +61,9 @@ class TrainConfig:
     decay_frac: float = 0.2  # share of the steps the wsd schedule decays over (to min_lr_ratio)
     curriculum: str = "gated"  # "gated" (accuracy-gated), "linear" or a schedule "0:4,900:6,..."
     curriculum_start: int = 4  # max documents at the start (gated); examples draw [2, max]
-    gate_accuracy: float = 0.9  # gated: add 2 documents once held-out accuracy at the max reaches this
+    gate_accuracy: float = (
+        0.9  # gated: add 2 documents once held-out accuracy at the max reaches this
+    )
     gate_every: int = 250  # gated: steps between gate checks
     gate_examples: int = 256  # gated: held-out examples per check
     curriculum_frac: float = 0.8  # linear: max documents reach 16 at this share of steps; gated:
@@ -139,7 +141,9 @@ def _batch_ids(
     return out
 
 
-def check_tokenization(tokenizer: PreTrainedTokenizerFast, examples: Sequence[DocQAExample]) -> None:
+def check_tokenization(
+    tokenizer: PreTrainedTokenizerFast, examples: Sequence[DocQAExample]
+) -> None:
     """Raises unless the fast path equals the engine's canonical tokenization."""
     from chunkstore.chunking import chunk_conversation
 
@@ -317,7 +321,10 @@ def _optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
         lr=cfg.lr,
         betas=(0.9, 0.95),
         fused=device.type == "cuda",
@@ -388,7 +395,12 @@ def train(
     # summary records the steps, decay and documents schedule that replay the run.
     by_time = gated and cfg.time_budget_s is not None
     if cfg.time_budget_s is not None and not by_time:
-        cfg = TrainConfig(**{**asdict(cfg), "steps": _fit_steps(model, tokenizer, cfg, device, workers, log, started)})
+        cfg = TrainConfig(
+            **{
+                **asdict(cfg),
+                "steps": _fit_steps(model, tokenizer, cfg, device, workers, log, started),
+            }
+        )
     if by_time and cfg.lr_schedule != "wsd":
         raise ValueError("a gated curriculum with a time budget needs lr_schedule wsd")
     evalset = heldout_set(_HELDOUT_EVAL_SEED, cfg.eval_examples, 8)
@@ -418,7 +430,9 @@ def train(
                 rate = (step - marks[0][0]) / max(1e-6, now - marks[0][1])
                 left = int(0.92 * rate * (budget_left - (now - train_start)))
                 total = step + max(1, left)
-                cfg = TrainConfig(**{**asdict(cfg), "steps": total, "decay_frac": (total - step) / total})
+                cfg = TrainConfig(
+                    **{**asdict(cfg), "steps": total, "decay_frac": (total - step) / total}
+                )
                 decay_started = True
                 log(f"step {step}: decay over the last {total - step} steps ({rate:.1f} steps/s)")
         for group in optimizer.param_groups:
@@ -435,12 +449,24 @@ def train(
             )
             loss_sum, loss_n = torch.zeros((), device=device), 0
         new_docs = gate_docs
-        if gated and done % cfg.gate_every == 0 and gate_docs < docqa_data.MAX_DOCS and done < cfg.steps:
+        if (
+            gated
+            and done % cfg.gate_every == 0
+            and gate_docs < docqa_data.MAX_DOCS
+            and done < cfg.steps
+        ):
             if gate_docs not in gate_sets:
-                gate_sets[gate_docs] = heldout_set(_HELDOUT_EVAL_SEED + 100 * gate_docs, cfg.gate_examples, gate_docs)
-            acc = accuracy_by_hops(gate_sets[gate_docs], exact_match(model, tokenizer, gate_sets[gate_docs], device))
+                gate_sets[gate_docs] = heldout_set(
+                    _HELDOUT_EVAL_SEED + 100 * gate_docs, cfg.gate_examples, gate_docs
+                )
+            acc = accuracy_by_hops(
+                gate_sets[gate_docs], exact_match(model, tokenizer, gate_sets[gate_docs], device)
+            )
             score = sum(acc.values()) / len(acc)
-            log(f"step {done} gate at {gate_docs} docs: " + " ".join(f"{k} {v:.3f}" for k, v in acc.items()))
+            log(
+                f"step {done} gate at {gate_docs} docs: "
+                + " ".join(f"{k} {v:.3f}" for k, v in acc.items())
+            )
             if score >= cfg.gate_accuracy:
                 new_docs = min(docqa_data.MAX_DOCS, gate_docs + 2)
                 log(f"step {done}: gate passed, documents now up to {new_docs}")
@@ -467,7 +493,10 @@ def train(
             if score >= best[0]:
                 state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
                 best = (score, state, done)
-        if cfg.time_budget_s is not None and time.perf_counter() - started > cfg.time_budget_s + 30 * by_time:
+        if (
+            cfg.time_budget_s is not None
+            and time.perf_counter() - started > cfg.time_budget_s + 30 * by_time
+        ):
             log(f"time budget reached after {done} steps")
             stopped_early = True
             break
@@ -491,14 +520,19 @@ def train(
     }
 
 
-def final_evaluation(model, tokenizer, cfg: TrainConfig, device, log) -> dict[str, dict[str, float]]:
+def final_evaluation(
+    model, tokenizer, cfg: TrainConfig, device, log
+) -> dict[str, dict[str, float]]:
     results = {}
     for num_docs in (4, 8, 16):
         count = cfg.final_eval_examples if num_docs == 8 else cfg.final_eval_examples // 2
         examples = heldout_set(1000 + num_docs, max(2, count), num_docs)
         acc = accuracy_by_hops(examples, exact_match(model, tokenizer, examples, device))
         results[f"{num_docs}docs"] = {**acc, "examples": len(examples)}
-        log(f"final held-out {num_docs} docs ({len(examples)}): " + " ".join(f"{k} {v:.3f}" for k, v in acc.items()))
+        log(
+            f"final held-out {num_docs} docs ({len(examples)}): "
+            + " ".join(f"{k} {v:.3f}" for k, v in acc.items())
+        )
     return results
 
 

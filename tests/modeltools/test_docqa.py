@@ -58,7 +58,9 @@ def test_two_hop_questions_link_two_documents():
 
 def test_every_subject_has_at_most_one_document():
     for ex in docqa_data.generate(3, 100, 16):
-        subjects = [d.split(": ", 1)[1].split(" ")[0 if d.startswith("Staff") else 1] for d in ex.documents]
+        subjects = [
+            d.split(": ", 1)[1].split(" ")[0 if d.startswith("Staff") else 1] for d in ex.documents
+        ]
         assert len(subjects) == len(set(subjects))
 
 
@@ -137,10 +139,18 @@ def test_shipped_model_answers_heldout_questions(shipped_llm):
     from workers import SamplingParams
 
     examples: list[DocQAExample] = heldout_set(21, 20, 8)
-    outs = shipped_llm.chat([ex.messages for ex in examples], SamplingParams(max_tokens=6, temperature=0))
-    correct = [o.text == ex.answer and o.finish_reason == "stop" for o, ex in zip(outs, examples, strict=True)]
+    outs = shipped_llm.chat(
+        [ex.messages for ex in examples], SamplingParams(max_tokens=6, temperature=0)
+    )
+    correct = [
+        o.text == ex.answer and o.finish_reason == "stop"
+        for o, ex in zip(outs, examples, strict=True)
+    ]
     assert sum(correct) >= 5, [(ex.answer, o.text) for o, ex in zip(outs, examples, strict=True)]
-    assert all(prompt_ids(shipped_llm.tokenizer, ex) == list(o.prompt_token_ids) for o, ex in zip(outs, examples, strict=True))
+    assert all(
+        prompt_ids(shipped_llm.tokenizer, ex) == list(o.prompt_token_ids)
+        for o, ex in zip(outs, examples, strict=True)
+    )
 
 
 def test_curriculum_schedule_and_floor():
