@@ -29,11 +29,10 @@ from array import array
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
 from chunkstore.hashing import Namespace, PageKey, position_free_key
 from workers.engine.kv_pool import ChunkEntry, KVPool
-from workers.engine.placement import place_chunk
+from workers.engine.placement import place_spans
 from workers.engine.request import Sequence
 from workers.engine.reuse import ExactPrefixReuse, publish_exact_pages, start_from
 from workers.engine.reuse_info import ReuseInfo
@@ -107,22 +106,12 @@ class ChunkReuse:
                 seq.page_ids, seq.num_computed = array("i"), 0
                 return False
             seq.page_ids.extend(pages)
-            table = torch.from_numpy(np.frombuffer(seq.page_ids, dtype=np.int32).astype(np.int64))
-            src, dst, delta = [], [], []
-            for start, end, entry in hits:  # one copy for every placed chunk
-                positions = torch.arange(start, end)
-                dst.append(table[positions // page_size] * page_size + positions % page_size)
-                src_pages = torch.tensor(entry.pages, dtype=torch.long)
-                local = torch.arange(end - start)
-                src.append(src_pages[local // page_size] * page_size + local % page_size)
-                delta.append(torch.full((end - start,), start, dtype=torch.long))
             runner = self.runner
-            place_chunk(
+            place_spans(
                 runner.kv_stack,
-                torch.cat(src),
-                torch.cat(dst),
-                torch.cat(delta),
                 runner.model.rope_cache,
+                seq.page_ids,
+                [(start, end, entry.pages) for start, end, entry in hits],
                 page_size,
             )
         finally:

@@ -25,9 +25,8 @@ from __future__ import annotations
 from array import array
 
 import numpy as np
-import torch
 
-from workers.engine.placement import place_chunk
+from workers.engine.placement import place_spans
 from workers.engine.request import Sequence
 from workers.engine.reuse import ExactPrefixReuse, publish_exact_pages
 from workers.engine.reuse_info import ReuseInfo
@@ -74,20 +73,16 @@ class NaivePlacement:
             return False
         entries = [self._entry(c) for c in chunks]
         seq.page_ids.extend(self.pool.allocate(needed) if needed > 0 else [])
-        table = torch.tensor(np.frombuffer(seq.page_ids, dtype=np.int32), dtype=torch.long)
-        placed = np.zeros(placed_end, dtype=bool)  # KV taken from an entry, as is
         runner = self.engine.runner
-        for (start, end), entry in zip(spans, entries, strict=True):
-            positions = torch.arange(start, end)
-            dst = table[positions // page_size] * page_size + positions % page_size
-            place_chunk(
-                runner.kv_caches,
-                _slots(entry, end - start, page_size),
-                dst,
-                start,
-                runner.model.rope_cache,
-                page_size,
-            )
+        place_spans(
+            runner.kv_stack,
+            runner.model.rope_cache,
+            seq.page_ids,
+            [(s, e, entry) for (s, e), entry in zip(spans, entries, strict=True)],
+            page_size,
+        )
+        placed = np.zeros(placed_end, dtype=bool)  # KV taken from an entry, as is
+        for start, end in spans:
             placed[start + min(self.recompute_first, end - start) : end] = True
         seq.num_computed = placed_end
         pending = ~placed
@@ -123,9 +118,3 @@ class NaivePlacement:
         self.engine.runner.run([ScheduledSeq(alone, 0, len(tokens))])
         self._entries[tokens] = alone.page_ids
         return alone.page_ids
-
-
-def _slots(pages: array, n: int, page_size: int) -> torch.Tensor:
-    positions = torch.arange(n)
-    table = torch.tensor(np.frombuffer(pages, dtype=np.int32), dtype=torch.long)
-    return table[positions // page_size] * page_size + positions % page_size

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from workers.engine.layers.rotary import RopeScaling
@@ -167,6 +168,31 @@ def place_chunk(
             keys, values = chunk[:, 0].reshape(n, -1), chunk[:, 1].reshape(n, -1)
         keys = rotate_keys(keys.reshape(n, kv_heads, head_dim), delta, cos_sin_cache)
         flat.index_copy_(0, dst_rows, torch.cat((keys.reshape(n, -1), values)))
+
+
+def place_spans(
+    kv_stack: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    page_table: Sequence[int],
+    spans: Sequence[tuple[int, int, Sequence[int]]],
+    page_size: int,
+) -> None:
+    """Place several entries into one sequence at once: for each ``(start, end,
+    entry_pages)``, the entry's tokens ``[0, end - start)`` (held in ``entry_pages``)
+    go to positions ``[start, end)`` of the sequence whose pages are ``page_table``,
+    keys rotated by ``start``. One ``place_chunk`` call over the stacked cache."""
+    table = torch.as_tensor(np.asarray(page_table, dtype=np.int64))
+    src, dst, delta = [], [], []
+    for start, end, entry_pages in spans:
+        positions = torch.arange(start, end)
+        dst.append(table[positions // page_size] * page_size + positions % page_size)
+        local = torch.arange(end - start)
+        pages = torch.as_tensor(np.asarray(entry_pages, dtype=np.int64))
+        src.append(pages[local // page_size] * page_size + local % page_size)
+        delta.append(torch.full((end - start,), start, dtype=torch.long))
+    place_chunk(
+        kv_stack, torch.cat(src), torch.cat(dst), torch.cat(delta), cos_sin_cache, page_size
+    )
 
 
 def _place_stacked(
