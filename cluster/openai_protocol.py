@@ -43,8 +43,14 @@ def parse_request(body_type: type[BaseModel], raw: bytes | str):
         if problems[0]["type"] == "json_invalid":
             raise BadRequest(f"the request body is not valid JSON: {problems[0]['msg']}") from None
         first = _dotted(problems[0]["loc"]) or None
-        text = "; ".join(f"{_dotted(e['loc']) or 'body'}: {e['msg']}" for e in problems[:3])
+        text = "; ".join(f"{_dotted(e['loc']) or 'body'}: {_message(e)}" for e in problems[:3])
         raise BadRequest(text, param=first) from None
+
+
+def _message(error: dict) -> str:
+    if error["type"] == "extra_forbidden":
+        return "not supported by this server (remove it, or send null)"
+    return error["msg"]
 
 
 def _dotted(loc: tuple) -> str:
@@ -52,7 +58,17 @@ def _dotted(loc: tuple) -> str:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+    """Request bodies refuse what they do not implement: an unknown field with a value
+    is a 400 naming it (a field sent as null asks for nothing and is dropped)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_null_extras(cls, data: object) -> object:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
+        return data
 
 
 class _Response(BaseModel):
@@ -228,6 +244,12 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="alternatives per token (needs logprobs)"
     )
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @property
     def token_limit(self) -> int | None:

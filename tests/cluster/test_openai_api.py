@@ -435,6 +435,16 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(app, client
     with pytest.raises(openai.AuthenticationError):
         bad = openai.OpenAI(base_url=app.base_url, api_key="sk-wrong", max_retries=0)
         bad.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    for unsupported in (
+        {"tools": [{"type": "function", "function": {"name": "lookup"}}]},
+        {"response_format": {"type": "json_object"}},
+    ):  # through the official client: a 400 naming the field, never plain text
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}], **unsupported
+            )
+        [field] = unsupported
+        assert caught.value.body["param"] == field and "not supported" in caught.value.message
     reply = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "ok"}]
     )
