@@ -60,7 +60,8 @@ def _json(payload: BaseModel | dict, status: int = 200, headers: dict | None = N
 
 
 def error_response(error: APIError) -> Response:
-    return _json(error.body(), status=error.status)
+    retry = None if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)}
+    return _json(error.body(), status=error.status, headers=retry)
 
 
 @api.exception_handler(StarletteHTTPException)

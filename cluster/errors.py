@@ -8,6 +8,7 @@ class APIError(Exception):
     status = 500
     type = "server_error"
     code: str | None = None
+    retry_after_s: int | None = None  # sent as Retry-After: when trying again makes sense
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -62,12 +63,14 @@ class Overloaded(APIError):
     status = 429
     type = "rate_limit_error"
     code = "overloaded"
+    retry_after_s = 1  # a worker's queue drains in about that long
 
 
 class NoHealthyWorker(APIError):
     status = 503
     type = "service_unavailable"
     code = "no_healthy_worker"
+    retry_after_s = 5  # workers restart or finish draining in seconds
 
 
 class WorkerLost(APIError):

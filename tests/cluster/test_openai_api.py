@@ -487,8 +487,9 @@ def test_full_worker_answers_429(app, client):
         stream=True,
     )
     next(iter(stream))
-    with pytest.raises(openai.RateLimitError):
+    with pytest.raises(openai.RateLimitError) as refused:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    assert refused.value.response.headers["retry-after"] == "1"
     stream.close()
     assert _wait_idle(_worker(app))
 
@@ -499,6 +500,7 @@ def test_draining_worker_refuses_then_resumes(app, client):
     with pytest.raises(openai.InternalServerError) as refused:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
     assert refused.value.status_code == 503
+    assert refused.value.response.headers["retry-after"] == "5"
     assert httpx.get(app.url("/health")).status_code == 503
     ray.get(worker.resume.remote())
     wait_healthy(app, 1, timeout_s=10)  # the router sees it at its next poll
