@@ -88,11 +88,15 @@ class BatchSummary:
         )
 
 
-def run_batch(cfg: ClusterConfig, input_path: Path, output_path: Path) -> BatchSummary:
+def run_batch(
+    cfg: ClusterConfig, input_path: Path, output_path: Path, retry_errors: bool = False
+) -> BatchSummary:
+    """``retry_errors``: ids whose earlier record is an error run again (their error
+    records are removed from the output first)."""
     if not input_path.is_file():
         raise ValueError(f"input file {str(input_path)!r} does not exist")
     started = time.monotonic()
-    done = completed_ids(output_path)
+    done = completed_ids(output_path, retry_errors)
     connect_ray(cfg.ray)
     model_dir = ensure_model(cfg.model)
     job = cfg.model_copy(update={"name": f"{cfg.name}-batch-{uuid.uuid4().hex[:8]}"})

@@ -86,7 +86,15 @@ def parse_line(number: int, line: str, model_name: str) -> BatchItem:
     if not isinstance(data, dict):
         return BatchItem(number, fallback_id, None, BadRequest(f"line {number} is not an object"))
     raw_id = data.get("custom_id", data.get("id"))
-    custom_id = str(raw_id) if isinstance(raw_id, str | int) and raw_id != "" else fallback_id
+    if not isinstance(raw_id, str | int) or raw_id == "" or isinstance(raw_id, bool):
+        missing = BadRequest(
+            f"line {number} has no custom_id: give every line a unique custom_id "
+            f"(its error record is filed under {fallback_id!r})",
+            param="custom_id",
+            code="missing_custom_id",
+        )
+        return BatchItem(number, fallback_id, None, missing)
+    custom_id = str(raw_id)
     try:
         return BatchItem(number, custom_id, _request(data, model_name), None)
     except APIError as error:
@@ -144,8 +152,10 @@ def _record_id() -> str:
     return f"batch_req_{uuid.uuid4().hex}"
 
 
-def completed_ids(path: Path) -> set[str]:
-    """Ids already answered in ``path``; cuts off a torn last line first."""
+def completed_ids(path: Path, retry_errors: bool = False) -> set[str]:
+    """Ids already answered in ``path``; cuts off a torn last line first.
+    ``retry_errors``: error records are removed from ``path`` (rewritten atomically), so
+    their ids run again and each id still has one record."""
     if not path.exists():
         return set()
     data = path.read_bytes()
@@ -153,14 +163,22 @@ def completed_ids(path: Path) -> set[str]:
     if end < len(data):
         with path.open("r+b") as f:
             f.truncate(end)
-    ids = set()
+    ids, kept = set(), []
     for line in data[:end].splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("custom_id"), str):
-            ids.add(record["custom_id"])
+        if not isinstance(record, dict) or not isinstance(record.get("custom_id"), str):
+            continue
+        if retry_errors and record.get("error") is not None:
+            continue
+        ids.add(record["custom_id"])
+        kept.append(line)
+    if retry_errors and len(kept) < len(data[:end].splitlines()):
+        temporary = path.with_name(path.name + ".retry")
+        temporary.write_bytes(b"".join(line + b"\n" for line in kept))
+        temporary.replace(path)
     return ids
 
 

@@ -226,13 +226,19 @@ def _add_batch(subparsers: argparse._SubParsersAction) -> None:
     _add_config_arguments(p)
     p.add_argument("--input", required=True, type=Path, help="request lines (JSONL)")
     p.add_argument("--output", required=True, type=Path, help="response lines (appended)")
+    p.add_argument(
+        "--retry-errors",
+        action="store_true",
+        help="on a rerun, also run again the ids whose earlier record is an error (their "
+        "error records are removed from OUTPUT first; each id keeps one record)",
+    )
     p.set_defaults(handler=_run_batch)
 
 
 def _run_batch(args: argparse.Namespace) -> int:
     from cluster.batch import run_batch
 
-    summary = run_batch(_load_config(args), args.input, args.output)
+    summary = run_batch(_load_config(args), args.input, args.output, args.retry_errors)
     print(summary.describe(args.output), flush=True)
     return EXIT_OK
 

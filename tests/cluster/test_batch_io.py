@@ -42,6 +42,31 @@ def test_bad_lines_become_errors_not_exceptions():
             assert item.error.code == code and item.custom_id == f"line-{number}"
 
 
+def test_a_line_without_custom_id_is_an_error_record_that_says_so():
+    for number, line in enumerate(
+        [
+            json.dumps({"messages": MESSAGES}),
+            json.dumps({"custom_id": "", "messages": MESSAGES}),
+            json.dumps({"custom_id": True, "messages": MESSAGES}),
+            json.dumps({"method": "POST", "body": {"model": "m", "messages": MESSAGES}}),
+        ],
+        start=1,
+    ):
+        item = parse_line(number, line, "m")
+        assert item.request is None and item.custom_id == f"line-{number}"
+        assert item.error.code == "missing_custom_id" and "no custom_id" in item.error.message
+
+
+def test_retry_errors_drops_error_records_so_their_ids_run_again(tmp_path):
+    out = tmp_path / "out.jsonl"
+    ok = {"custom_id": "a", "error": None, "response": {}}
+    failed = {"custom_id": "b", "error": {"code": "x", "message": "no"}, "response": {}}
+    out.write_text(json.dumps(ok) + "\n" + json.dumps(failed) + "\n")
+    assert completed_ids(out) == {"a", "b"}  # plain resume: errors count as done
+    assert completed_ids(out, retry_errors=True) == {"a"}
+    assert [json.loads(line)["custom_id"] for line in out.read_text().splitlines()] == ["a"]
+
+
 def test_error_records_are_openai_batch_shaped():
     record = json.loads(error_record("q", BadRequest("nope", param="n")).model_dump_json())
     assert record["custom_id"] == "q" and record["error"]["message"] == "nope"
