@@ -67,6 +67,12 @@ class EngineSection(_Section):
         None, ge=2, description="context length; null: the model's, capped by the KV pool"
     )
     enable_reuse: bool = Field(True, description="reuse cached KV pages of equal prefixes")
+    pin_quota_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="registered chunks: the most tokens one tenant (API key) may pin per "
+        "worker; null: no quota beyond the worker's room",
+    )
     min_entry_tokens: int = Field(
         32,
         gt=0,

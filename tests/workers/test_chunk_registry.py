@@ -211,3 +211,48 @@ def _prefix_keys(llm: LLM, messages: list[dict]) -> set[bytes]:
     chunks = chunk_conversation(llm.tokenizer, messages, add_generation_prompt=False)
     tokens = [t for chunk in chunks for t in chunk.token_ids]
     return set(page_keys(tokens, PAGE, llm.engine.namespace()))
+
+
+def _tenant_registry(llm: LLM, salt: str):
+    """A registry of another tenant on the same engine (as a worker keeps one each)."""
+    from workers.engine.chunk_registry import ChunkRegistry
+
+    engine = llm.engine
+
+    def compute(tokens: list[int]) -> None:
+        rid = f"pin-{salt}-{len(tokens)}-{tokens[:4]}"
+        engine.add_request(rid, tokens, SamplingParams(max_tokens=1), tenant_salt=salt)
+        while engine.has_unfinished():
+            engine.step()
+
+    return ChunkRegistry(engine, compute, tenant_salt=salt, step_until=llm._step_until)
+
+
+def test_pin_quota_holds_per_tenant_and_refusals_speak_only_of_the_callers_pins(make_llm):
+    llm = make_llm(pin_quota_tokens=96)
+    a, b = _tenant_registry(llm, "tenant-a"), _tenant_registry(llm, "tenant-b")
+    texts = [f"Document {i}: the archive of station {i} holds tide tables. " * 2 for i in range(4)]
+    a.register(texts[0])
+    a.register(texts[1])
+    pinned = a.pinned_tokens()
+    assert 0 < pinned <= 96
+    with pytest.raises(
+        ValueError, match=f"your chunks pin {pinned} of your quota of 96"
+    ) as refused:
+        a.register(texts[2])
+    assert a.pinned_tokens() == pinned  # nothing pinned by the refusal
+    b.register(texts[2])  # another tenant's quota is its own
+    assert b.pinned_tokens() > 0 and str(b.pinned_tokens() + pinned) not in str(refused.value)
+
+    # The worker's room (24 pages here): once tenant B holds most of it, tenant A's
+    # refusal names A's own pins, never the worker's total.
+    roomy = make_llm()
+    a, b = _tenant_registry(roomy, "tenant-a"), _tenant_registry(roomy, "tenant-b")
+    long_text = "Tide tables for every station of the northern coast, by the hour. " * 9
+    b.register(long_text)
+    b.register(long_text.replace("northern", "southern"))
+    with pytest.raises(ValueError, match="your chunks pin 0 tokens") as full:
+        a.register(long_text)
+    message = str(full.value)
+    assert "no room" in message and "pinned already" not in message
+    assert str(roomy.engine.pool.num_pinned * PAGE) not in message.split("may be pinned")[-1]

@@ -212,8 +212,8 @@ class ChunkRegistry:
         pages = -(-len(tokens) // self._page_size)
         key = position_free_key(self._engine.namespace(self._tenant_salt), tokens)
         held = pool.entry(key)
-        if (held is None or held.pins == 0) and pool.num_pinned + pages > self.max_pinned_pages:
-            self._refuse(pages)
+        if held is None or held.pins == 0:
+            self._check_pins(pages)
         self._engine.fill_entry(tokens, self._tenant_salt)
         self._step_until(lambda: pool.entry(key) is not None)
         entry = pool.entry(key)
@@ -268,23 +268,39 @@ class ChunkRegistry:
         return self._engine.pool.match_prefix(seq_keys, token_pages)
 
     def _check_room(self, prefix: Sequence[int]) -> None:
-        """Refuse (nothing pinned) a chunk whose new pins would exceed the limit."""
+        """Refuse (nothing pinned) a chunk whose new pins would exceed the limits."""
         pool = self._engine.pool
         already = sum(1 for p in self._full_pages(prefix) if pool.pin_count(p) > 0)
-        new = len(prefix) // self._page_size - already
-        limit = self.max_pinned_pages
-        if pool.num_pinned + new > limit:
-            self._refuse(new)
+        self._check_pins(len(prefix) // self._page_size - already)
 
-    def _refuse(self, new_pages: int) -> None:
-        pool, size, limit = self._engine.pool, self._page_size, self.max_pinned_pages
-        raise ValueError(
-            f"cannot pin this chunk: it needs {new_pages * size} more pinned tokens, "
-            f"{pool.num_pinned * size} are pinned already, and at most {limit * size} tokens "
-            f"({limit} pages of {size}) may be pinned so that a max-length request "
-            f"({self._engine.max_model_len} tokens) still fits; unregister chunks or "
-            "give the engine more pages"
-        )
+    def _check_pins(self, new_pages: int) -> None:
+        """The tenant's quota (``EngineConfig.pin_quota_tokens``), then the worker's
+        room; the messages speak only of this tenant's own pins."""
+        size = self._page_size
+        own = self.pinned_tokens()
+        need = new_pages * size
+        quota = self._engine.config.pin_quota_tokens
+        if quota is not None and own + need > quota:
+            raise ValueError(
+                f"cannot pin this chunk: it needs {need} more pinned tokens and your chunks "
+                f"pin {own} of your quota of {quota} tokens on this worker; unregister "
+                "chunks or ask for a larger quota (engine.pin_quota_tokens)"
+            )
+        limit = self.max_pinned_pages
+        if self._engine.pool.num_pinned + new_pages > limit:
+            raise ValueError(
+                f"cannot pin this chunk: it needs {need} more pinned tokens and this worker "
+                f"has no room for them (at most {limit * size} tokens may be pinned so that a "
+                f"max-length request of {self._engine.max_model_len} tokens still fits); "
+                f"your chunks pin {own} tokens: unregister some, or give the engine more pages"
+            )
+
+    def pinned_tokens(self) -> int:
+        """Tokens in the pages this tenant's chunks pin (a page counted once)."""
+        pages: set[int] = set()
+        for chunk in self._chunks.values():
+            pages.update(chunk.entry.pages if chunk.entry is not None else chunk.page_ids)
+        return len(pages) * self._page_size
 
     def _pin(self, prefix: Sequence[int]) -> tuple[int, ...]:
         pages = self._full_pages(prefix)

@@ -22,6 +22,9 @@ class EngineConfig:
     enable_reuse: bool = True
     # approximate reuse: chunks shorter than this are computed, never kept as entries
     min_entry_tokens: int = 32
+    # registered chunks: the most tokens one tenant may pin on this engine (None: no quota
+    # beyond the engine's room)
+    pin_quota_tokens: int | None = None
     attention_backend: str | None = None  # None: flashinfer on cuda, torch elsewhere
     enable_cascade: bool = True  # cascade decode where the cost model says it pays
     enable_cuda_graphs: bool = True  # CUDA graphs for plain decode steps (flashinfer only)
@@ -39,6 +42,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.pin_quota_tokens is not None and self.pin_quota_tokens < 0:
+            raise ValueError(f"pin_quota_tokens must be >= 0, got {self.pin_quota_tokens}")
         if self.min_entry_tokens < 1:
             raise ValueError(f"min_entry_tokens must be >= 1, got {self.min_entry_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
