@@ -80,15 +80,44 @@ def chunk_prompt(tokenizer: ChatTokenizer, prompt: str) -> list[Chunk]:
 
 
 def chunk_conversation(
-    tokenizer: ChatTokenizer, messages: Sequence[Message], add_generation_prompt: bool = True
+    tokenizer: ChatTokenizer,
+    messages: Sequence[Message],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[Chunk]:
+    """The conversation's chunks. ``add_generation_prompt``: open a new assistant turn
+    after the messages. ``continue_final_message``: leave the last message, from the
+    assistant, open, so generation continues it (a "prefill"); exclusive with
+    ``add_generation_prompt`` (the semantics vLLM documents)."""
     validate_messages(messages)
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if messages[-1]["role"] != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
     texts = _render_per_chunk(tokenizer, messages, add_generation_prompt)
+    if continue_final_message:
+        texts = _leave_final_open(tokenizer, messages, texts)
     return [
         Chunk(role, tuple(tokenizer.encode(text, add_special_tokens=False)))
         for role, text in texts
         if text
     ]
+
+
+def _leave_final_open(
+    tokenizer: ChatTokenizer, messages: Sequence[Message], texts: list[tuple[str, str]]
+) -> list[tuple[str, str]]:
+    """``texts`` without the template's end of the last message (what follows its
+    content), so the prompt ends inside that message."""
+    flat = [_flatten(m) for m in messages]
+    probe = _render(tokenizer, [*flat[:-1], {**flat[-1], "content": _PART_SENTINEL}], False)
+    footer = probe.rsplit(_PART_SENTINEL, 1)[-1]
+    texts = [(role, text) for role, text in texts if text]
+    role, last = texts[-1]
+    if not footer or not last.endswith(footer):
+        raise ValueError("this chat template cannot continue the final message")
+    return [*texts[:-1], (role, last[: len(last) - len(footer)])]
 
 
 def _render(tokenizer: ChatTokenizer, messages: Sequence[Message], generation: bool) -> str:

@@ -110,7 +110,15 @@ class CompletionService:
         asked = body.reuse_request(self._settings.default_reuse)
         approximate = asked.mode == "approximate"
         prompt = await self._prepare(
-            lambda: prepare_chat(self._encoder, messages, namespace, page_size, approximate),
+            lambda: prepare_chat(
+                self._encoder,
+                messages,
+                namespace,
+                page_size,
+                approximate,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+            ),
             "messages",
         )
         fmt = ChatFormat(body.model, self._token_text, body.top_logprobs or 0)

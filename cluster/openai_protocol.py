@@ -244,11 +244,26 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="alternatives per token (needs logprobs)"
     )
+    add_generation_prompt: bool = Field(
+        True, description="open a new assistant turn after the messages (vLLM's parameter)"
+    )
+    continue_final_message: bool = Field(
+        False,
+        description="continue the last message, which must be the assistant's: the prompt "
+        "ends inside it (a prefill); needs add_generation_prompt false (vLLM's semantics)",
+    )
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message needs add_generation_prompt: false (a prompt either "
+                "continues the last message or opens a new turn)"
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
         return self
 
     @property

@@ -91,11 +91,19 @@ def prepare_chat(
     namespace: Namespace,
     page_size: int,
     approximate: bool = False,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> PreparedPrompt:
     """Raises ``ValueError`` for messages the chat template cannot render.
-    ``approximate``: also find the placeable chunks and their entry keys."""
+    ``approximate``: also find the placeable chunks and their entry keys.
+    ``continue_final_message``: the prompt ends inside the last (assistant) message."""
     try:
-        chunks = chunk_conversation(tokenizer, messages)
+        chunks = chunk_conversation(
+            tokenizer,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
     except ValueError:
         raise
     except Exception as error:  # a template rejecting a role, say: the client's fault

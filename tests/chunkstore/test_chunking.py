@@ -97,3 +97,22 @@ def test_placeable_spans_skip_the_opening_chunk_the_question_and_the_generation_
     assert placeable_spans(chunks) == ((3, 5), (5, 9))
     assert placeable_spans(chunks[:2]) == ()
     assert placeable_spans([Chunk("query", (1, 2))]) == ()
+
+
+def test_continuing_the_final_assistant_message_ends_the_prompt_inside_it(tokenizer):
+    prefill = "The answer is"
+    messages = [
+        {"role": "user", "content": "What is the answer?"},
+        {"role": "assistant", "content": prefill},
+    ]
+    opened = _flat(chunk_conversation(tokenizer, messages, False, continue_final_message=True))
+    closed = _flat(chunk_conversation(tokenizer, messages, add_generation_prompt=False))
+    new_turn = _flat(chunk_conversation(tokenizer, messages))
+    # continuing: the prompt ends with the prefill's own tokens, the end-of-turn gone
+    assert tokenizer.decode(opened).endswith(prefill)
+    assert closed[: len(opened)] == opened and len(closed) > len(opened)
+    assert len(new_turn) > len(closed)  # closed, then a new assistant header
+    with pytest.raises(ValueError, match="cannot both be true"):
+        chunk_conversation(tokenizer, messages, True, continue_final_message=True)
+    with pytest.raises(ValueError, match="the assistant's"):
+        chunk_conversation(tokenizer, messages[:1], False, continue_final_message=True)

@@ -67,6 +67,15 @@ def test_retry_errors_drops_error_records_so_their_ids_run_again(tmp_path):
     assert [json.loads(line)["custom_id"] for line in out.read_text().splitlines()] == ["a"]
 
 
+def test_batch_lines_can_continue_an_assistant_prefill():
+    messages = [*MESSAGES, {"role": "assistant", "content": "Hello"}]
+    line = {"custom_id": "p", "messages": messages, "continue_final_message": True}
+    refused = parse_line(1, json.dumps(line), "m")
+    assert refused.request is None and "add_generation_prompt" in refused.error.message
+    item = parse_line(2, json.dumps({**line, "add_generation_prompt": False}), "m")
+    assert item.request.continue_final_message and not item.request.add_generation_prompt
+
+
 def test_error_records_are_openai_batch_shaped():
     record = json.loads(error_record("q", BadRequest("nope", param="n")).model_dump_json())
     assert record["custom_id"] == "q" and record["error"]["message"] == "nope"

@@ -337,6 +337,28 @@ def test_bad_reuse_values_get_400_listing_the_allowed_values(app, path):
     assert not failures
 
 
+def test_an_assistant_prefill_is_continued_not_closed(client):
+    """continue_final_message: the prompt ends inside the assistant's last message; by
+    default it is closed and a new turn opened (vLLM's semantics)."""
+    messages = [
+        {"role": "user", "content": "Name a port."},
+        {"role": "assistant", "content": "The port of"},
+    ]
+
+    def prompt_tokens(**extra) -> int:
+        reply = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=2, temperature=0, extra_body=extra
+        )
+        return reply.usage.prompt_tokens
+
+    continued = prompt_tokens(continue_final_message=True, add_generation_prompt=False)
+    closed = prompt_tokens(add_generation_prompt=False)
+    new_turn = prompt_tokens()
+    assert continued < closed < new_turn
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
+        prompt_tokens(continue_final_message=True)
+
+
 def test_n_seed_and_stop(client):
     reply = client.chat.completions.create(
         model="tiny",

@@ -19,10 +19,23 @@ COMPLETION = {"model": "m", "prompt": "hi"}
 # implemented: these fields change what the server does (or are checked, e.g. penalties
 # must be 0 and echo false); everything else the client can send is refused
 CHAT_IMPLEMENTED = {
-    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
-    "seed", "stop", "stream", "stream_options", "presence_penalty", "frequency_penalty",
-    "user", "logprobs", "top_logprobs",
-}  # fmt: skip
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "presence_penalty",
+    "frequency_penalty",
+    "user",
+    "logprobs",
+    "top_logprobs",
+}  # fmt: skip (vLLM's add_generation_prompt / continue_final_message are ours too)
 COMPLETION_IMPLEMENTED = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream",
     "stream_options", "presence_penalty", "frequency_penalty", "user", "logprobs", "echo",
@@ -93,3 +106,19 @@ def test_batch_lines_refuse_unsupported_fields_as_error_records():
     line = json.dumps({"custom_id": "a", **CHAT, "response_format": {"type": "json_object"}})
     item = parse_line(1, line, "m")
     assert item.request is None and item.error.param == "response_format"
+
+
+def test_continue_final_message_follows_vllm_semantics():
+    prefill = [*CHAT["messages"], {"role": "assistant", "content": "Sure:"}]
+    body = {**CHAT, "messages": prefill, "continue_final_message": True}
+    with pytest.raises(BadRequest, match="needs add_generation_prompt: false"):
+        parse_request(ChatCompletionRequest, json.dumps(body))
+    request = parse_request(
+        ChatCompletionRequest, json.dumps({**body, "add_generation_prompt": False})
+    )
+    assert request.continue_final_message and not request.add_generation_prompt
+    with pytest.raises(BadRequest, match="the assistant's"):
+        parse_request(
+            ChatCompletionRequest,
+            json.dumps({**CHAT, "continue_final_message": True, "add_generation_prompt": False}),
+        )
