@@ -9,6 +9,7 @@ other than it asked for.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -42,9 +43,27 @@ def parse_request(body_type: type[BaseModel], raw: bytes | str):
         problems = error.errors()
         if problems[0]["type"] == "json_invalid":
             raise BadRequest(f"the request body is not valid JSON: {problems[0]['msg']}") from None
+        problems = _deepest_branches(problems)
         first = _dotted(problems[0]["loc"]) or None
         text = "; ".join(f"{_dotted(e['loc']) or 'body'}: {_message(e)}" for e in problems[:3])
         raise BadRequest(text, param=first) from None
+
+
+def _deepest_branches(problems: list[dict]) -> list[dict]:
+    """Of the errors a union gives for one field (one per alternative), those that got
+    furthest into the input: the alternative the client most likely meant."""
+
+    def field(loc: tuple) -> tuple:  # the steps before the first union branch
+        for i, part in enumerate(loc):
+            if _TYPE_STEP.match(str(part)):
+                return loc[:i]
+        return loc
+
+    depth: dict[tuple, int] = {}
+    for e in problems:
+        key = field(e["loc"])
+        depth[key] = max(depth.get(key, 0), len(_public_loc(e["loc"])))
+    return [e for e in problems if len(_public_loc(e["loc"])) == depth[field(e["loc"])]]
 
 
 def _message(error: dict) -> str:
@@ -54,7 +73,15 @@ def _message(error: dict) -> str:
 
 
 def _dotted(loc: tuple) -> str:
-    return ".".join(str(part) for part in loc)
+    return ".".join(str(part) for part in _public_loc(loc))
+
+
+_TYPE_STEP = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|tagged-union\[.*\])$")
+
+
+def _public_loc(loc: tuple) -> tuple:
+    """``loc`` without pydantic's union-branch steps (``str``, ``list[...]``, ...)."""
+    return tuple(part for part in loc if not _TYPE_STEP.match(str(part)))
 
 
 class _Request(BaseModel):

@@ -122,3 +122,17 @@ def test_continue_final_message_follows_vllm_semantics():
             ChatCompletionRequest,
             json.dumps({**CHAT, "continue_final_message": True, "add_generation_prompt": False}),
         )
+
+
+def test_validation_messages_name_fields_not_pydantic_internals():
+    bad_part = {**CHAT, "messages": [{"role": "user", "content": [{"type": "image"}]}]}
+    with pytest.raises(BadRequest) as caught:
+        parse_request(ChatCompletionRequest, json.dumps(bad_part))
+    message = str(caught.value)
+    assert caught.value.param == "messages.0.content.0"
+    assert "'text', 'chunk'" in message and "tagged-union" not in message
+    assert "Input should be a valid string" not in message  # the other branch's noise
+    bad_content = {**CHAT, "messages": [{"role": "user", "content": 5}]}
+    with pytest.raises(BadRequest) as caught:
+        parse_request(ChatCompletionRequest, json.dumps(bad_content))
+    assert caught.value.param == "messages.0.content" and "list[" not in str(caught.value)
