@@ -154,10 +154,8 @@ class Engine:
         self._validate(request_id, prompt_token_ids)
         _validate_spans(placeable, len(prompt_token_ids))
         reuse = reuse or ReuseRequest()
-        if reuse.mode == "approximate" and self.placement_problem:
-            raise ValueError(
-                f"approximate reuse is not available for this model: {self.placement_problem}"
-            )
+        if reuse.mode == "approximate":
+            self._check_placement()
         seq = Sequence(
             request_id=request_id,
             arrival=next(self._arrivals),
@@ -219,15 +217,18 @@ class Engine:
         """Queue the computation of ``tokens``' position-free entry (unless it is held
         or queued already); returns its key. The entry exists once ``step`` has run
         the fill (``pool.entry(key)``)."""
-        if self.placement_problem:
-            raise ValueError(
-                f"approximate reuse is not available for this model: {self.placement_problem}"
-            )
+        self._check_placement()
         self._validate("entry-fill", tokens)
         namespace = self.namespace(tenant_salt)
         key = position_free_key(namespace, tokens)
         self._queue_fill(key, list(tokens), namespace)
         return key
+
+    def _check_placement(self) -> None:
+        if self.placement_problem:
+            raise ValueError(
+                f"approximate reuse is not available for this model: {self.placement_problem}"
+            )
 
     def _queue_fill(self, key: PageKey, tokens: list[int], namespace: Namespace) -> None:
         """Queue the computation of a position-free entry (``tokens`` alone from

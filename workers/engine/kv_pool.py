@@ -87,9 +87,6 @@ class KVPool:
         """The position-free entry under ``key``, if held here (takes no hold)."""
         return self._entries.get(key)
 
-    def entry_keys(self) -> list[PageKey]:
-        return list(self._entries)
-
     @property
     def num_pinned(self) -> int:
         """Pages pinned at least once (an entry's pages count while it is pinned)."""

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from workers.engine.attention.base import kv_write_rows
 from workers.engine.layers.rotary import RopeScaling
 
 
@@ -91,14 +92,6 @@ def rotate_keys(
     return rotated.to(keys.dtype)
 
 
-def slot_rows(slots: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Rows of ``kv_cache.view(-1, kv_heads * head_dim)`` holding the keys of the
-    given slots (``page * page_size + offset``); the values are ``page_size`` rows
-    further (layout ``[pages, 2, page_size, kv_heads, head_dim]``). int64."""
-    slots = slots.long()
-    return (slots // page_size) * (2 * page_size) + slots % page_size
-
-
 def place_chunk(
     kv_caches: Sequence[torch.Tensor] | torch.Tensor,
     src: torch.Tensor | Sequence[torch.Tensor],
@@ -140,15 +133,13 @@ def place_chunk(
     if not kv_caches:
         return
     device = kv_caches[0].device
-    dst_key_rows = slot_rows(dst_slots.to(device), page_size)
-    dst_rows = torch.cat((dst_key_rows, dst_key_rows + page_size))
-    n = dst_key_rows.numel()
+    dst_rows = kv_write_rows(dst_slots.to(device), page_size)  # keys, then values
+    n = dst_slots.numel()
     from_slots = isinstance(src, torch.Tensor)
     if from_slots:
         if src.numel() != n:
             raise ValueError(f"{src.numel()} source slots for {n} destination slots")
-        src_key_rows = slot_rows(src.to(device), page_size)
-        src_rows = torch.cat((src_key_rows, src_key_rows + page_size))
+        src_rows = kv_write_rows(src.to(device), page_size)
     elif len(src) != len(kv_caches):
         raise ValueError(f"{len(src)} source layers for {len(kv_caches)} cache layers")
     for layer, kv_cache in enumerate(kv_caches):
@@ -209,16 +200,14 @@ def _place_stacked(
     n = dst_slots.numel()
     if src_slots.numel() != n:
         raise ValueError(f"{src_slots.numel()} source slots for {n} destination slots")
-    src_keys = slot_rows(src_slots.to(device), page_size)
-    dst_keys = slot_rows(dst_slots.to(device), page_size)
     flat = kv_stack.view(layers, -1, kv_heads * head_dim)
-    rows = flat.index_select(1, torch.cat((src_keys, src_keys + page_size)))  # a copy
+    rows = flat.index_select(1, kv_write_rows(src_slots.to(device), page_size))  # a copy
     keys = rows[:, :n].reshape(layers * n, kv_heads, head_dim)
     if isinstance(delta, torch.Tensor):
         delta = delta.to(device).repeat(layers)
     rotated = rotate_keys(keys, delta, cos_sin_cache).reshape(layers, n, -1)
     flat.index_copy_(
-        1, torch.cat((dst_keys, dst_keys + page_size)), torch.cat((rotated, rows[:, n:]), 1)
+        1, kv_write_rows(dst_slots.to(device), page_size), torch.cat((rotated, rows[:, n:]), 1)
     )
 
 
