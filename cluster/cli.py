@@ -88,6 +88,13 @@ _TRAIN_OPTIONS = (
     ("warmup_steps", int, "learning-rate warmup steps (default 300)"),
     ("weight_decay", float, "AdamW weight decay of matrices (default 0.1)"),
     ("answer_weight", float, "loss weight of answer and end tokens (default 5)"),
+    ("prompt_weight", float, "loss weight of every other token; 0 trains on answers only (default 1)"),
+    (
+        "turns",
+        int,
+        "questions per training conversation, the later ones as follow-up turns over the "
+        "same documents (default 1)",
+    ),
     ("lr_schedule", str, "wsd (warmup, constant, linear decay) or cosine (default wsd)"),
     ("decay_frac", float, "share of steps the wsd schedule decays over (default 0.2)"),
     ("min_lr_ratio", float, "final learning rate over the peak (default 0.05)"),

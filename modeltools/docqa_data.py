@@ -93,6 +93,9 @@ class DocQAExample:
     kind: str
     gold: tuple[int, ...]  # indices into ``documents`` (the link document first)
     combo: tuple[str, ...]  # (kind, subject[, link], answer): what the split partitions
+    # Training only: further (question, answer) turns over the same documents, each a
+    # different question of the same split (either hops).
+    follow_ups: tuple[tuple[str, str], ...] = ()
 
     @property
     def num_docs(self) -> int:
@@ -105,6 +108,18 @@ class DocQAExample:
             {"role": "system", "content": self.system},
             {"role": "user", "content": parts},
         ]
+
+    @property
+    def conversation(self) -> list[dict[str, Any]]:
+        """``messages`` answered, then every follow-up as a user and an assistant turn."""
+        turns: list[dict[str, Any]] = [
+            *self.messages,
+            {"role": "assistant", "content": self.answer},
+        ]
+        for question, answer in self.follow_ups:
+            turns.append({"role": "user", "content": question})
+            turns.append({"role": "assistant", "content": answer})
+        return turns
 
 
 @dataclass
@@ -204,10 +219,18 @@ def _candidates(people: list[_Person], teams: list[_Team]) -> list[tuple[str, st
 
 
 def generate_example(
-    rng: random.Random, num_docs: int, split: str = "train", hops: int | None = None
+    rng: random.Random,
+    num_docs: int,
+    split: str = "train",
+    hops: int | None = None,
+    questions: int = 1,
 ) -> DocQAExample:
     """One example with ``num_docs`` documents; ``hops`` 1 or 2, or None for either
-    (even odds). Draws worlds until one has a question of the wanted split and hops."""
+    (even odds). Draws worlds until one has a question of the wanted split and hops.
+    ``questions`` > 1 adds up to that many - 1 follow-ups (training conversations with
+    several turns); with 1 the random stream is the one it has always been."""
+    if questions < 1:
+        raise ValueError(f"questions must be at least 1, got {questions}")
     if not MIN_DOCS <= num_docs <= MAX_DOCS:
         raise ValueError(f"num_docs must be in [{MIN_DOCS}, {MAX_DOCS}], got {num_docs}")
     if split not in _SPLIT_SEED_OFFSET:
@@ -230,6 +253,9 @@ def generate_example(
         (kind, subject, answer, gold_subjects, *_), combo = rng.choice(
             [x for x in cands if x[0][0] == kind]
         )
+        follow_ups: tuple[tuple[str, str], ...] = ()
+        if questions > 1:
+            follow_ups = _follow_ups(rng, people, teams, split, combo, questions - 1)
         docs = [(p.name, person_document(p, rng)) for p in people]
         docs += [(t.name, team_document(t, rng)) for t in teams]
         rng.shuffle(docs)
@@ -243,7 +269,33 @@ def generate_example(
             kind=kind,
             gold=tuple(index[s] for s in gold_subjects),
             combo=combo,
+            follow_ups=follow_ups,
         )
+
+
+def _follow_ups(
+    rng: random.Random,
+    people: list[_Person],
+    teams: list[_Team],
+    split: str,
+    asked: tuple[str, ...],
+    count: int,
+) -> tuple[tuple[str, str], ...]:
+    """Up to ``count`` further questions of ``split`` about the same world, none asked
+    twice, kinds drawn evenly among those left."""
+    left: dict[str, list[tuple[str, str]]] = {}
+    for c in _candidates(people, teams):
+        combo = (c[0], c[1], *c[4:], c[2])
+        if combo != asked and is_heldout(combo) == (split == "heldout"):
+            left.setdefault(c[0], []).append((c[1], c[2]))
+    out = []
+    while left and len(out) < count:
+        kind = rng.choice(sorted(left))
+        subject, answer = left[kind].pop(rng.randrange(len(left[kind])))
+        if not left[kind]:
+            del left[kind]
+        out.append(("Question: " + QUESTIONS[kind].format(s=subject), answer))
+    return tuple(out)
 
 
 def generate(

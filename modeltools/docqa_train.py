@@ -5,7 +5,10 @@ scratch on ``modeltools.docqa_data`` conversations, tokenized exactly as the eng
 serves them: the prompt is ``chunk_conversation``'s canonical chunk-by-chunk
 tokenization, the target is the assistant turn the ChatML template renders — the answer,
 then ``<|im_end|>`` (an id the engine stops on). Ordinary causal attention over whole
-conversations; LM loss on every token, the answer and end token up-weighted.
+conversations; the loss weights answers (``answer_weight``) and all other tokens
+(``prompt_weight``, 0 for answers only) apart. ``turns`` > 1 adds follow-up questions
+over the same documents as further user/assistant turns: more answers to learn from per
+conversation, at little more length (the documents dominate it).
 
 Invariants:
 - The tokenizer is deterministic (shipped corpus + generated doc-QA text, fixed seed);
@@ -57,6 +60,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     answer_weight: float = 5.0  # loss weight of the answer tokens and the end token
+    prompt_weight: float = 1.0  # loss weight of every other token (0: answers only)
+    turns: int = 1  # questions per training conversation (later ones as follow-up turns)
     lr_schedule: str = "wsd"  # "wsd": warmup, constant, linear decay over decay_frac; "cosine"
     decay_frac: float = 0.2  # share of the steps the wsd schedule decays over (to min_lr_ratio)
     curriculum: str = "gated"  # "gated" (accuracy-gated), "linear" or a schedule "0:4,900:6,..."
@@ -125,32 +130,56 @@ def answer_ids(tokenizer: PreTrainedTokenizerFast, ex: DocQAExample) -> list[int
 
 def _batch_ids(
     tokenizer: PreTrainedTokenizerFast, examples: Sequence[DocQAExample]
-) -> list[tuple[list[int], list[int]]]:
-    """(prompt_ids, answer_ids) of every example, from one tokenizer call."""
+) -> list[list[tuple[list[int], bool]]]:
+    """Every example's conversation as (token ids, is an answer) segments, from one
+    tokenizer call: the prompt, the answer and end token, then for each follow-up the
+    next user turn with the generation prompt and its answer and end token."""
     end = tokenizer.convert_tokens_to_ids(chat_family(FAMILY).eos)
-    texts, spans = [], []
+    texts, layouts = [], []
     for ex in examples:
         chunks = chunk_texts(ex)
-        spans.append((len(texts), len(chunks)))
+        layout = [(len(texts), len(chunks), False), (len(texts) + len(chunks), 1, True)]
         texts += [*chunks, ex.answer]
+        for question, answer in ex.follow_ups:
+            layout.append((len(texts), 1, False))
+            layout.append((len(texts) + 1, 1, True))
+            texts += [f"\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n", answer]
+        layouts.append(layout)
     encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
     out = []
-    for first, n in spans:
-        prompt = [t for e in encodings[first : first + n] for t in e.ids]
-        out.append((prompt, [*encodings[first + n].ids, end]))
+    for layout in layouts:
+        segments = []
+        for first, n, is_answer in layout:
+            ids = [t for e in encodings[first : first + n] for t in e.ids]
+            segments.append(([*ids, end] if is_answer else ids, is_answer))
+        out.append(segments)
     return out
 
 
 def check_tokenization(
     tokenizer: PreTrainedTokenizerFast, examples: Sequence[DocQAExample]
 ) -> None:
-    """Raises unless the fast path equals the engine's canonical tokenization."""
+    """Raises unless the fast paths equal the engine's canonical tokenization: the
+    prompt as ``chunk_conversation`` serves it, and a training conversation (follow-ups
+    included) as the chat template renders it."""
     from chunkstore.chunking import chunk_conversation
 
-    for ex in examples:
+    end = tokenizer.convert_tokens_to_ids(chat_family(FAMILY).eos)
+    for ex, segments in zip(examples, _batch_ids(tokenizer, examples), strict=True):
         canonical = [t for c in chunk_conversation(tokenizer, ex.messages) for t in c.token_ids]
         if canonical != prompt_ids(tokenizer, ex):
             raise AssertionError(f"fast tokenization differs from chunk_conversation: {ex}")
+        full = [
+            t
+            for c in chunk_conversation(tokenizer, ex.conversation, add_generation_prompt=False)
+            for t in c.token_ids
+        ]
+        trained = [t for ids, _ in segments for t in ids]
+        # the template closes the last turn with a newline the training sequence omits
+        if full[: len(trained)] != trained or tokenizer.decode(full[len(trained) :]) != "\n":
+            raise AssertionError(f"training conversation differs from the chat template: {ex}")
+        if trained[-1] != end:
+            raise AssertionError("a training conversation must end with the end-of-turn token")
 
 
 # -- batches ----------------------------------------------------------------------------
@@ -191,14 +220,21 @@ def max_docs_at(step: int, cfg: TrainConfig) -> int:
 
 
 def encode_batch(
-    tokenizer: PreTrainedTokenizerFast, examples: Sequence[DocQAExample], answer_weight: float
+    tokenizer: PreTrainedTokenizerFast,
+    examples: Sequence[DocQAExample],
+    answer_weight: float,
+    prompt_weight: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input ids, target ids, loss weights), right-padded; targets are the next tokens."""
+    """(input ids, target ids, loss weights), right-padded; targets are the next tokens,
+    weighted ``answer_weight`` in answers (end tokens included), else ``prompt_weight``."""
     seqs, weights = [], []
-    for prompt, answer in _batch_ids(tokenizer, examples):
-        seqs.append(prompt + answer)
-        # weight of predicting token i+1 from position i
-        weights.append([1.0] * (len(prompt) - 1) + [answer_weight] * len(answer))
+    for segments in _batch_ids(tokenizer, examples):
+        seq, w = [], []
+        for ids, is_answer in segments:
+            seq += ids
+            w += [answer_weight if is_answer else prompt_weight] * len(ids)
+        seqs.append(seq)
+        weights.append(w[1:])  # weight of predicting token i+1 from position i
     length = -(-(max(len(s) for s in seqs) - 1) // 16) * 16  # a multiple of 16
     pad = tokenizer.pad_token_id
     rows = [s + [pad] * (length + 1 - len(s)) for s in seqs]
@@ -230,10 +266,14 @@ class _Batches(torch.utils.data.IterableDataset):
             rng = random.Random(f"docqa-train/{self.cfg.seed}/{step}")
             high = max(self.gated_docs, max_docs_at(step, self.cfg))
             examples = [
-                docqa_data.generate_example(rng, rng.randint(docqa_data.MIN_DOCS, high), "train")
+                docqa_data.generate_example(
+                    rng, rng.randint(docqa_data.MIN_DOCS, high), "train", questions=self.cfg.turns
+                )
                 for _ in range(self.cfg.batch_size)
             ]
-            yield encode_batch(self.tokenizer, examples, self.cfg.answer_weight)
+            yield encode_batch(
+                self.tokenizer, examples, self.cfg.answer_weight, self.cfg.prompt_weight
+            )
             step += workers
 
 
@@ -386,7 +426,14 @@ def train(
     workers = cfg.num_workers
     if workers is None:
         workers = min(8, (os.cpu_count() or 2) - 1) if device.type == "cuda" else 0
-    check_tokenization(tokenizer, docqa_data.generate(cfg.seed, 20, (2, 16), "train"))
+    rng = random.Random(f"docqa-check/{cfg.seed}")
+    check_tokenization(
+        tokenizer,
+        [
+            docqa_data.generate_example(rng, rng.randint(2, 16), "train", questions=cfg.turns)
+            for _ in range(20)
+        ],
+    )
     started = time.perf_counter()
     requested_steps = cfg.steps
     gated = cfg.curriculum == "gated"
@@ -565,8 +612,10 @@ def make_docqa_model(
     if unknown:
         raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
     cfg = TrainConfig(**{**train_options, "seed": seed})  # type: ignore[arg-type]
-    if cfg.steps < 1 or cfg.batch_size < 1:
-        raise ValueError("steps and batch_size must be positive")
+    if cfg.steps < 1 or cfg.batch_size < 1 or cfg.turns < 1:
+        raise ValueError("steps, batch_size and turns must be positive")
+    if cfg.answer_weight <= 0 or cfg.prompt_weight < 0:
+        raise ValueError("answer_weight must be positive and prompt_weight not negative")
     out = Path(out_dir)
     _check_out_dir(out, overwrite)
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
