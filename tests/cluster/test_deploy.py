@@ -177,3 +177,38 @@ def test_submit_batch_script():
     assert build_parser().parse_args([*args, "--output", defaults["output"]]).handler
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert callable(resolve(scripts["chunkserve"]))
+
+
+RAY_GCS_DEFAULT_PORT = 6379  # `ray start --head` without --port
+REDIS_DEFAULT_PORT = 6379  # `redis-server` without --port
+
+
+def _ports(text: str, command: str, default: int) -> list[int]:
+    """The port of each shell command in ``text`` (script or comment) that starts with
+    ``command``: its --port, else the default. Prose naming the command is skipped."""
+    starts = r"(?:^[\s#-]*|&&\s*|\|\|\s*|;\s*)"
+    pattern = re.compile(starts + re.escape(command) + r"(?P<args>[^&|;\n]*)", re.MULTILINE)
+    ports = []
+    for match in pattern.finditer(text):
+        given = re.search(r"--port[= ](\d+)", match.group("args"))
+        ports.append(int(given.group(1)) if given else default)
+    return ports
+
+
+@pytest.mark.parametrize("name", ["serve.yaml", "cluster.yaml"])
+def test_setup_steps_keep_redis_off_rays_gcs_port(name):
+    text = (DEPLOY / name).read_text()
+    redis_ports = _ports(text, "redis-server", REDIS_DEFAULT_PORT)
+    gcs_ports = _ports(text, "ray start --head", RAY_GCS_DEFAULT_PORT)
+    assert redis_ports and gcs_ports, f"{name} should show how Redis and Ray start"
+    assert not set(redis_ports) & set(gcs_ports), (name, redis_ports, gcs_ports)
+
+
+def test_serve_yaml_app_uses_the_redis_its_setup_starts():
+    (app,) = serve_config("serve.yaml")["applications"]
+    url = urlsplit(app_config(app).directory.redis.url)
+    assert url.hostname == "127.0.0.1"
+    assert url.port != RAY_GCS_DEFAULT_PORT  # `serve deploy` runs on a `ray start --head`
+    assert _ports((DEPLOY / "serve.yaml").read_text(), "redis-server", REDIS_DEFAULT_PORT) == [
+        url.port
+    ]
