@@ -68,6 +68,10 @@ SYSTEM_PROMPTS = (
 MIN_DOCS, MAX_DOCS = 2, 16
 SINGLE_HOP = ("person_city", "person_age", "person_team", "team_city", "team_leader")
 TWO_HOP = ("team_of_person_city", "team_of_person_leader", "leader_age", "leader_city")
+# Training only (follow-ups with ``reverse``): a value asks for its subject. Answering
+# them needs each value to carry its subject, the half of binding the forward questions
+# build on; asked only where the answer is unique.
+REVERSE = ("city_resident", "age_holder", "team_member", "city_team", "leader_team")
 QUESTIONS = {
     "person_city": "Where does {s} live?",
     "person_age": "How old is {s}?",
@@ -78,6 +82,11 @@ QUESTIONS = {
     "team_of_person_leader": "Who leads the team of {s}?",
     "leader_age": "How old is the leader of the {s} team?",
     "leader_city": "Where does the leader of the {s} team live?",
+    "city_resident": "Who lives in {s}?",
+    "age_holder": "Who is {s} years old?",
+    "team_member": "Who works in the {s} team?",
+    "city_team": "Which team is based in {s}?",
+    "leader_team": "Which team is led by {s}?",
 }
 HELDOUT_BUCKETS = 16  # one combination in 16 is held out
 _SPLIT_SEED_OFFSET = {"train": 0, "heldout": 1_000_003}
@@ -218,17 +227,34 @@ def _candidates(people: list[_Person], teams: list[_Team]) -> list[tuple[str, st
     return out
 
 
+def _reverse_candidates(
+    people: list[_Person], teams: list[_Team]
+) -> list[tuple[str, str, str, list]]:
+    """(kind, value, subject, [subject]) of every reverse question with a unique answer."""
+    by_value: dict[tuple[str, str], list[str]] = {}
+    for p in people:
+        for fact, kind in (("city", "city_resident"), ("age", "age_holder"), ("team", "team_member")):
+            if fact in p.facts:
+                by_value.setdefault((kind, p.facts[fact]), []).append(p.name)
+    for t in teams:
+        by_value.setdefault(("city_team", t.city), []).append(t.name)
+        by_value.setdefault(("leader_team", t.leader), []).append(t.name)
+    return [(k, v, names[0], names) for (k, v), names in by_value.items() if len(names) == 1]
+
+
 def generate_example(
     rng: random.Random,
     num_docs: int,
     split: str = "train",
     hops: int | None = None,
     questions: int = 1,
+    reverse: bool = False,
 ) -> DocQAExample:
     """One example with ``num_docs`` documents; ``hops`` 1 or 2, or None for either
     (even odds). Draws worlds until one has a question of the wanted split and hops.
     ``questions`` > 1 adds up to that many - 1 follow-ups (training conversations with
-    several turns); with 1 the random stream is the one it has always been."""
+    several turns); with 1 the random stream is the one it has always been. ``reverse``
+    lets follow-ups also be ``REVERSE`` questions (the first question never is)."""
     if questions < 1:
         raise ValueError(f"questions must be at least 1, got {questions}")
     if not MIN_DOCS <= num_docs <= MAX_DOCS:
@@ -255,7 +281,7 @@ def generate_example(
         )
         follow_ups: tuple[tuple[str, str], ...] = ()
         if questions > 1:
-            follow_ups = _follow_ups(rng, people, teams, split, combo, questions - 1)
+            follow_ups = _follow_ups(rng, people, teams, split, combo, questions - 1, reverse)
         docs = [(p.name, person_document(p, rng)) for p in people]
         docs += [(t.name, team_document(t, rng)) for t in teams]
         rng.shuffle(docs)
@@ -280,11 +306,13 @@ def _follow_ups(
     split: str,
     asked: tuple[str, ...],
     count: int,
+    reverse: bool,
 ) -> tuple[tuple[str, str], ...]:
     """Up to ``count`` further questions of ``split`` about the same world, none asked
     twice, kinds drawn evenly among those left."""
     left: dict[str, list[tuple[str, str]]] = {}
-    for c in _candidates(people, teams):
+    extra = _reverse_candidates(people, teams) if reverse else []
+    for c in [*_candidates(people, teams), *extra]:
         combo = (c[0], c[1], *c[4:], c[2])
         if combo != asked and is_heldout(combo) == (split == "heldout"):
             left.setdefault(c[0], []).append((c[1], c[2]))

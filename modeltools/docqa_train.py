@@ -62,6 +62,7 @@ class TrainConfig:
     answer_weight: float = 5.0  # loss weight of the answer tokens and the end token
     prompt_weight: float = 1.0  # loss weight of every other token (0: answers only)
     turns: int = 1  # questions per training conversation (later ones as follow-up turns)
+    reverse: bool = False  # follow-ups may be reverse questions (a value asks for its subject)
     lr_schedule: str = "wsd"  # "wsd": warmup, constant, linear decay over decay_frac; "cosine"
     decay_frac: float = 0.2  # share of the steps the wsd schedule decays over (to min_lr_ratio)
     curriculum: str = "gated"  # "gated" (accuracy-gated), "linear" or a schedule "0:4,900:6,..."
@@ -267,7 +268,11 @@ class _Batches(torch.utils.data.IterableDataset):
             high = max(self.gated_docs, max_docs_at(step, self.cfg))
             examples = [
                 docqa_data.generate_example(
-                    rng, rng.randint(docqa_data.MIN_DOCS, high), "train", questions=self.cfg.turns
+                    rng,
+                    rng.randint(docqa_data.MIN_DOCS, high),
+                    "train",
+                    questions=self.cfg.turns,
+                    reverse=self.cfg.reverse,
                 )
                 for _ in range(self.cfg.batch_size)
             ]
@@ -430,7 +435,9 @@ def train(
     check_tokenization(
         tokenizer,
         [
-            docqa_data.generate_example(rng, rng.randint(2, 16), "train", questions=cfg.turns)
+            docqa_data.generate_example(
+                rng, rng.randint(2, 16), "train", questions=cfg.turns, reverse=cfg.reverse
+            )
             for _ in range(20)
         ],
     )
