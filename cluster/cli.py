@@ -88,12 +88,22 @@ _TRAIN_OPTIONS = (
     ("warmup_steps", int, "learning-rate warmup steps (default 300)"),
     ("weight_decay", float, "AdamW weight decay of matrices (default 0.1)"),
     ("answer_weight", float, "loss weight of answer and end tokens (default 5)"),
-    ("prompt_weight", float, "loss weight of every other token; 0 trains on answers only (default 1)"),
+    (
+        "prompt_weight",
+        float,
+        "loss weight of every other token; 0 trains on answers only (default 1)",
+    ),
     (
         "turns",
         int,
         "questions per training conversation, the later ones as follow-up turns over the "
         "same documents (default 1)",
+    ),
+    (
+        "reverse",
+        lambda text: _parse_bool("--reverse", text),
+        "true: follow-ups may also ask a value for its subject ('Who lives in Oslo?'), "
+        "which trains the binding forward questions need (default false)",
     ),
     ("lr_schedule", str, "wsd (warmup, constant, linear decay) or cosine (default wsd)"),
     ("decay_frac", float, "share of steps the wsd schedule decays over (default 0.2)"),
@@ -129,6 +139,15 @@ _TRAIN_OPTIONS = (
     ("num_workers", int, "data-loader processes (default: up to 8 on cuda, else 0)"),
     ("init_from", str, "continue from this checkpoint's weights"),
 )
+
+
+def _parse_bool(option: str, text: str) -> bool:
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(
+        text.lower()
+    )
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{option} takes true or false, got {text!r}")
+    return value
 
 
 def _parse_assignment(text: str) -> tuple[str, object]:
