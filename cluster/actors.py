@@ -1,4 +1,4 @@
-"""The named Ray actors of a cluster: its workers and (embedded) directory host.
+"""The named Ray actors of a cluster: its workers, (embedded) directory host and keeper.
 
 Invariants:
 - Names derive from the cluster name only, so every router replica, the ``serve``
@@ -6,20 +6,27 @@ Invariants:
   is get-or-create (atomic in Ray), so concurrent callers never start two.
 - A worker's id equals its actor name and is stable across restarts (its epoch is
   what changes); the Redis directory needs ids unique per key prefix.
-- Serving clusters are detached (they outlive whichever process created them and are
-  removed by ``kill_cluster``); a batch job's are owned by the job's driver and die
-  with it.
+- Serving clusters are detached and live as long as their Serve app: their keeper
+  removes them once the app is gone (``serve delete``, ``serve shutdown``, the end of
+  ``serve run``); ``kill_cluster`` removes them at once. A batch job's are owned by
+  the job's driver and die with it.
+- Nothing is created that the Ray cluster cannot place: ``ensure_cluster`` first
+  checks the workers' resource requests against the cluster's (``check_placement``)
+  and refuses with a ``ValueError`` naming the shortfall and the config keys.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from cluster.config import ClusterConfig
 from workers.engine.config import EngineConfig
@@ -27,8 +34,15 @@ from workers.runtime.actor import WorkerActor
 from workers.runtime.directory_client import DirectoryHostActor, DirectoryKind, DirectorySpec
 from workers.runtime.worker_types import WorkerInfo, WorkerSpec
 
+logger = logging.getLogger(__name__)
+
 # An async actor runs this many method calls at once (streams included).
 _WORKER_CONCURRENCY = 4096
+# Ray's view of free resources lags actors that just ended: a check that fails is
+# repeated for this long before it refuses.
+_PLACEMENT_WAIT_S = 5.0
+_PLACEMENT_POLL_S = 0.5
+_EPSILON = 1e-6  # below Ray's resource granularity (1e-4)
 
 
 @dataclass(frozen=True)
@@ -42,6 +56,10 @@ class ClusterActors:
 
 def worker_ids(cfg: ClusterConfig) -> list[str]:
     return [f"{cfg.name}-worker-{i}" for i in range(cfg.workers.count)]
+
+
+def keeper_name(cfg: ClusterConfig) -> str:
+    return f"{cfg.name}-keeper"
 
 
 def directory_spec(cfg: ClusterConfig) -> DirectorySpec:
@@ -66,8 +84,217 @@ def engine_config(cfg: ClusterConfig, model_dir: Path) -> EngineConfig:
     )
 
 
+# -- resources -------------------------------------------------------------------------
+
+
+def worker_resources(cfg: ClusterConfig) -> dict[str, float]:
+    """What one worker actor asks Ray for (Ray's resource names)."""
+    return {"CPU": cfg.workers.num_cpus, "GPU": cfg.workers.num_gpus}
+
+
+def replica_resources(cfg: ClusterConfig) -> dict[str, float]:
+    """What one router replica asks Ray for (``cluster.app.build_app``'s options)."""
+    return {"CPU": cfg.server.replica_num_cpus}
+
+
+@dataclass(frozen=True)
+class Demand:
+    """Actors of one kind that a config asks Ray to place."""
+
+    what: str  # "worker", "router replica"
+    count: int  # all of them
+    new: int  # of those, not running yet (they need free resources)
+    resources: Mapping[str, float]  # one actor's request, by Ray resource name
+    count_key: str  # the config key that sets ``count``
+    resource_keys: Mapping[str, str]  # Ray resource name -> the config key that sets it
+
+
+def worker_demand(cfg: ClusterConfig) -> Demand:
+    running = sum(handle is not None for handle in find_workers(cfg).values())
+    return Demand(
+        "worker",
+        cfg.workers.count,
+        cfg.workers.count - running,
+        worker_resources(cfg),
+        "workers.count",
+        {"CPU": "workers.num_cpus", "GPU": "workers.num_gpus"},
+    )
+
+
+def replica_demand(cfg: ClusterConfig, *, running: bool) -> Demand:
+    """``running``: the app's replicas exist already (a redeploy keeps them)."""
+    count = cfg.server.num_replicas
+    return Demand(
+        "router replica",
+        count,
+        0 if running else count,
+        replica_resources(cfg),
+        "server.num_replicas",
+        {"CPU": "server.replica_num_cpus"},
+    )
+
+
+def placement_problem(
+    demands: Sequence[Demand],
+    nodes: Sequence[Mapping[str, float]],
+    free: Mapping[str, float] | None,
+) -> str | None:
+    """Why ``demands`` cannot be placed, or None if they can.
+
+    ``nodes``: each node's total resources; every actor must fit on one node, all
+    of them together (first fit, largest first). ``free``: resources free now in
+    the whole cluster, which the actors not yet running must fit in (None: not
+    checked, as where an autoscaler adds nodes). A request of 0 fits anywhere.
+    """
+    totals = _sum(nodes)
+    short = _short(demands, totals, new=False)
+    if short:
+        where = f"the Ray cluster has {{}} in all ({_count(len(nodes), 'node')})"
+        return _explain(demands, short, totals, where, new=False)
+    unplaced = _pack(demands, nodes)
+    if unplaced:
+        actor = unplaced[0]
+        return (
+            f"no node has room for {_count(len(unplaced), actor.what)} (each needs "
+            f"{_amounts(actor.resources)} on one node; the nodes have "
+            f"{'; '.join(_amounts(node) for node in nodes)}). Change "
+            f"{_keys([actor], actor.resources)}, or add larger nodes (see `ray status`)"
+        )
+    if free is not None:
+        short = _short(demands, free, new=True)
+        if short:
+            where = "only {} are free now (other actors hold the rest: see `ray status`)"
+            return _explain(demands, short, free, where, new=True)
+    return None
+
+
+def check_placement(cfg: ClusterConfig, demands: Callable[[], Sequence[Demand]]) -> None:
+    """Refuse (``ValueError``) unless the connected Ray cluster can place ``demands()``.
+
+    Asked again for up to ``_PLACEMENT_WAIT_S`` while it fails (Ray's resource
+    view lags actors that just ended). A cluster with an autoscaler is checked
+    against the most it can grow to, and its free resources are not checked.
+    """
+    deadline = time.monotonic() + _PLACEMENT_WAIT_S
+    while True:
+        problem = _problem_now(demands())
+        if problem is None:
+            return
+        if time.monotonic() >= deadline:
+            raise ValueError(f"cluster {cfg.name!r} cannot be placed: {problem}")
+        time.sleep(_PLACEMENT_POLL_S)
+
+
+def _problem_now(demands: Sequence[Demand]) -> str | None:
+    ceiling = _autoscaler_ceiling()
+    if ceiling is not None:
+        return placement_problem(demands, [ceiling], None)
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+    return placement_problem(demands, nodes, ray.available_resources())
+
+
+def _autoscaler_ceiling() -> dict[str, float] | None:
+    """The most resources an autoscaling cluster can grow to (None: no autoscaler).
+
+    The private accessor Ray Train and Ray Data use for the same question; Ray
+    releases without it count as clusters of fixed size."""
+    from ray._private import state
+
+    accessor = getattr(state.state, "get_max_resources_from_cluster_config", None)
+    return None if accessor is None else accessor()
+
+
+def _sum(pools: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for pool in pools:
+        for name, amount in pool.items():
+            totals[name] = totals.get(name, 0.0) + amount
+    return totals
+
+
+def _short(demands: Sequence[Demand], have: Mapping[str, float], *, new: bool) -> dict[str, float]:
+    """Resource -> amount asked, where more is asked than ``have``."""
+    asked = _sum([{k: v * _n(d, new) for k, v in d.resources.items()} for d in demands])
+    return {k: v for k, v in asked.items() if v > have.get(k, 0.0) + _EPSILON}
+
+
+def _pack(demands: Sequence[Demand], nodes: Sequence[Mapping[str, float]]) -> list[Demand]:
+    """The actors that find no node with room (first fit, largest request first)."""
+    room = [dict(node) for node in nodes]
+    actors = [d for d in demands for _ in range(d.count)]
+    actors.sort(key=lambda d: (d.resources.get("GPU", 0), sum(d.resources.values())), reverse=True)
+    unplaced = []
+    for actor in actors:
+        need = {k: v for k, v in actor.resources.items() if v > 0}
+        node = next((n for n in room if all(n.get(k, 0) + _EPSILON >= need[k] for k in need)), None)
+        if node is None:
+            unplaced.append(actor)
+            continue
+        for k, v in need.items():
+            node[k] -= v
+    return unplaced
+
+
+def _explain(
+    demands: Sequence[Demand],
+    short: Mapping[str, float],
+    have: Mapping[str, float],
+    where: str,
+    *,
+    new: bool,
+) -> str:
+    """The shortfall in words: it asks for 2.5 CPU (2 workers x 1 CPU + ...) but
+    <where>. Change <keys> ...; ``where`` has a {} for the amount there is."""
+    parts = []
+    for name, amount in sorted(short.items()):
+        terms = " + ".join(
+            f"{_count(_n(d, new), d.what)} x {d.resources[name]:g} {name}"
+            for d in demands
+            if d.resources.get(name, 0) > 0 and _n(d, new)
+        )
+        parts.append(
+            f"{amount:g} {name} ({terms}) but " + where.format(f"{have.get(name, 0):g} {name}")
+        )
+    asking = [d for d in demands if _n(d, new) and any(d.resources.get(k, 0) > 0 for k in short)]
+    lead = "the actors it has yet to start ask for " if new else "it asks for "
+    return (
+        f"{lead}{'; '.join(parts)}. Change {_keys(asking, short)} (e.g. with --set), "
+        "or use a larger Ray cluster (ray.address)"
+    )
+
+
+def _n(demand: Demand, new: bool) -> int:
+    return demand.new if new else demand.count
+
+
+def _keys(demands: Sequence[Demand], resources: Mapping[str, float]) -> str:
+    keys = [d.count_key for d in demands]
+    keys += [d.resource_keys[k] for d in demands for k in resources if k in d.resource_keys]
+    keys = list(dict.fromkeys(keys))
+    return keys[0] if len(keys) == 1 else ", ".join(keys[:-1]) + " or " + keys[-1]
+
+
+def _amounts(resources: Mapping[str, float]) -> str:
+    """What a request or node has ("4 CPU, 1 GPU"), without Ray's bookkeeping resources."""
+    shown = sorted(
+        (k, v)
+        for k, v in resources.items()
+        if v > 0 and k not in ("memory", "object_store_memory") and ":" not in k
+    )
+    return ", ".join(f"{v:g} {k}" for k, v in shown) or "nothing"
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+# -- creating and removing ------------------------------------------------------------
+
+
 def ensure_cluster(cfg: ClusterConfig, model_dir: Path, *, detached: bool) -> ClusterActors:
-    """Get or create the cluster's directory host (embedded) and workers."""
+    """Get or create the cluster's directory host (embedded), workers and (detached)
+    keeper; ``ValueError`` if the Ray cluster cannot place the workers."""
+    check_placement(cfg, lambda: [worker_demand(cfg)])
     spec = directory_spec(cfg)
     lifetime = "detached" if detached else None
     host = None
@@ -81,6 +308,7 @@ def ensure_cluster(cfg: ClusterConfig, model_dir: Path, *, detached: bool) -> Cl
             max_restarts=-1,  # a restarted host is empty; publishers re-sync with snapshots
         ).remote(cfg.directory.lease_ttl_s)
     engine = engine_config(cfg, model_dir)
+    resources = worker_resources(cfg)
     workers = {}
     for worker_id in worker_ids(cfg):
         worker_spec = WorkerSpec(
@@ -95,12 +323,14 @@ def ensure_cluster(cfg: ClusterConfig, model_dir: Path, *, detached: bool) -> Cl
             namespace=spec.ray_namespace,
             lifetime=lifetime,
             get_if_exists=True,
-            num_cpus=cfg.workers.num_cpus,
-            num_gpus=cfg.workers.num_gpus,
+            num_cpus=resources["CPU"],
+            num_gpus=resources["GPU"],
             max_restarts=cfg.workers.max_restarts,
             max_task_retries=0,  # the router decides what may be retried
             max_concurrency=_WORKER_CONCURRENCY,
         ).remote(worker_spec)
+    if detached:
+        _ensure_keeper(cfg, spec)
     return ClusterActors(workers=workers, directory=spec, directory_host=host)
 
 
@@ -109,13 +339,14 @@ def find_workers(cfg: ClusterConfig) -> dict[str, ActorHandle | None]:
     return {worker_id: _find(worker_id, cfg.ray.namespace) for worker_id in worker_ids(cfg)}
 
 
+def find_keeper(cfg: ClusterConfig) -> ActorHandle | None:
+    return _find(keeper_name(cfg), cfg.ray.namespace)
+
+
 def kill_cluster(cfg: ClusterConfig) -> None:
-    """Kill the cluster's named actors for good (no restart)."""
-    names = [*worker_ids(cfg), directory_spec(cfg).host_actor]
-    for name in names:
-        handle = _find(name, cfg.ray.namespace)
-        if handle is not None:
-            ray.kill(handle, no_restart=True)
+    """Kill the cluster's named actors for good (no restart), its keeper first."""
+    names = [keeper_name(cfg), *worker_ids(cfg), directory_spec(cfg).host_actor]
+    _kill(names, cfg.ray.namespace)
 
 
 def wait_ready(actors: ClusterActors, timeout_s: float) -> list[WorkerInfo]:
@@ -138,3 +369,112 @@ def _find(name: str, namespace: str) -> ActorHandle | None:
         return ray.get_actor(name, namespace=namespace)
     except ValueError:
         return None
+
+
+def _kill(names: Sequence[str], namespace: str) -> None:
+    for name in names:
+        handle = _find(name, namespace)
+        if handle is not None:
+            ray.kill(handle, no_restart=True)
+
+
+# -- the keeper -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClusterRecord:
+    """What a serving cluster was started with (``chunkserve status`` reads it)."""
+
+    app_name: str  # the Serve app whose lifetime the cluster shares
+    directory: DirectorySpec
+
+
+class ClusterKeeper:
+    """A serving cluster's record, and the end of its actors once its app is gone.
+
+    Invariant: after the keeper has seen its Serve app, the cluster's actors live
+    as long as the app does: when Serve has had no such app for ``gone_polls``
+    polls in a row, the keeper kills the actors named in ``actor_names`` and then
+    itself. Before it has seen the app (while ``chunkserve serve`` loads the
+    workers) it kills nothing.
+    """
+
+    def __init__(
+        self,
+        record: ClusterRecord,
+        actor_names: list[str],
+        namespace: str,
+        poll_interval_s: float = 1.0,
+        gone_polls: int = 5,
+    ) -> None:
+        self._record = record
+        self._names = actor_names
+        self._namespace = namespace
+        self._interval_s = poll_interval_s
+        self._gone_polls = gone_polls
+        threading.Thread(target=self._watch, name="keeper", daemon=True).start()
+
+    def record(self) -> ClusterRecord:
+        return self._record
+
+    def _watch(self) -> None:
+        seen, missing = False, 0
+        while True:
+            time.sleep(self._interval_s)
+            try:
+                present = _app_present(self._record.app_name)
+            except Exception:  # a watchdog that stops watching leaks the workers
+                logger.exception("could not ask Serve about app %r", self._record.app_name)
+                continue
+            seen = seen or present
+            missing = 0 if present else missing + 1
+            if seen and missing >= self._gone_polls:
+                break
+        logger.warning(
+            "Serve app %r is gone: removing its actors %s", self._record.app_name, self._names
+        )
+        _kill(self._names, self._namespace)
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+
+KeeperActor = ray.remote(ClusterKeeper)
+
+
+def _app_present(app_name: str) -> bool:
+    """Whether Serve runs ``app_name`` now (False while Serve is not running)."""
+    from ray import serve
+    from ray.serve import context
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        return app_name in serve.status().applications
+    except (RayError, RayServeException):
+        # The controller this process knew has ended (``serve shutdown``): forget it,
+        # so that the next poll finds a new one or none.
+        context._set_global_client(None)
+        return False
+
+
+def _ensure_keeper(cfg: ClusterConfig, spec: DirectorySpec) -> None:
+    names = [*worker_ids(cfg), spec.host_actor]
+    record = ClusterRecord(app_name=_serve_app_name(cfg), directory=spec)
+    KeeperActor.options(
+        name=keeper_name(cfg),
+        namespace=cfg.ray.namespace,
+        lifetime="detached",
+        get_if_exists=True,
+        num_cpus=0,
+        max_restarts=-1,
+    ).remote(record, names, cfg.ray.namespace)
+
+
+def _serve_app_name(cfg: ClusterConfig) -> str:
+    """The app of the replica calling, else the config's name (as ``chunkserve serve``
+    names its app)."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        return serve.get_replica_context().app_name
+    except RayServeException:
+        return cfg.name

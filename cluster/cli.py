@@ -4,7 +4,10 @@ Each subcommand is a pair: ``_add_<name>(subparsers)`` declares its arguments an
 ``handler`` to ``_run_<name>(args) -> int``. Handlers import what they need themselves,
 so one subcommand never pays for another's imports.
 
-Exit codes: 0 success, 2 bad input (a one-line message on stderr, no traceback).
+Exit codes, each failure with a one-line message on stderr and no traceback: 0 success
+(``serve``: stopped by SIGTERM or SIGHUP), 1 no Ray cluster answers where the config
+points, 2 bad input (including a config the Ray cluster cannot place), 130 interrupted
+by Ctrl-C (``serve`` and ``batch`` remove their workers first).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 EXIT_OK = 0
+EXIT_UNREACHABLE = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -28,8 +33,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.handler(args)
     except ValueError as error:
-        print(f"chunkserve {args.command}: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(args, f"error: {error}", EXIT_USAGE)
+    except KeyboardInterrupt:
+        return _fail(args, _INTERRUPTED.get(args.command, "interrupted"), EXIT_INTERRUPTED)
+    except ConnectionError as error:
+        from cluster.ray_session import RayUnreachable
+
+        if not isinstance(error, RayUnreachable):
+            raise
+        return _fail(args, f"error: {error}", EXIT_UNREACHABLE)
+
+
+_INTERRUPTED = {
+    "serve": "interrupted; the app and its workers are removed",
+    "batch": "interrupted; the records written so far are kept (run it again with the same "
+    "--output to resume)",
+}
+
+
+def _fail(args: argparse.Namespace, message: str, code: int) -> int:
+    print(f"chunkserve {args.command}: {message}", file=sys.stderr, flush=True)
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -274,7 +298,10 @@ def _add_status(subparsers: argparse._SubParsersAction) -> None:
         "status",
         help="show a running cluster's workers, chunks and cache hit rate",
         description="Connect to the running Ray cluster and report on the workers and "
-        "chunk directory of the config's cluster.",
+        "chunk directory of the config's cluster (found by its name and ray.namespace). "
+        "The Ray cluster is the config's ray.address, else RAY_ADDRESS, else the one "
+        "started on this machine; the directory is the one the running cluster uses "
+        "(the server's --sets included). Takes the same --set overrides as serve.",
     )
     _add_config_arguments(p)
     p.set_defaults(handler=_run_status)

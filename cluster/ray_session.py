@@ -1,12 +1,29 @@
-"""Joining or starting Ray as a config says."""
+"""Joining or starting Ray as a config says.
+
+A Ray cluster that cannot be reached is a ``RayUnreachable`` naming the address
+tried and how to give another, raised within ``_PROBE_TIMEOUT_S`` (``ray.init``
+itself waits minutes on an address where nothing listens).
+"""
 
 from __future__ import annotations
+
+import os
+import socket
 
 import ray
 
 from cluster.config import RaySection
 
 _JOINING_ERROR = "When connecting to an existing cluster"
+_PROBE_TIMEOUT_S = 3.0
+_HOW_TO_POINT = (
+    "start one (`chunkserve serve`, `ray start --head`) or point at a running one with "
+    "--set ray.address=HOST:PORT (its GCS address, as `ray start` prints it) or RAY_ADDRESS"
+)
+
+
+class RayUnreachable(ConnectionError):
+    """No Ray cluster answers where the config (or RAY_ADDRESS) points."""
 
 
 def connect_ray(section: RaySection, *, must_exist: bool = False) -> None:
@@ -19,13 +36,43 @@ def connect_ray(section: RaySection, *, must_exist: bool = False) -> None:
     address = section.address
     if must_exist and address is None:
         address = "auto"
+    _probe(address)
     kwargs = {"namespace": section.namespace, "log_to_driver": True}
     if section.num_cpus is None or must_exist:
-        ray.init(address=address, **kwargs)
+        _init(address, kwargs)
         return
     try:
         ray.init(address=address, num_cpus=section.num_cpus, **kwargs)
     except ValueError as error:  # joining a running cluster: its size is not ours to set
         if _JOINING_ERROR not in str(error):
             raise
+        _init(address, kwargs)
+
+
+def _init(address: str | None, kwargs: dict) -> None:
+    try:
         ray.init(address=address, **kwargs)
+    except ConnectionError:  # "auto" found no cluster
+        tried = os.environ.get("RAY_ADDRESS") or "this machine (ray.address null, no RAY_ADDRESS)"
+        raise RayUnreachable(f"no running Ray cluster found on {tried}; {_HOW_TO_POINT}") from None
+
+
+def _probe(address: str | None) -> None:
+    """Fail fast where a GCS address (host:port, here or from RAY_ADDRESS) does not
+    accept connections. Other forms (auto, local, ray://) are left to ``ray.init``."""
+    if address in (None, "auto"):
+        address, source = os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS"
+    else:
+        source = "ray.address"
+    if not address or "://" in address or address == "local":
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=_PROBE_TIMEOUT_S).close()
+    except OSError as error:
+        reason = error.strerror or str(error) or type(error).__name__
+        raise RayUnreachable(
+            f"no Ray cluster at {address} ({source}): {reason}; {_HOW_TO_POINT}"
+        ) from None

@@ -1,18 +1,24 @@
 """``chunkserve status``: the workers, the directory and the cache hit rate of a
-running cluster (found by the config's cluster name)."""
+running cluster (found by the config's cluster name and Ray namespace).
+
+The directory is the one the running cluster uses, as its keeper recorded it at
+start (``--set``s of the server included); the config's only where no keeper runs
+(a cluster started by an older chunkserve, or not running), and the report says so.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
 from chunkstore.directory import DirectoryStats
-from cluster.actors import directory_spec, find_workers
+from cluster.actors import ClusterRecord, directory_spec, find_keeper, find_workers
 from cluster.config import ClusterConfig
 from cluster.ray_session import connect_ray
-from workers.runtime.directory_client import connect_directory
+from workers.runtime.directory_client import DirectoryKind, DirectorySpec, connect_directory
 from workers.runtime.worker_types import WorkerStatus
 
 _TIMEOUT_S = 5.0
@@ -27,14 +33,35 @@ class WorkerRow:
 
 @dataclass(frozen=True)
 class ClusterStatus:
+    ray_address: str  # the GCS address of the Ray cluster asked
     workers: list[WorkerRow]
+    directory_spec: DirectorySpec  # the directory asked
+    recorded: bool  # directory_spec is the running cluster's (else the config's)
     directory: DirectoryStats | None  # None: unreachable or not running
 
 
 def cluster_status(cfg: ClusterConfig) -> ClusterStatus:
+    """``RayUnreachable`` where no Ray cluster answers at the config's address."""
     connect_ray(cfg.ray, must_exist=True)
-    rows = [_row(worker_id, handle) for worker_id, handle in find_workers(cfg).items()]
-    return ClusterStatus(workers=rows, directory=_directory_stats(cfg))
+    record = _record(cfg)
+    spec = record.directory if record is not None else directory_spec(cfg)
+    return ClusterStatus(
+        ray_address=ray.get_runtime_context().gcs_address,
+        workers=[_row(worker_id, handle) for worker_id, handle in find_workers(cfg).items()],
+        directory_spec=spec,
+        recorded=record is not None,
+        directory=_directory_stats(spec),
+    )
+
+
+def _record(cfg: ClusterConfig) -> ClusterRecord | None:
+    keeper = find_keeper(cfg)
+    if keeper is None:
+        return None
+    try:
+        return ray.get(keeper.record.remote(), timeout=_TIMEOUT_S)
+    except (GetTimeoutError, RayError):
+        return None
 
 
 def _row(worker_id: str, handle) -> WorkerRow:
@@ -47,9 +74,9 @@ def _row(worker_id: str, handle) -> WorkerRow:
     return WorkerRow(worker_id, "draining" if status.draining else "healthy", status)
 
 
-def _directory_stats(cfg: ClusterConfig) -> DirectoryStats | None:
+def _directory_stats(spec: DirectorySpec) -> DirectoryStats | None:
     try:
-        directory = connect_directory(directory_spec(cfg))
+        directory = connect_directory(spec)
     except ValueError:  # the embedded host actor is not running
         return None
     try:
@@ -62,7 +89,11 @@ def _directory_stats(cfg: ClusterConfig) -> DirectoryStats | None:
 def format_status(cfg: ClusterConfig, status: ClusterStatus) -> str:
     header = f"{'worker':<28} {'state':<14} {'epoch':>14} {'running':>8} {'served':>8} "
     header += f"{'prompt tok':>11} {'cached tok':>11} {'hit':>5} {'pages':>7}"
-    lines = [f"cluster {cfg.name!r} (model {cfg.model.name!r})", header]
+    lines = [
+        f"cluster {cfg.name!r} (model {cfg.model.name!r}) on Ray at {status.ray_address}, "
+        f"namespace {cfg.ray.namespace!r}",
+        header,
+    ]
     prompt = cached = 0
     for row in status.workers:
         if row.status is None:
@@ -78,18 +109,32 @@ def format_status(cfg: ClusterConfig, status: ClusterStatus) -> str:
             f"{row.status.cached_pages:>7}"
         )
     lines.append(f"cache hit rate (cached / prompt tokens): {_share(cached, prompt)}")
-    lines.append(_directory_line(cfg, status.directory))
+    lines.append(_directory_line(status))
     return "\n".join(lines)
 
 
-def _directory_line(cfg: ClusterConfig, stats: DirectoryStats | None) -> str:
-    kind = cfg.directory.kind
+def _directory_line(status: ClusterStatus) -> str:
+    spec, stats = status.directory_spec, status.directory
     if stats is None:
-        return f"directory ({kind}): unreachable"
-    line = f"directory ({kind}): {stats.live_workers} live workers, {stats.entries} chunk entries"
-    if kind == "embedded":  # the host sees every lookup; a Redis client only its own
-        line += f", {stats.lookups} lookups, hit rate {stats.hit_rate:.0%}"
-    return line
+        line = f"directory ({spec.kind}): unreachable"
+    else:
+        line = f"directory ({spec.kind}): {stats.live_workers} live workers, "
+        line += f"{stats.entries} chunk entries"
+        # the host sees every lookup; a Redis client only its own
+        if spec.kind is DirectoryKind.EMBEDDED:
+            line += f", {stats.lookups} lookups, hit rate {stats.hit_rate:.0%}"
+    whose = "the running cluster's" if status.recorded else "the config's: no keeper runs"
+    return f"{line}; {_where(spec)} ({whose})"
+
+
+def _where(spec: DirectorySpec) -> str:
+    """Where the directory is: at redis://host:6380/0, prefix 'p' (no password), or
+    the host actor's name."""
+    if spec.kind is not DirectoryKind.REDIS:
+        return f"in actor {spec.host_actor!r}"
+    url = urlsplit(spec.redis_url)
+    netloc = (url.hostname or "") + ("" if url.port is None else f":{url.port}")
+    return f"at {url._replace(netloc=netloc).geturl()}, prefix {spec.redis_prefix!r}"
 
 
 def _share(part: int, whole: int) -> str:
