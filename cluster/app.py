@@ -1,25 +1,32 @@
 """The OpenAI-compatible HTTP app: a Ray Serve deployment with a FastAPI ingress.
 
 Every replica is a router: it authenticates, tokenizes, looks up the directory
-and streams from a worker. Replicas share nothing but the directory and the
-workers (found by name, created on first use), so any number of them stay correct.
+and streams from a worker. Replicas share nothing but the directory, the workers
+(found by name, created on first use) and the metrics board, so any number of them
+stay correct.
 
-Order of checks: authentication (401), body parsing and validation (400), model
-(404), prompt and length (400), routing (429, 503). Every error body is
-OpenAI-style ``{"error": {...}}``.
+Order of checks: authentication (401), body size (413, ``server.max_request_bytes``,
+as the body arrives: a larger one is never read whole), body parsing and validation
+(400), model (404), prompt size (400, ``server.max_prompt_chars``, before
+tokenizing), prompt length in tokens (400), routing (429, 503). Every error body is
+OpenAI-style ``{"error": {...}}``. Work that takes CPU time in proportion to the
+request (parsing a large body, tokenizing) runs off the event loop, so ``/health``
+and small requests keep being answered while a huge one is prepared.
 """
 
 # No ``from __future__ import annotations``: FastAPI must see real types on the
 # ingress methods (``request: Request``) after Serve re-wraps them.
+import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field
 from ray import serve
+from ray.exceptions import RayError
 from ray.serve import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -29,8 +36,14 @@ from cluster.chunk_protocol import ChunkList, RegisterChunkRequest
 from cluster.chunk_service import ChunkService
 from cluster.completions import Reply
 from cluster.config import ClusterConfig, load_config
-from cluster.errors import APIError, HTTPStatusError, NoHealthyWorker, NotFound
-from cluster.metrics import Metrics
+from cluster.errors import (
+    APIError,
+    HTTPStatusError,
+    NoHealthyWorker,
+    NotFound,
+    PayloadTooLarge,
+)
+from cluster.metrics import Metrics, SharedMetrics, worker_gauges
 from cluster.model_store import ensure_model
 from cluster.openai_protocol import (
     ChatCompletionRequest,
@@ -40,10 +53,13 @@ from cluster.openai_protocol import (
     parse_request,
 )
 from cluster.tenancy import Authenticator
+from workers.runtime.worker_types import WorkerStatus
 
 logger = logging.getLogger(__name__)
 
 CHUNK_CALL_TIMEOUT_S = 300  # registering computes the chunk's KV (slow on CPU)
+STATUS_TIMEOUT_S = 2.0  # a worker's status, asked for by a /metrics scrape
+PARSE_INLINE_BYTES = 64 * 2**10  # larger bodies are parsed off the event loop
 
 WORKER_HEADER = "X-Chunkserve-Worker"
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -62,6 +78,35 @@ def _json(payload: BaseModel | dict, status: int = 200, headers: dict | None = N
 def error_response(error: APIError) -> Response:
     retry = None if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)}
     return _json(error.body(), status=error.status, headers=retry)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or ``PayloadTooLarge`` as soon as it is known to exceed ``limit``
+    bytes (from its Content-Length, else while it arrives)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(_too_large(f"has {int(declared)} bytes", limit))
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise PayloadTooLarge(_too_large(f"has more than {limit} bytes", limit))
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _too_large(what: str, limit: int) -> str:
+    return (
+        f"the request body {what}, more than the {limit} bytes this server accepts "
+        "(server.max_request_bytes)"
+    )
+
+
+async def parse_body(body_type: type[BaseModel], raw: bytes):
+    """``parse_request``, off the event loop for a large body."""
+    if len(raw) > PARSE_INLINE_BYTES:
+        return await asyncio.to_thread(parse_request, body_type, raw)
+    return parse_request(body_type, raw)
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -84,10 +129,14 @@ class ChunkserveServer:
         model_dir = ensure_model(config.model)
         actors = ensure_cluster(config, model_dir, detached=True)
         self._metrics = Metrics()
+        self._shared = SharedMetrics(self._metrics, f"{config.name}-metrics", config.ray.namespace)
         self._service = build_service(config, model_dir, actors, self._metrics)
+        self._service.max_prompt_chars = config.server.max_prompt_chars
         self._chunks = ChunkService(self._service.router.pool, CHUNK_CALL_TIMEOUT_S)
         self._auth = Authenticator(config.server.api_keys)
         self._model = config.model.name
+        self._workers = config.workers.count
+        self._max_body = config.server.max_request_bytes
         self._created = int(time.time())
 
     @api.post("/v1/chat/completions")
@@ -97,7 +146,8 @@ class ChunkserveServer:
     @api.post("/v1/chunks")
     async def register_chunk(self, request: Request) -> Response:
         async def run(tenant: str) -> BaseModel:
-            body = parse_request(RegisterChunkRequest, await request.body())
+            raw = await read_body(request, self._max_body)
+            body = await parse_body(RegisterChunkRequest, raw)
             return await self._chunks.register(body, tenant)
 
         return await self._chunk_call(request, run)
@@ -134,20 +184,39 @@ class ChunkserveServer:
 
     @api.get("/health")
     async def health(self) -> Response:
+        """200 "ok" with every configured worker able to take requests, 200 "degraded"
+        with fewer (the counts and each worker's state say which), 503 with none."""
         pool = self._service.router.pool
         await pool.start()
         healthy = pool.healthy_count()
         if not healthy:
             return error_response(NoHealthyWorker(f"no healthy worker ({pool.describe()})"))
-        return _json({"status": "ok", "healthy_workers": healthy, "workers": len(pool.health())})
+        counts = {"healthy_workers": healthy, "workers": self._workers}
+        if healthy < self._workers:
+            detail = f"{healthy} of {self._workers} workers can take requests ({pool.describe()})"
+            return _json({"status": "degraded", **counts, "detail": detail})
+        return _json({"status": "ok", **counts})
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
-        return Response(self._metrics.render(), media_type=PROMETHEUS_TEXT)
+        """The whole app's counts (every replica's, see ``cluster.metrics``), then this
+        replica's gauges and each worker's."""
+        pool = self._service.router.pool
+        workers = sorted(pool.health())
+        statuses = await asyncio.gather(*(self._worker_status(w) for w in workers))
+        text = await self._shared.render(worker_gauges(dict(zip(workers, statuses, strict=True))))
+        return Response(text, media_type=PROMETHEUS_TEXT)
 
-    async def _chat(self, body: ChatCompletionRequest, tenant: str) -> Reply:
+    async def _worker_status(self, worker_id: str) -> WorkerStatus | None:
+        handle = self._service.router.pool.handle(worker_id)
+        try:
+            return await asyncio.wait_for(handle.status.remote(), STATUS_TIMEOUT_S)
+        except (RayError, TimeoutError):
+            return None
+
+    async def _chat(self, body: ChatCompletionRequest, tenant: str, arrived: float) -> Reply:
         messages = await self._chunks.expand(body.messages, tenant) if body.chunk_ids else None
-        return await self._service.chat(body, tenant, messages)
+        return await self._service.chat(body, tenant, messages, arrived)
 
     async def _chunk_call(
         self, request: Request, run: Callable[[str], Awaitable[BaseModel]]
@@ -165,11 +234,13 @@ class ChunkserveServer:
         body_type: type[ChatCompletionRequest] | type[CompletionRequest],
         handle: Callable[..., Awaitable[Reply]],
     ) -> Response:
+        arrived = time.monotonic()
+        self._shared.start()
         self._metrics.in_flight += 1
         try:
             tenant = self._auth.tenant(request.headers.get("authorization"))
-            body = parse_request(body_type, await request.body())
-            reply = await handle(body, tenant)
+            body = await parse_body(body_type, await read_body(request, self._max_body))
+            reply = await handle(body, tenant, arrived)
         except APIError as error:
             self._finish(endpoint, error.status)
             return error_response(error)
@@ -178,21 +249,29 @@ class ChunkserveServer:
             raise
         headers = {WORKER_HEADER: reply.worker_id}
         if reply.events is None:
-            self._finish(endpoint, 200)
+            self._finish(endpoint, 200, arrived)
             return _json(reply.body, headers=headers)
-        events = self._counted(reply.events, endpoint)
+        events = self._counted(reply.events, endpoint, arrived)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
-    async def _counted(self, events: AsyncIterator[str], endpoint: str) -> AsyncIterator[str]:
+    async def _counted(
+        self, events: AsyncGenerator[str, None], endpoint: str, arrived: float
+    ) -> AsyncIterator[str]:
+        completed = False
         try:
             async for event in events:
                 yield event
+            completed = True
         finally:
-            self._finish(endpoint, 200)
+            await events.aclose()  # now, not at garbage collection: it counts the tokens
+            self._finish(endpoint, 200, arrived if completed else None)
 
-    def _finish(self, endpoint: str, status: int) -> None:
+    def _finish(self, endpoint: str, status: int, arrived: float | None = None) -> None:
+        """``arrived``: for an answer sent in full, when its request arrived."""
         self._metrics.in_flight -= 1
         self._metrics.requests.inc(endpoint, str(status))
+        if arrived is not None:
+            self._metrics.e2e.observe(time.monotonic() - arrived)
 
 
 def build_app(cfg: ClusterConfig) -> Application:

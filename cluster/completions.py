@@ -1,23 +1,26 @@
 """Chat and text completions: request -> prompt -> router -> response or SSE stream.
 
 Shared by the HTTP app and the batch job. Invariants:
-- The prompt is tokenized and keyed once, off the event loop, on one thread.
+- The prompt is tokenized and keyed once, off the event loop (``PromptLanes``: a
+  large prompt never delays a small one), and only after its size was checked
+  against the limit, so an over-long prompt costs no tokenizing.
 - A buffered (non-streaming) answer is retried from scratch on another worker when
   its worker dies, even mid-generation: nothing reached the client yet.
 - A stream is bound to its worker once it started; a death then ends it with an
   error event.
+- Every token a worker sent to the router is counted in the metrics, whether its
+  answer finished, failed or was abandoned by the client (a buffered answer's
+  attempts on a worker that died excepted: the client gets the retry's tokens).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -36,10 +39,13 @@ from cluster.openai_format import (
     sse,
     usage,
 )
-from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest, Usage
+from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
 from cluster.prompts import (
     EncodeCache,
     PreparedPrompt,
+    PromptLanes,
+    longest_token_chars,
+    message_chars,
     prepare_chat,
     prepare_chunks,
     prepare_text,
@@ -47,7 +53,7 @@ from cluster.prompts import (
 from cluster.router import Router, WorkerStream
 from workers.engine.reuse_info import ReuseRequest
 from workers.engine.sampling_params import SamplingParams
-from workers.runtime.worker_types import WorkerRequest
+from workers.runtime.worker_types import WorkerDelta, WorkerRequest
 
 Body = ChatCompletionRequest | CompletionRequest
 
@@ -71,10 +77,14 @@ class ServiceSettings:
 class Reply:
     worker_id: str
     body: BaseModel | None = None  # buffered answer
-    events: AsyncIterator[str] | None = None  # server-sent events
+    events: AsyncGenerator[str, None] | None = None  # server-sent events
 
 
 class CompletionService:
+    """``max_prompt_chars``: the longest prompt text accepted (the HTTP app sets it from
+    ``server.max_prompt_chars``); None: the most that could fit the context, the
+    context length times the longest token's characters."""
+
     def __init__(
         self,
         router: Router,
@@ -84,22 +94,24 @@ class CompletionService:
     ) -> None:
         self.router = router
         self._tokenizer = tokenizer
-        self._encoder = EncodeCache(tokenizer, _ENCODE_CACHE_CHARS)  # prompt thread only
+        self._lanes = PromptLanes(tokenizer, _ENCODE_CACHE_CHARS)
+        self._token_chars = longest_token_chars(tokenizer)
         self._settings = settings
         self.metrics = metrics
+        self.max_prompt_chars: int | None = None
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode)
-        # One thread prepares prompts: off the event loop, and never two tokenizer
-        # calls at once (Hugging Face fast tokenizers are not safe to share across threads).
-        self._prepare_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompts")
 
     async def chat(
         self,
         body: ChatCompletionRequest,
         tenant_salt: str,
         messages: Sequence[Message] | None = None,
+        arrived: float | None = None,
     ) -> Reply:
         """``messages``: the body's messages with chunk parts expanded (required when
-        the body uses chunks)."""
+        the body uses chunks). ``arrived``: when the request arrived (``time.monotonic``;
+        None: now), for the latency metrics."""
+        arrived = time.monotonic() if arrived is None else arrived
         self._check_model(body.model)
         if messages is None:
             if body.chunk_ids:
@@ -109,9 +121,12 @@ class CompletionService:
         page_size = self._settings.page_size
         asked = body.reuse_request(self._settings.default_reuse)
         approximate = asked.mode == "approximate"
+        chars = message_chars(messages)
+        await self._check_prompt_chars(chars, "messages")
         prompt = await self._prepare(
-            lambda: prepare_chat(
-                self._encoder,
+            chars,
+            lambda encoder: prepare_chat(
+                encoder,
                 messages,
                 namespace,
                 page_size,
@@ -122,37 +137,74 @@ class CompletionService:
             "messages",
         )
         fmt = ChatFormat(body.model, self._token_text, body.top_logprobs or 0)
-        return await self._run(body, prompt, tenant_salt, fmt, "messages", asked)
+        return await self._run(body, prompt, tenant_salt, fmt, "messages", asked, arrived)
 
-    async def completion(self, body: CompletionRequest, tenant_salt: str) -> Reply:
+    async def completion(
+        self, body: CompletionRequest, tenant_salt: str, arrived: float | None = None
+    ) -> Reply:
+        """``arrived``: as for ``chat``."""
+        arrived = time.monotonic() if arrived is None else arrived
         self._check_model(body.model)
         namespace = Namespace(self._settings.namespace_model, tenant_salt)
         page_size = self._settings.page_size
         if isinstance(body.prompt, str):
             text = body.prompt
+            await self._check_prompt_chars(len(text), "prompt")
 
-            def prepare() -> PreparedPrompt:
-                return prepare_text(self._encoder, text, namespace, page_size)
+            def prepare(encoder: EncodeCache) -> PreparedPrompt:
+                return prepare_text(encoder, text, namespace, page_size)
         else:
             chunk = Chunk("query", tuple(body.prompt))
+            await self.router.pool.start()
+            self._check_context(len(chunk.token_ids), "prompt")
 
-            def prepare() -> PreparedPrompt:
+            def prepare(encoder: EncodeCache) -> PreparedPrompt:
                 return prepare_chunks([chunk], namespace, page_size)
 
         # a text prompt is one chunk: approximate reuse has nothing to place, but the
         # request is still served (and reported) in the mode it asked for
         asked = body.reuse_request(self._settings.default_reuse)
-        prompt = await self._prepare(prepare, "prompt")
+        prompt = await self._prepare(len(body.prompt), prepare, "prompt")
         fmt = CompletionFormat(body.model, self._token_text, body.logprobs or 0)
-        return await self._run(body, prompt, tenant_salt, fmt, "prompt", asked)
+        return await self._run(body, prompt, tenant_salt, fmt, "prompt", asked, arrived)
 
     # -- internals -----------------------------------------------------------------
-    async def _prepare(self, prepare: Callable[[], PreparedPrompt], param: str) -> PreparedPrompt:
-        loop = asyncio.get_running_loop()
+    async def _check_prompt_chars(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing, a prompt text over ``max_prompt_chars``."""
+        limit, code = self.max_prompt_chars, "prompt_too_long"
+        source = "server.max_prompt_chars"
+        if limit is None:
+            await self.router.pool.start()
+            context = self.router.pool.max_model_len()
+            if context is None:
+                return  # no worker answered yet: routing refuses the request
+            limit, code = context * self._token_chars, "context_length_exceeded"
+            source = (
+                f"the context length {context} times {self._token_chars}, the most characters "
+                "one token stands for: a longer text cannot fit; server.max_prompt_chars "
+                "overrides it"
+            )
+        if chars > limit:
+            raise BadRequest(
+                f"the prompt has {chars} characters, more than the {limit} this server "
+                f"accepts ({source}); shorten the prompt",
+                param=param,
+                code=code,
+            )
+
+    async def _prepare(
+        self, size: int, prepare: Callable[[EncodeCache], PreparedPrompt], param: str
+    ) -> PreparedPrompt:
+        """``size``: the prompt's characters (or token ids), which picks its lane."""
+        lane = self._lanes.lane(size)
+        preparing = self.metrics.preparing
+        preparing[lane] = preparing.get(lane, 0) + 1
         try:
-            return await loop.run_in_executor(self._prepare_thread, prepare)
+            return await self._lanes.run(lane, prepare)
         except ValueError as error:
             raise BadRequest(str(error), param=param) from None
+        finally:
+            preparing[lane] -= 1
 
     async def _run(
         self,
@@ -162,9 +214,9 @@ class CompletionService:
         fmt: ResponseFormat,
         param: str,
         asked: ReuseRequest,
+        arrived: float,
     ) -> Reply:
         """``asked``: what the request asks of reuse (its ``reuse`` field or the default)."""
-        started = time.monotonic()
         await self.router.pool.start()
         request = WorkerRequest(
             request_id=uuid.uuid4().hex,
@@ -177,70 +229,82 @@ class CompletionService:
             reuse=asked,
             placeable=prompt.placeable,
         )
+        self.metrics.queue_time.observe(time.monotonic() - arrived)
         if body.stream:
             stream = await self.router.open(prompt, request)
-            self.metrics.ttft.observe(time.monotonic() - started)
+            self.metrics.ttft.observe(time.monotonic() - arrived)
             events = self._events(stream, fmt, body, len(prompt.token_ids))
             return Reply(stream.worker_id, events=events)
-        worker_id, choices = await self._buffered(prompt, request, started)
+        worker_id, choices = await self._buffered(prompt, request, arrived)
         answer = usage(len(prompt.token_ids), choices)
-        self._count(answer)
         return Reply(worker_id, body=fmt.response(choices, answer, reuse(choices)))
 
     async def _buffered(
-        self, prompt: PreparedPrompt, request: WorkerRequest, started: float
+        self, prompt: PreparedPrompt, request: WorkerRequest, arrived: float
     ) -> tuple[str, list[ChoiceOutput]]:
         for attempt in range(self._settings.max_attempts):
             request = dataclasses.replace(request, request_id=uuid.uuid4().hex)
             stream = await self.router.open(prompt, request)
             if attempt == 0:
-                self.metrics.ttft.observe(time.monotonic() - started)
+                self.metrics.ttft.observe(time.monotonic() - arrived)
             choices = [ChoiceOutput() for _ in request.params]
+            gaps = _TokenGaps(self.metrics)
             try:
                 async for delta in stream.deltas():
+                    gaps.saw(delta)
                     choices[delta.index].add(delta)
-                return stream.worker_id, choices
             except WorkerLost:
                 if attempt + 1 == self._settings.max_attempts:
                     raise
                 self.metrics.retries.inc()
+                continue
+            except BaseException:  # failed, or cancelled (the client left): count what came
+                self._count(len(request.prompt_token_ids), choices)
+                raise
             finally:
                 stream.close()
+            self._count(len(request.prompt_token_ids), choices)
+            return stream.worker_id, choices
         raise AssertionError("unreachable: max_attempts >= 1")
 
     async def _events(
         self, stream: WorkerStream, fmt: ResponseFormat, body: Body, prompt_tokens: int
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         choices = [ChoiceOutput() for _ in range(body.n)]
+        gaps = _TokenGaps(self.metrics)
         try:
             for chunk in fmt.opening_chunks(body.n):
                 yield sse(chunk)
             async for delta in stream.deltas():
+                gaps.saw(delta)
                 choices[delta.index].add(delta)
                 # reuse goes on the last chunk before [DONE] (see openai_protocol.Reuse)
                 last = not body.include_usage and all(c.finish_reason for c in choices)
                 yield sse(fmt.chunk(delta, reuse(choices) if last else None))
-            answer = usage(prompt_tokens, choices)
-            self._count(answer)
             if body.include_usage:
-                yield sse(fmt.usage_chunk(answer, reuse(choices)))
+                yield sse(fmt.usage_chunk(usage(prompt_tokens, choices), reuse(choices)))
             yield SSE_DONE
         except APIError as error:
             yield sse(error.body())
-        finally:
+        finally:  # finished, failed, or closed by the client: its tokens count alike
             stream.close()
+            self._count(prompt_tokens, choices)
+
+    def _check_context(self, prompt_tokens: int, param: str) -> None:
+        limit = self.router.pool.max_model_len()
+        if limit is not None and prompt_tokens >= limit:
+            raise BadRequest(
+                f"the prompt has {prompt_tokens} tokens but this model serves at most "
+                f"{limit - 1} prompt tokens (context length {limit}); shorten the prompt",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def _sampling(self, body: Body, prompt_tokens: int, param: str) -> tuple[SamplingParams, ...]:
+        self._check_context(prompt_tokens, param)
         limit = self.router.pool.max_model_len()
         budget = self._settings.default_max_tokens
         if limit is not None:
-            if prompt_tokens >= limit:
-                raise BadRequest(
-                    f"the prompt has {prompt_tokens} tokens but this model serves at most "
-                    f"{limit - 1} prompt tokens (context length {limit}); shorten the prompt",
-                    param=param,
-                    code="context_length_exceeded",
-                )
             budget = min(budget, limit - prompt_tokens)
             if body.token_limit is not None and body.token_limit > limit - prompt_tokens:
                 raise BadRequest(
@@ -272,10 +336,31 @@ class CompletionService:
                 param="model",
             )
 
-    def _count(self, answer: Usage) -> None:
-        self.metrics.prompt_tokens.inc(by=answer.prompt_tokens)
-        self.metrics.cached_tokens.inc(by=answer.prompt_tokens_details.cached_tokens)
-        self.metrics.generated_tokens.inc(by=answer.completion_tokens)
+    def _count(self, prompt_tokens: int, choices: Sequence[ChoiceOutput]) -> None:
+        """Count one answer's tokens, complete or not (cached: as its first choice
+        saw it, like ``usage``; none before any output)."""
+        info = choices[0].reuse
+        self.metrics.prompt_tokens.inc(by=prompt_tokens)
+        self.metrics.cached_tokens.inc(by=0 if info is None else info.reused_tokens)
+        self.metrics.generated_tokens.inc(by=sum(c.num_tokens for c in choices))
 
     def _decode(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id])
+
+
+class _TokenGaps:
+    """Observes one request's inter-token latency from its deltas' arrival times: a
+    delta of k tokens that came g seconds after its choice's previous one counts as k
+    gaps of g/k; a choice's first delta starts its clock."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._histogram = metrics.inter_token
+        self._last: dict[int, float] = {}  # choice -> when its previous delta came
+
+    def saw(self, delta: WorkerDelta) -> None:
+        now = time.monotonic()
+        previous = self._last.get(delta.index)
+        self._last[delta.index] = now
+        tokens = len(delta.token_ids)
+        if previous is not None and tokens:
+            self._histogram.observe((now - previous) / tokens, count=tokens)

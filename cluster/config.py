@@ -179,6 +179,20 @@ class ServerSection(_Section):
         description="accepted bearer keys; empty: no authentication. Each key is its own "
         "tenant: caches are never shared across keys",
     )
+    max_request_bytes: int = Field(
+        4 * 2**20,
+        gt=0,
+        description="largest request body accepted, in bytes; a larger one is answered 413 "
+        "before any of it is parsed",
+    )
+    max_prompt_chars: int | None = Field(
+        None,
+        gt=0,
+        description="longest prompt text accepted, in characters (a chat's message texts, "
+        "chunks expanded, or a completion's prompt), checked before tokenizing (400); "
+        "null: the most that could fit the context (context length times the most "
+        "characters one token stands for), so an over-long prompt is never tokenized",
+    )
     default_max_tokens: int = Field(
         256, gt=0, description="max_tokens of requests that give none (capped by context)"
     )

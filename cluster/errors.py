@@ -59,6 +59,12 @@ class ModelNotFound(NotFound):
     code = "model_not_found"
 
 
+class PayloadTooLarge(APIError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
 class Overloaded(APIError):
     status = 429
     type = "rate_limit_error"

@@ -10,9 +10,13 @@ position-free entry keys (what ``ChunkReuse`` in the engine looks up).
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +31,10 @@ from chunkstore.chunking import (
 from chunkstore.directory import MAX_LOOKUP_KEYS
 from chunkstore.hashing import Namespace, PageKey, page_keys, position_free_key
 
+# Prompts longer than this (characters, or token ids) are prepared in their own lane:
+# tokenizing one takes some 30 ms on one CPU core (2 MB took 1 s).
+LARGE_PROMPT_CHARS = 65536
+
 
 class EncodeCache:
     """A tokenizer whose ``encode`` remembers long texts (system prompts, documents).
@@ -36,37 +44,131 @@ class EncodeCache:
     tokenizing them again was most of a router's work per request. Invariants:
     ``encode`` returns exactly what the wrapped tokenizer returns; texts shorter than
     ``min_chars`` (questions, template pieces) are not kept; the kept texts total at
-    most ``max_chars`` characters, least recently used dropped first. Not thread-safe:
-    use from one thread (the completion service's prompt thread).
+    most ``max_chars`` characters, least recently used dropped first. The kept texts
+    may be shared by caches over other tokenizers (``sharing``), one per thread: a
+    lock guards the kept texts, never a tokenizer call, and each cache's tokenizer is
+    used by one thread only (Hugging Face fast tokenizers are not safe to share).
     """
 
     def __init__(self, tokenizer: ChatTokenizer, max_chars: int, min_chars: int = 512) -> None:
         self._tokenizer = tokenizer
-        self._max_chars = max_chars
-        self._min_chars = min_chars
-        self._kept: OrderedDict[tuple[str, bool], array] = OrderedDict()  # token ids
-        self._chars = 0
-        self.hits = 0
+        self._store = _KeptTokens(max_chars, min_chars)
+
+    @property
+    def hits(self) -> int:
+        return self._store.hits
+
+    def sharing(self, tokenizer: ChatTokenizer) -> EncodeCache:
+        """A cache over ``tokenizer`` (an equal copy, for another thread) that keeps
+        and finds texts in the same store as this one."""
+        other = copy.copy(self)
+        other._tokenizer = tokenizer
+        return other
 
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
         return self._tokenizer.apply_chat_template(conversation, **kwargs)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) < self._min_chars or len(text) > self._max_chars:
+        if not self._store.keeps(text):
             return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
         key = (text, add_special_tokens)
-        kept = self._kept.get(key)
+        kept = self._store.get(key)
         if kept is not None:
+            return kept
+        tokens = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        self._store.put(key, tokens)
+        return tokens
+
+
+class _KeptTokens:
+    """The texts an ``EncodeCache`` keeps, and their token ids; thread-safe."""
+
+    def __init__(self, max_chars: int, min_chars: int) -> None:
+        self._max_chars = max_chars
+        self._min_chars = min_chars
+        self._kept: OrderedDict[tuple[str, bool], array] = OrderedDict()  # token ids
+        self._chars = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def keeps(self, text: str) -> bool:
+        return self._min_chars <= len(text) <= self._max_chars
+
+    def get(self, key: tuple[str, bool]) -> list[int] | None:
+        with self._lock:
+            kept = self._kept.get(key)
+            if kept is None:
+                return None
             self._kept.move_to_end(key)
             self.hits += 1
             return kept.tolist()
-        tokens = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        self._kept[key] = array("i", tokens)
-        self._chars += len(text)
-        while self._chars > self._max_chars:
-            (old, _), _ = self._kept.popitem(last=False)
-            self._chars -= len(old)
-        return tokens
+
+    def put(self, key: tuple[str, bool], tokens: list[int]) -> None:
+        with self._lock:
+            if key in self._kept:  # another thread encoded the same text meanwhile
+                return
+            self._kept[key] = array("i", tokens)
+            self._chars += len(key[0])
+            while self._chars > self._max_chars:
+                (old, _), _ = self._kept.popitem(last=False)
+                self._chars -= len(old)
+
+
+class PromptLanes:
+    """Prompt preparation (tokenizing, keying) off the event loop, in two lanes of one
+    thread each: prompts of at most ``large_chars`` characters in one, longer ones in
+    the other. Invariant: a large prompt never delays a small one (it waits only
+    behind other large ones). Each lane has its own copy of the tokenizer, and both
+    share one ``EncodeCache`` store of ``cache_chars`` characters."""
+
+    SMALL, LARGE = "small", "large"
+
+    def __init__(
+        self, tokenizer: ChatTokenizer, cache_chars: int, large_chars: int = LARGE_PROMPT_CHARS
+    ) -> None:
+        small = EncodeCache(tokenizer, cache_chars)
+        self._large_chars = large_chars
+        self._lanes = {
+            self.SMALL: (_one_thread(self.SMALL), small),
+            self.LARGE: (_one_thread(self.LARGE), small.sharing(copy.deepcopy(tokenizer))),
+        }
+
+    def lane(self, size: int) -> str:
+        """The lane of a prompt of ``size`` characters (or tokens, given as ids)."""
+        return self.LARGE if size > self._large_chars else self.SMALL
+
+    async def run(
+        self, lane: str, prepare: Callable[[EncodeCache], PreparedPrompt]
+    ) -> PreparedPrompt:
+        """``prepare(tokenizer)`` on ``lane``'s thread, with that lane's tokenizer."""
+        executor, tokenizer = self._lanes[lane]
+        return await asyncio.get_running_loop().run_in_executor(executor, prepare, tokenizer)
+
+
+def _one_thread(lane: str) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"prompts-{lane}")
+
+
+def message_chars(messages: Sequence[Message]) -> int:
+    """Characters of the messages' text (contents and text parts), what a prompt size
+    limit counts before anything is tokenized."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p.get("text") or "") for p in content if isinstance(p, Mapping))
+    return total
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token can stand for, from the vocabulary's spellings
+    (a byte-level BPE spells each byte as one character, a SentencePiece-style one each
+    character as one, so a spelling is never shorter than its text). A text of more
+    than ``context * this`` characters has more than ``context`` tokens: the bound by
+    which an over-long prompt is refused before it is tokenized."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
 
 
 Span = tuple[int, int]

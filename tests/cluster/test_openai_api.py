@@ -1,10 +1,12 @@
 """The official ``openai`` client against the real Serve app (embedded directory, one
 CPU worker): chat and completions, streaming and not, chunk reuse that changes
 nothing, content parts as chunks, tenants, logprobs, n/seed/stop, health, metrics,
-cancellation and drain."""
+cancellation and drain, body and prompt size limits, and a huge prompt that holds up
+nobody."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -25,6 +27,8 @@ from workers.runtime.actor import coalesce
 pytestmark = pytest.mark.ray
 
 KEY_A, KEY_B = "sk-test-a", "sk-test-b"
+MAX_REQUEST_BYTES = 8 * 2**20
+MAX_PROMPT_CHARS = 6_000_000
 SYSTEM = "You are a careful assistant for the Harbor Analytics documentation. " * 4
 DOC_A = "Document A: Starter costs 29 dollars a month for five seats and one workspace. " * 3
 DOC_B = "Document B: Backups run every six hours and are kept for thirty days in two regions. " * 3
@@ -41,7 +45,11 @@ def app(start_app, tiny_qwen3):
     config = cluster_config(
         tiny_qwen3,
         unique_name("api"),
-        server={"api_keys": [KEY_A, KEY_B]},
+        server={
+            "api_keys": [KEY_A, KEY_B],
+            "max_request_bytes": MAX_REQUEST_BYTES,
+            "max_prompt_chars": MAX_PROMPT_CHARS,  # above what the context fits: it is tokenized
+        },
         router={"max_requests_per_worker": 2},  # so that one n=2 stream fills the worker
     )
     app = start_app(config)
@@ -551,3 +559,93 @@ def test_metrics(app, client):
         line for line in text.splitlines() if line.startswith("chunkserve_cache_hit_rate")
     )
     assert float(hit_rate.split()[1]) > 0
+
+
+def _series(app, series: str) -> float | None:
+    """One series' value in a /metrics scrape (None: absent)."""
+    for line in httpx.get(app.url("/metrics"), timeout=30).text.splitlines():
+        if line.split(" ")[0] == series:
+            return float(line.split(" ")[1])
+    return None
+
+
+def test_a_huge_prompt_being_tokenized_holds_up_neither_small_requests_nor_health(app, client):
+    """A 5 MB prompt, under both limits, takes seconds to tokenize (and is then refused
+    for its token count); meanwhile a small request and /health are answered."""
+    huge = "word " * 1_000_000
+    finished: dict[str, tuple[float, httpx.Response]] = {}
+
+    def send_huge() -> None:
+        response = httpx.post(
+            app.url("/v1/completions"),
+            json={"model": "tiny", "prompt": huge, "max_tokens": 1},
+            headers={"Authorization": f"Bearer {KEY_A}"},
+            timeout=300,
+        )
+        finished["huge"] = (time.monotonic(), response)
+
+    sender = threading.Thread(target=send_huge)
+    sent = time.monotonic()
+    sender.start()
+    large_lane = 'chunkserve_prompts_preparing{lane="large"}'
+    while _series(app, large_lane) != 1:  # until the huge prompt is being prepared
+        assert sender.is_alive(), (
+            f"the huge request ended before its prompt was prepared: {finished}"
+        )
+        time.sleep(0.02)
+    asked = time.monotonic()
+    health = httpx.get(app.url("/health"), timeout=60)
+    health_at = time.monotonic()
+    small = client.completions.create(model="tiny", prompt="A small one", max_tokens=2)
+    small_at = time.monotonic()
+    sender.join(timeout=300)
+    huge_at, huge_response = finished["huge"]
+    figures = (
+        f"/health took {health_at - asked:.3f} s and the small request {small_at - health_at:.3f}"
+        f" s while the huge prompt was in flight; the huge request took {huge_at - sent:.3f} s"
+    )
+    assert health.status_code == 200 and health.json()["status"] == "ok", figures
+    assert small.usage.completion_tokens > 0, figures
+    assert health_at < huge_at and small_at < huge_at, figures
+    # it was tokenized in full: refused for its tokens, not its characters
+    assert huge_response.status_code == 400, figures
+    error = huge_response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "2000002 tokens" in error["message"]
+
+
+def test_a_body_over_the_limit_gets_413_naming_the_limit(app):
+    body = b'{"model": "tiny", "max_tokens": 1, "prompt": "' + b"x" * MAX_REQUEST_BYTES + b'"}'
+
+    def chunked():  # no Content-Length: the limit holds as the body arrives
+        for start in range(0, len(body), 2**20):
+            yield body[start : start + 2**20]
+
+    headers = {"Authorization": f"Bearer {KEY_A}", "Content-Type": "application/json"}
+    for content in (body, chunked()):
+        response = httpx.post(
+            app.url("/v1/completions"), content=content, headers=headers, timeout=60
+        )
+        assert response.status_code == 413, response.text[:300]
+        error = response.json()["error"]
+        assert str(MAX_REQUEST_BYTES) in error["message"]
+        assert "server.max_request_bytes" in error["message"]
+        assert error["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_prompt_over_the_limit_gets_400_before_tokenizing(app, path):
+    text = "y" * (MAX_PROMPT_CHARS + 1)
+    body = {"model": "tiny", "max_tokens": 1}
+    if path == "/v1/completions":
+        body["prompt"] = text
+    else:
+        body["messages"] = [{"role": "user", "content": [{"type": "text", "text": text}]}]
+    response = httpx.post(
+        app.url(path), json=body, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60
+    )
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["code"] == "prompt_too_long"  # the size check, not the token count
+    assert f"{MAX_PROMPT_CHARS + 1} characters" in error["message"]
+    assert str(MAX_PROMPT_CHARS) in error["message"]
+    assert "server.max_prompt_chars" in error["message"]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import copy
+
 from chunkstore.chunking import chunk_conversation, placeable_spans
 from chunkstore.events import EventKind
 from chunkstore.hashing import Namespace
 from cluster.assembly import namespace_model
 from cluster.config import parse_config
-from cluster.prompts import EncodeCache, prepare_chat
+from cluster.prompts import EncodeCache, PromptLanes, prepare_chat, prepare_text
 from workers.engine.checkpoint import load_tokenizer
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
@@ -100,3 +103,30 @@ def test_encode_cache_gives_the_tokenizer_tokens_and_stays_within_its_bound(tiny
     returned = cache.encode(docs[0], add_special_tokens=False)
     returned.append(-1)  # callers own what they get
     assert cache.encode(docs[0], add_special_tokens=False)[-1] != -1
+
+
+def test_caches_sharing_a_store_find_each_others_texts(tiny_qwen3):
+    tokenizer = load_tokenizer(tiny_qwen3)
+    first = EncodeCache(tokenizer, max_chars=10 * len(DOC), min_chars=64)
+    second = first.sharing(copy.deepcopy(tokenizer))
+    expected = tokenizer.encode(DOC, add_special_tokens=False)
+    assert first.encode(DOC, add_special_tokens=False) == expected
+    assert second.encode(DOC, add_special_tokens=False) == expected
+    assert (first.hits, second.hits) == (1, 1)  # one store, one count
+
+
+def test_prompt_lanes_prepare_small_and_large_prompts_alike(tiny_qwen3):
+    tokenizer = load_tokenizer(tiny_qwen3)
+    lanes = PromptLanes(tokenizer, cache_chars=2**20, large_chars=len(DOC))
+    namespace = Namespace("tiny@x", "")
+    assert (lanes.lane(len(DOC)), lanes.lane(len(DOC) + 1)) == (lanes.SMALL, lanes.LARGE)
+
+    async def both() -> list:
+        return await asyncio.gather(
+            lanes.run(lanes.SMALL, lambda t: prepare_text(t, DOC, namespace, 16)),
+            lanes.run(lanes.LARGE, lambda t: prepare_text(t, DOC + DOC, namespace, 16)),
+        )
+
+    small, large = asyncio.run(both())
+    assert small == prepare_text(tokenizer, DOC, namespace, 16)
+    assert large == prepare_text(tokenizer, DOC + DOC, namespace, 16)

@@ -1,0 +1,216 @@
+"""Two router replicas over two workers: /metrics answers for the whole app from
+either replica (repeated scrapes agree and sum every replica's requests), the
+latency and worker families, tokens of a stream the client closed, the prompt size
+limit derived from the context, and /health degraded while a worker is unavailable."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+
+from cluster.prompts import longest_token_chars
+from tests.cluster.conftest import cluster_config, stop_app, unique_name, wait_healthy
+from workers.engine.checkpoint import load_tokenizer
+
+pytestmark = pytest.mark.ray
+
+CONTEXT = 1024  # cluster_config's max_model_len
+# over a page of tokens, so the workers' caches hold pages of it
+PROMPT = "The harbor office keeps its tide tables and ship manifests in the east wing. " * 3
+
+
+@pytest.fixture(scope="module")
+def app(start_app, tiny_qwen3):
+    config = cluster_config(
+        tiny_qwen3,
+        unique_name("reps"),
+        workers={"count": 2},
+        server={"num_replicas": 2},
+    )
+    app = start_app(config)
+    yield app
+    stop_app(app)
+
+
+@pytest.fixture(scope="module")
+def client(app) -> openai.OpenAI:
+    return openai.OpenAI(base_url=app.base_url, api_key="none", max_retries=0, timeout=60)
+
+
+def scrape(app) -> dict[str, float]:
+    """Series -> value, from one /metrics answer (whichever replica gives it)."""
+    response = httpx.get(app.url("/metrics"), timeout=30)
+    assert response.status_code == 200
+    values = {}
+    for line in response.text.splitlines():
+        if line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            values[series] = float(value)
+    return values
+
+
+def counts(values: dict[str, float]) -> dict[str, float]:
+    """The counters and histograms (what must agree across scrapes of an idle app)."""
+    return {
+        k: v
+        for k, v in values.items()
+        if not k.startswith(("chunkserve_worker_", "chunkserve_healthy_workers"))
+    }
+
+
+def settled(app, done, timeout_s: float = 20) -> dict[str, float]:
+    """A scrape for which ``done(values)`` holds (other replicas push their counts
+    every half second)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = scrape(app)
+        if done(values):
+            return values
+        totals = {k: v for k, v in values.items() if "_total" in k or k.endswith("_count")}
+        assert time.monotonic() < deadline, f"metrics did not settle: {totals}"
+        time.sleep(0.2)
+
+
+CHAT_404 = 'chunkserve_requests_total{endpoint="chat",status="404"}'
+COMPLETIONS_200 = 'chunkserve_requests_total{endpoint="completions",status="200"}'
+GENERATED = "chunkserve_generated_tokens_total"
+PROMPT_TOKENS = "chunkserve_prompt_tokens_total"
+# completions answered (status 200) by this module's tests so far, whichever ran
+answered = {"completions": 0}
+
+
+def all_answered(values: dict[str, float]) -> bool:
+    return values.get(COMPLETIONS_200, 0) == answered["completions"]
+
+
+def test_repeated_scrapes_agree_and_count_every_replicas_requests(app, client):
+    unknown = 12
+    for _ in range(unknown):  # cheap requests, spread over both replicas by Serve
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(
+                model="nope", messages=[{"role": "user", "content": "x"}]
+            )
+    replies = [
+        client.completions.create(model="tiny", prompt=PROMPT + str(i), max_tokens=3)
+        for i in range(4)
+    ]
+    answered["completions"] += len(replies)
+    generated = sum(r.usage.completion_tokens for r in replies)
+    prompt_tokens = sum(r.usage.prompt_tokens for r in replies)
+
+    def all_in(values: dict[str, float]) -> bool:
+        return values.get(CHAT_404) == unknown and all_answered(values)
+
+    first = counts(settled(app, all_in))
+    assert first[GENERATED] == generated and first[PROMPT_TOKENS] == prompt_tokens
+    for _ in range(6):  # each answered by either replica
+        assert counts(scrape(app)) == first
+
+
+def _histogram(values: dict[str, float], name: str) -> tuple[list[float], float, float]:
+    """(cumulative bucket counts, +Inf last), sum, count of one histogram."""
+    buckets = [v for k, v in values.items() if k.startswith(f"{name}_bucket{{")]
+    return buckets, values[f"{name}_sum"], values[f"{name}_count"]
+
+
+def test_latency_and_worker_families_after_requests(app, client):
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True
+    )
+    streamed = len([c for c in stream if c.choices and c.choices[0].text])
+    assert streamed > 0
+    answered["completions"] += 1
+    values = settled(app, all_answered)
+    e2e = "chunkserve_e2e_request_latency_seconds"
+    ttft = "chunkserve_time_to_first_token_seconds"
+    queue = "chunkserve_request_queue_time_seconds"
+    itl = "chunkserve_inter_token_latency_seconds"
+    for name in (e2e, ttft, queue, itl):
+        buckets, total, count = _histogram(values, name)
+        assert buckets == sorted(buckets) and buckets[-1] == count > 0, (name, buckets)
+        assert total > 0, name
+    # every answered request: one end-to-end latency, one queue time, one first token
+    assert _histogram(values, e2e)[2] == answered["completions"]
+    assert _histogram(values, queue)[2] == _histogram(values, ttft)[2] == answered["completions"]
+    # waiting for a worker comes before the first token, which comes before the end
+    assert _histogram(values, queue)[1] <= _histogram(values, ttft)[1] <= _histogram(values, e2e)[1]
+    # a gap per token after each choice's first delta
+    assert 0 < _histogram(values, itl)[2] <= values[GENERATED]
+    workers = [f"{app.name}-worker-{i}" for i in range(2)]
+    for worker in workers:
+        assert values[f'chunkserve_worker_up{{worker="{worker}"}}'] == 1
+        assert values[f'chunkserve_worker_requests{{worker="{worker}"}}'] == 0
+        assert values[f'chunkserve_worker_load_tokens{{worker="{worker}"}}'] == 0
+    cached = [values[f'chunkserve_worker_cached_pages{{worker="{w}"}}'] for w in workers]
+    assert sum(cached) > 0, cached
+
+
+def test_a_stream_closed_by_the_client_counts_its_tokens(app, client):
+    before = counts(settled(app, all_answered))
+    stream = client.completions.create(
+        model="tiny", prompt="A long story about the harbor", max_tokens=600, stream=True
+    )
+    received = 0
+    for chunk in stream:
+        received += bool(chunk.choices and chunk.choices[0].text)  # each delta: >= 1 token
+        if received == 5:
+            break
+    stream.close()
+    answered["completions"] += 1  # as status 200: its answer had begun
+
+    def counted(values: dict[str, float]) -> bool:
+        return all_answered(values) and values[GENERATED] > before[GENERATED]
+
+    after = counts(settled(app, counted))
+    assert after[GENERATED] - before[GENERATED] >= received
+    assert after[PROMPT_TOKENS] > before[PROMPT_TOKENS]
+    # it was not answered in full: no end-to-end latency for it
+    e2e_count = "chunkserve_e2e_request_latency_seconds_count"
+    assert after[e2e_count] == before[e2e_count]
+
+
+def test_the_prompt_size_limit_follows_the_context(app, tiny_qwen3):
+    limit = CONTEXT * longest_token_chars(load_tokenizer(tiny_qwen3))
+    response = httpx.post(
+        app.url("/v1/completions"),
+        json={"model": "tiny", "prompt": "z" * (limit + 1), "max_tokens": 1},
+        timeout=60,
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert f"more than the {limit}" in error["message"] and f"length {CONTEXT}" in error["message"]
+    fits = httpx.post(  # at the limit: tokenized, then refused (or served) by its tokens
+        app.url("/v1/completions"),
+        json={"model": "tiny", "prompt": "z" * limit, "max_tokens": 1},
+        timeout=60,
+    )
+    assert "characters" not in fits.json().get("error", {}).get("message", "")
+    answered["completions"] += fits.status_code == 200
+
+
+def test_health_is_degraded_while_a_worker_cannot_take_requests(app):
+    worker = ray.get_actor(f"{app.name}-worker-1", namespace="chunkserve-tests")
+    ray.get(worker.drain.remote(5.0))
+    try:
+        deadline = time.monotonic() + 20
+        while (health := httpx.get(app.url("/health"), timeout=30)).json()["status"] != "degraded":
+            assert time.monotonic() < deadline, health.text
+            time.sleep(0.1)
+        body = health.json()
+        assert health.status_code == 200
+        assert (body["healthy_workers"], body["workers"]) == (1, 2)
+        assert "1 of 2 workers" in body["detail"]
+        assert f"{app.name}-worker-1: draining" in body["detail"]
+    finally:
+        ray.get(worker.resume.remote())
+    wait_healthy(app, 2)
+    assert httpx.get(app.url("/health"), timeout=30).json() == {
+        "status": "ok",
+        "healthy_workers": 2,
+        "workers": 2,
+    }
