@@ -28,7 +28,7 @@ from cluster.actors import (
     worker_demand,
     worker_ids,
 )
-from cluster.app import build_app
+from cluster.app import AppArgs, app_builder, build_app
 from cluster.config import parse_config
 from tests.chunkstore.testkit import wait_until
 from tests.cluster.conftest import NUM_CPUS, REPO, cluster_config, unique_name, write_config
@@ -147,6 +147,27 @@ def test_serve_command_refuses_more_cpus_than_the_cluster_has(ray_cluster, tiny_
     assert "workers.num_cpus" in error
     assert "serving" not in result.stdout
     assert all(handle is None for handle in find_workers(parse_config(config)).values())
+
+
+@pytest.mark.ray
+def test_serve_app_start_path_refuses_too(serve_port, tiny_qwen3, tmp_path):
+    """As under `serve run deploy/serve.yaml`: the replica starting the workers refuses,
+    so the app fails to deploy with the shortfall, instead of waiting for ever."""
+    name = unique_name("appgpu")
+    path = write_config(tmp_path, cluster_config(tiny_qwen3, name, workers={"num_gpus": 1}))
+    app = app_builder(AppArgs(config=str(path)))
+    try:
+        with pytest.raises(RuntimeError, match="failed"):
+            serve.run(app, name=name, route_prefix=f"/{name}")
+        status = serve.status().applications[name]
+        assert status.status == "DEPLOY_FAILED"
+        message = status.deployments[f"{name}-router"].message
+        assert "cannot be placed: it asks for 1 GPU (1 worker x 1 GPU)" in message, message
+        assert all(
+            handle is None for handle in find_workers(parse_config(read_config(path))).values()
+        )
+    finally:
+        serve.delete(name)
 
 
 @pytest.mark.ray
