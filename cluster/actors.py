@@ -38,8 +38,8 @@ logger = logging.getLogger(__name__)
 
 # An async actor runs this many method calls at once (streams included).
 _WORKER_CONCURRENCY = 4096
-# Ray's view of free resources lags actors that just ended: a check that fails is
-# repeated for this long before it refuses.
+# Ray's view of free resources lags actors that just ended: a want of them is asked
+# about again for this long before it is refused.
 _PLACEMENT_WAIT_S = 5.0
 _PLACEMENT_POLL_S = 0.5
 _EPSILON = 1e-6  # below Ray's resource granularity (1e-4)
@@ -171,26 +171,29 @@ def placement_problem(
 def check_placement(cfg: ClusterConfig, demands: Callable[[], Sequence[Demand]]) -> None:
     """Refuse (``ValueError``) unless the connected Ray cluster can place ``demands()``.
 
-    Asked again for up to ``_PLACEMENT_WAIT_S`` while it fails (Ray's resource
-    view lags actors that just ended). A cluster with an autoscaler is checked
-    against the most it can grow to, and its free resources are not checked.
+    What the cluster can never hold is refused at once; a want of free resources
+    only after it lasted ``_PLACEMENT_WAIT_S`` (Ray's view of them lags actors that
+    just ended). A cluster with an autoscaler is checked against the most it can
+    grow to, and its free resources are not checked.
     """
     deadline = time.monotonic() + _PLACEMENT_WAIT_S
     while True:
-        problem = _problem_now(demands())
+        ceiling = _autoscaler_ceiling()
+        nodes = [ceiling] if ceiling is not None else _alive_nodes()
+        wanted = demands()
+        problem = placement_problem(wanted, nodes, None)
+        if problem is None and ceiling is None:
+            problem = placement_problem(wanted, nodes, ray.available_resources())
+            if problem is not None and time.monotonic() < deadline:
+                time.sleep(_PLACEMENT_POLL_S)
+                continue
         if problem is None:
             return
-        if time.monotonic() >= deadline:
-            raise ValueError(f"cluster {cfg.name!r} cannot be placed: {problem}")
-        time.sleep(_PLACEMENT_POLL_S)
+        raise ValueError(f"cluster {cfg.name!r} cannot be placed: {problem}")
 
 
-def _problem_now(demands: Sequence[Demand]) -> str | None:
-    ceiling = _autoscaler_ceiling()
-    if ceiling is not None:
-        return placement_problem(demands, [ceiling], None)
-    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
-    return placement_problem(demands, nodes, ray.available_resources())
+def _alive_nodes() -> list[dict[str, float]]:
+    return [node["Resources"] for node in ray.nodes() if node["Alive"]]
 
 
 def _autoscaler_ceiling() -> dict[str, float] | None:
