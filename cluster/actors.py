@@ -153,9 +153,10 @@ def placement_problem(
         return _explain(demands, short, totals, where, new=False)
     unplaced = _pack(demands, nodes)
     if unplaced:
-        actor = unplaced[0]
+        actor = unplaced[0]  # the largest request left over
+        left = sum(d.what == actor.what for d in unplaced)
         return (
-            f"no node has room for {_count(len(unplaced), actor.what)} (each needs "
+            f"no node has room for {_count(left, actor.what)} (each needs "
             f"{_amounts(actor.resources)} on one node; the nodes have "
             f"{'; '.join(_amounts(node) for node in nodes)}). Change "
             f"{_keys([actor], actor.resources)}, or add larger nodes (see `ray status`)"
