@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import random
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -233,7 +234,11 @@ def _reverse_candidates(
     """(kind, value, subject, [subject]) of every reverse question with a unique answer."""
     by_value: dict[tuple[str, str], list[str]] = {}
     for p in people:
-        for fact, kind in (("city", "city_resident"), ("age", "age_holder"), ("team", "team_member")):
+        for fact, kind in (
+            ("city", "city_resident"),
+            ("age", "age_holder"),
+            ("team", "team_member"),
+        ):
             if fact in p.facts:
                 by_value.setdefault((kind, p.facts[fact]), []).append(p.name)
     for t in teams:
@@ -257,6 +262,8 @@ def generate_example(
     lets follow-ups also be ``REVERSE`` questions (the first question never is)."""
     if questions < 1:
         raise ValueError(f"questions must be at least 1, got {questions}")
+    if hops not in (None, 1, 2):
+        raise ValueError(f"hops must be 1, 2 or None (either), got {hops!r}")
     if not MIN_DOCS <= num_docs <= MAX_DOCS:
         raise ValueError(f"num_docs must be in [{MIN_DOCS}, {MAX_DOCS}], got {num_docs}")
     if split not in _SPLIT_SEED_OFFSET:
@@ -349,6 +356,29 @@ def iter_examples(
     low, high = (num_docs, num_docs) if isinstance(num_docs, int) else num_docs
     while True:
         yield generate_example(rng, rng.randint(low, high), split, hops)
+
+
+# The relation each question kind's answer is stated with, as it reads in a document.
+_ANSWER_RELATION = {
+    "person_city": r"lives in (\w+)",
+    "leader_city": r"lives in (\w+)",
+    "team_city": r"is based in (\w+)",
+    "team_of_person_city": r"is based in (\w+)",
+    "person_age": r"is (\d+) years old",
+    "leader_age": r"is (\d+) years old",
+    "person_team": r"works in the (\w+) team",
+    "team_leader": r"is led by (\w+)",
+    "team_of_person_leader": r"is led by (\w+)",
+}
+
+
+def relation_chance(ex: DocQAExample) -> float:
+    """The accuracy of guessing at random among the distinct values the example's
+    documents state with the relation its answer is stated with (every city someone
+    "lives in", for "Where does Mira live?"): what a model that reads relations but
+    does not bind them to their subjects scores."""
+    values = {m.group(1) for d in ex.documents for m in re.finditer(_ANSWER_RELATION[ex.kind], d)}
+    return 1.0 / len(values) if ex.answer in values else 0.0
 
 
 def entity_words() -> list[str]:

@@ -330,7 +330,10 @@ def exact_match(
     return out
 
 
-def accuracy_by_hops(examples: Sequence[DocQAExample], ok: Sequence[bool]) -> dict[str, float]:
+def accuracy_by_hops(
+    examples: Sequence[DocQAExample], ok: Sequence[bool] | Sequence[float]
+) -> dict[str, float]:
+    """Mean of ``ok`` (hits, or per-example probabilities) per number of hops."""
     result = {}
     for hops in (1, 2):
         hits = [o for ex, o in zip(examples, ok, strict=True) if ex.hops == hops]
@@ -582,10 +585,18 @@ def final_evaluation(
         count = cfg.final_eval_examples if num_docs == 8 else cfg.final_eval_examples // 2
         examples = heldout_set(1000 + num_docs, max(2, count), num_docs)
         acc = accuracy_by_hops(examples, exact_match(model, tokenizer, examples, device))
-        results[f"{num_docs}docs"] = {**acc, "examples": len(examples)}
+        chance = accuracy_by_hops(examples, [docqa_data.relation_chance(ex) for ex in examples])
+        results[f"{num_docs}docs"] = {
+            **acc,
+            "examples": len(examples),
+            "relation_chance": chance,
+        }
         log(
             f"final held-out {num_docs} docs ({len(examples)}): "
             + " ".join(f"{k} {v:.3f}" for k, v in acc.items())
+            + " (relation-only chance "
+            + " ".join(f"{k} {v:.3f}" for k, v in chance.items())
+            + ")"
         )
     return results
 
@@ -692,7 +703,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in args.docs:
         examples = heldout_set(args.seed + n, args.examples, n)
         acc = accuracy_by_hops(examples, exact_match(model, tokenizer, examples, dev, 32))
-        print(f"{n} docs ({len(examples)}): " + " ".join(f"{k} {v:.3f}" for k, v in acc.items()))
+        chance = accuracy_by_hops(examples, [docqa_data.relation_chance(ex) for ex in examples])
+        print(
+            f"{n} docs ({len(examples)}): "
+            + " ".join(f"{k} {v:.3f}" for k, v in acc.items())
+            + "  (relation-only chance: "
+            + " ".join(f"{k} {v:.3f}" for k, v in chance.items())
+            + ")"
+        )
     return 0
 
 

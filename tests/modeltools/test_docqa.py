@@ -88,7 +88,8 @@ def test_training_tokenization_is_the_engines(shipped_tokenizer):
     from modeltools.docqa_train import _batch_ids
 
     assert _batch_ids(shipped_tokenizer, examples) == [
-        (prompt_ids(shipped_tokenizer, ex), answer_ids(shipped_tokenizer, ex)) for ex in examples
+        [(prompt_ids(shipped_tokenizer, ex), False), (answer_ids(shipped_tokenizer, ex), True)]
+        for ex in examples
     ]  # the trainer's one-call batch tokenization
     for ex in examples:
         ids = answer_ids(shipped_tokenizer, ex)
@@ -184,3 +185,91 @@ def test_make_model_docqa_writes_a_loadable_checkpoint(tmp_path):
     result = llm.chat(ex.messages, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[0]
     assert len(result.token_ids) == 2
     assert main(["make-model", str(tmp_path / "x"), "--steps", "2"]) == 2  # needs --preset docqa
+
+
+def test_follow_ups_are_distinct_questions_of_the_same_split_about_the_same_documents():
+    import random
+
+    for split in ("train", "heldout"):
+        rng = random.Random(f"follow-ups/{split}")
+        for _ in range(200):
+            ex = docqa_data.generate_example(rng, rng.randint(2, 16), split, questions=6)
+            questions = [ex.question, *(q for q, _ in ex.follow_ups)]
+            assert len(questions) == len(set(questions)) and len(ex.follow_ups) <= 5
+            kinds = {v: k for k, v in docqa_data.QUESTIONS.items()}
+            for question, answer in ex.follow_ups:
+                assert question.startswith("Question: ")
+                # every answer is an entity the documents name
+                assert any(f" {answer}" in d for d in ex.documents)
+                assert question[len("Question: ") :] not in kinds  # formatted, not a template
+        rng = random.Random(0)
+        assert docqa_data.generate_example(rng, 8, split).follow_ups == ()
+    with pytest.raises(ValueError, match="hops"):
+        docqa_data.generate_example(random.Random(0), 8, "train", 3)
+
+
+def test_reverse_follow_ups_have_unique_answers_stated_in_one_document():
+    import random
+    import re
+
+    rng = random.Random(11)
+    seen = 0
+    for _ in range(300):
+        ex = docqa_data.generate_example(
+            rng, rng.randint(2, 16), "train", questions=12, reverse=True
+        )
+        for question, answer in ex.follow_ups:
+            m = re.fullmatch(r"Question: Who lives in (\w+)\?", question)
+            if m is None:
+                continue
+            seen += 1
+            stating = [d for d in ex.documents if f"lives in {m.group(1)}" in d]
+            assert len(stating) == 1 and f" {answer} " in stating[0]
+    assert seen > 20
+    rng = random.Random(11)
+    plain = [docqa_data.generate_example(rng, 8, "train", questions=12) for _ in range(50)]
+    assert not any("Who lives in" in q for ex in plain for q, _ in ex.follow_ups)
+
+
+def test_training_conversations_with_follow_ups_weight_answers_apart(shipped_tokenizer):
+    import random
+
+    from modeltools.docqa_train import encode_batch
+
+    rng = random.Random(3)
+    examples = [
+        docqa_data.generate_example(rng, rng.randint(2, 8), "train", questions=5, reverse=True)
+        for _ in range(8)
+    ]
+    check_tokenization(shipped_tokenizer, examples)  # follow-up turns as the template renders
+    inputs, targets, weights = encode_batch(shipped_tokenizer, examples, 2.0, 0.0)
+    end = shipped_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for row, ex in enumerate(examples):
+        answered = targets[row][weights[row] > 0].tolist()
+        expected = []
+        for answer in [ex.answer, *(a for _, a in ex.follow_ups)]:
+            expected += shipped_tokenizer.encode(answer, add_special_tokens=False) + [end]
+        assert answered == expected  # answers and end tokens only, in order
+        assert set(weights[row][weights[row] > 0].tolist()) == {2.0}
+    _, _, with_prompt = encode_batch(shipped_tokenizer, examples, 2.0, 0.25)
+    assert set(with_prompt.unique().tolist()) == {0.0, 0.25, 2.0}  # padding, prompt, answers
+
+
+def test_relation_chance_is_one_over_the_values_of_the_asked_relation():
+    ex = DocQAExample(
+        system="s",
+        documents=(
+            "Staff note: Mira lives in Oslo and is 34 years old.\n",
+            "Staff note: Omar is 40 years old and lives in Lima.\n",
+            "Team note: the Falcon team is based in Oslo and is led by Omar.\n",
+        ),
+        question="Question: Where does Mira live?",
+        answer="Oslo",
+        hops=1,
+        kind="person_city",
+        gold=(0,),
+        combo=("person_city", "Mira", "Oslo"),
+    )
+    assert docqa_data.relation_chance(ex) == 0.5  # Oslo or Lima: team bases do not count
+    for ex in docqa_data.generate(9, 200, (2, 16), "heldout"):
+        assert 0 < docqa_data.relation_chance(ex) <= 1  # the answer is always among them
