@@ -585,20 +585,22 @@ def final_evaluation(
         count = cfg.final_eval_examples if num_docs == 8 else cfg.final_eval_examples // 2
         examples = heldout_set(1000 + num_docs, max(2, count), num_docs)
         acc = accuracy_by_hops(examples, exact_match(model, tokenizer, examples, device))
-        chance = accuracy_by_hops(examples, [docqa_data.relation_chance(ex) for ex in examples])
-        results[f"{num_docs}docs"] = {
-            **acc,
-            "examples": len(examples),
-            "relation_chance": chance,
-        }
-        log(
-            f"final held-out {num_docs} docs ({len(examples)}): "
-            + " ".join(f"{k} {v:.3f}" for k, v in acc.items())
-            + " (relation-only chance "
-            + " ".join(f"{k} {v:.3f}" for k, v in chance.items())
-            + ")"
-        )
+        chance = relation_chance_by_hops(examples)
+        results[f"{num_docs}docs"] = {**acc, "examples": len(examples), "relation_chance": chance}
+        log(f"final held-out {num_docs} docs ({len(examples)}): {_versus_chance(acc, chance)}")
     return results
+
+
+def relation_chance_by_hops(examples: Sequence[DocQAExample]) -> dict[str, float]:
+    """``docqa_data.relation_chance`` averaged per number of hops."""
+    return accuracy_by_hops(examples, [docqa_data.relation_chance(ex) for ex in examples])
+
+
+def _versus_chance(acc: Mapping[str, float], chance: Mapping[str, float]) -> str:
+    own = " ".join(f"{k} {v:.3f}" for k, v in acc.items())
+    return (
+        own + " (relation-only chance " + " ".join(f"{k} {v:.3f}" for k, v in chance.items()) + ")"
+    )
 
 
 # -- the checkpoint ---------------------------------------------------------------------
@@ -703,13 +705,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in args.docs:
         examples = heldout_set(args.seed + n, args.examples, n)
         acc = accuracy_by_hops(examples, exact_match(model, tokenizer, examples, dev, 32))
-        chance = accuracy_by_hops(examples, [docqa_data.relation_chance(ex) for ex in examples])
         print(
-            f"{n} docs ({len(examples)}): "
-            + " ".join(f"{k} {v:.3f}" for k, v in acc.items())
-            + "  (relation-only chance: "
-            + " ".join(f"{k} {v:.3f}" for k, v in chance.items())
-            + ")"
+            f"{n} docs ({len(examples)}): {_versus_chance(acc, relation_chance_by_hops(examples))}"
         )
     return 0
 
