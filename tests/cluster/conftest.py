@@ -34,7 +34,7 @@ from cluster.actors import ensure_cluster, kill_cluster, wait_ready
 from cluster.app import build_app
 from cluster.config import load_config
 from cluster.model_store import ensure_model
-from tests.chunkstore.testkit import free_port
+from tests.chunkstore.testkit import RedisProcess, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_CPUS = 4
@@ -200,3 +200,12 @@ def wait_healthy(app: ServedApp, workers: int, timeout_s: float = 60) -> None:
 
 def unique_name(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisProcess]:
+    """A private Redis server for one test module."""
+    server = RedisProcess()
+    server.start()
+    yield server
+    server.kill()

@@ -22,7 +22,7 @@ from chunkstore.redis_directory import RedisChunkDirectory
 from cluster.assembly import namespace_model
 from cluster.config import load_config
 from cluster.prompts import prepare_chat
-from tests.chunkstore.testkit import RedisProcess, wait_until
+from tests.chunkstore.testkit import wait_until
 from tests.cluster.conftest import REPO, cluster_config, stop_app, unique_name, wait_healthy
 from workers.engine.checkpoint import load_tokenizer
 
@@ -41,14 +41,6 @@ class Reply:
     cached: int
     text: str
     reuse: dict | None = None  # the response's reuse object
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    server = RedisProcess()
-    server.start()
-    yield server
-    server.kill()
 
 
 @pytest.fixture(scope="module")

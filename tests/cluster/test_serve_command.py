@@ -17,7 +17,7 @@ import pexpect
 import pytest
 import ray
 
-from tests.chunkstore.testkit import RedisProcess, free_port
+from tests.chunkstore.testkit import free_port
 from tests.cluster.conftest import REPO, cluster_config, stop_app, unique_name, write_config
 
 EXIT_INTERRUPTED = 130
@@ -129,14 +129,6 @@ def test_status_without_a_cluster_at_ray_address_names_the_variable():
     assert "Traceback" not in result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith(f"chunkserve status: error: no Ray cluster at {address} (RAY_ADDRESS)")
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    server = RedisProcess()
-    server.start()
-    yield server
-    server.kill()
 
 
 @pytest.mark.ray
