@@ -293,8 +293,16 @@ def worker_gauges(statuses: Mapping[str, WorkerStatus | None]) -> list[Family]:
     )
     pages = Gauge(
         "chunkserve_worker_cached_pages",
-        "KV pages the worker's cache holds (reusable prompt pages); workers do not "
-        "report their pool's size",
+        "KV pages the worker's cache holds (reusable prompt pages)",
+        ("worker",),
+    )
+    kv_total = Gauge(
+        "chunkserve_worker_kv_pages", "the worker's KV pool size in pages", ("worker",)
+    )
+    kv_in_use = Gauge(
+        "chunkserve_worker_kv_pages_in_use",
+        "KV pages no allocation can take (running sequences' and pinned pages); cached "
+        "pages that can be evicted are not counted",
         ("worker",),
     )
     for worker_id, status in sorted(statuses.items()):
@@ -303,7 +311,9 @@ def worker_gauges(statuses: Mapping[str, WorkerStatus | None]) -> list[Family]:
             requests.set(status.load.requests, worker_id)
             tokens.set(status.load.tokens, worker_id)
             pages.set(status.cached_pages, worker_id)
-    return [up, requests, tokens, pages]
+            kv_total.set(status.kv_pages_total, worker_id)
+            kv_in_use.set(status.kv_pages_in_use, worker_id)
+    return [up, requests, tokens, pages, kv_total, kv_in_use]
 
 
 class MetricsBoard:

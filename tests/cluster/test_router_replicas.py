@@ -145,6 +145,9 @@ def test_latency_and_worker_families_after_requests(app, client):
         assert values[f'chunkserve_worker_up{{worker="{worker}"}}'] == 1
         assert values[f'chunkserve_worker_requests{{worker="{worker}"}}'] == 0
         assert values[f'chunkserve_worker_load_tokens{{worker="{worker}"}}'] == 0
+        # idle: nothing running or pinned holds a page, and the pool has pages
+        assert values[f'chunkserve_worker_kv_pages{{worker="{worker}"}}'] > 0
+        assert values[f'chunkserve_worker_kv_pages_in_use{{worker="{worker}"}}'] == 0
     cached = [values[f'chunkserve_worker_cached_pages{{worker="{w}"}}'] for w in workers]
     assert sum(cached) > 0, cached
 

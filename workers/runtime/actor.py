@@ -169,10 +169,13 @@ class Worker:
 
     async def status(self) -> WorkerStatus:
         publisher = await asyncio.to_thread(self._publisher.stats)  # may wait on a flush
+        kv_total, kv_in_use = self._loop.kv_pages()
         return WorkerStatus(
             info=self._info,
             load=self._loop.load(),
             cached_pages=self._mirror.size(),
+            kv_pages_total=kv_total,
+            kv_pages_in_use=kv_in_use,
             draining=self._draining,
             directory_in_sync=publisher.in_sync,
             directory_superseded=publisher.superseded,

@@ -174,6 +174,12 @@ class EngineLoop:
                 generated_tokens_total=c.generated_tokens_total,
             )
 
+    def kv_pages(self) -> tuple[int, int]:
+        """(pool size, pages in use). Read from another thread without stopping the
+        loop: a snapshot that may be one step old, never torn within a count."""
+        pool = self._engine.pool
+        return pool.num_pages, pool.num_pages - pool.num_available
+
     # -- loop thread -------------------------------------------------------------
     def _run(self) -> None:
         try:

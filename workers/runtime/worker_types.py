@@ -107,6 +107,8 @@ class WorkerStatus:
     info: WorkerInfo
     load: EngineLoad
     cached_pages: int  # page keys the pool holds
+    kv_pages_total: int  # the KV pool's size
+    kv_pages_in_use: int  # pages no allocation can take: running sequences' and pinned ones
     draining: bool
     directory_in_sync: bool  # the directory has every chunk event published so far
     directory_superseded: bool  # a newer epoch of this worker id exists
