@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field
@@ -30,7 +31,7 @@ from ray.exceptions import RayError
 from ray.serve import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.actors import ensure_cluster
+from cluster.actors import check_placement, ensure_cluster, replica_demand
 from cluster.assembly import build_service
 from cluster.chunk_protocol import ChunkList, RegisterChunkRequest
 from cluster.chunk_service import ChunkService
@@ -293,4 +294,12 @@ class AppArgs(BaseModel):
 
 
 def app_builder(args: AppArgs) -> Application:
-    return build_app(load_config(args.config, args.overrides))
+    """The app of ``serve run`` / ``serve deploy``. Its replicas are checked here,
+    before Serve asks for them: one that no node can hold would otherwise wait for
+    ever, since none of our code runs until a replica starts (that replica checks the
+    workers). Built outside Ray (a syntax check of the config), there is no cluster
+    to check against."""
+    cfg = load_config(args.config, args.overrides)
+    if ray.is_initialized():
+        check_placement(cfg, lambda: [replica_demand(cfg, running=True)])
+    return build_app(cfg)

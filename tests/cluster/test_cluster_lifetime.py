@@ -171,6 +171,20 @@ def test_serve_app_start_path_refuses_too(serve_port, tiny_qwen3, tmp_path):
 
 
 @pytest.mark.ray
+def test_serve_app_builder_refuses_replicas_no_node_can_hold(serve_port, tiny_qwen3, tmp_path):
+    """Under `serve run`, replicas too large for every node are refused when the app is
+    built, naming the key, instead of waiting for a node that never comes."""
+    config = cluster_config(tiny_qwen3, unique_name("bigreplica"))
+    config["server"]["replica_num_cpus"] = NUM_CPUS + 1
+    path = write_config(tmp_path, config)
+    with pytest.raises(ValueError, match="server.replica_num_cpus") as refused:
+        app_builder(AppArgs(config=str(path)))
+    assert "router replica" in str(refused.value), refused.value
+    config["server"]["replica_num_cpus"] = 0.1
+    app_builder(AppArgs(config=str(write_config(tmp_path, config))))  # fits: no refusal
+
+
+@pytest.mark.ray
 def test_deleting_the_app_ends_its_workers(start_app, tiny_qwen3):
     app = start_app(cluster_config(tiny_qwen3, unique_name("gone")))
     cfg = parse_config(read_config(app.config_path))
