@@ -11,9 +11,10 @@ from cluster.directory_access import open_directory
 from cluster.metrics import Metrics
 from cluster.router import Router, RouterSettings
 from cluster.routing_policy import Policy, RoutingWeights
-from cluster.worker_pool import WorkerPool
+from cluster.worker_pool import Agreement, WorkerPool
 from workers.engine.checkpoint import checkpoint_fingerprint, load_tokenizer
 from workers.engine.reuse_info import ReuseRequest
+from workers.runtime.worker_types import directory_namespace
 
 
 def namespace_model(cfg: ClusterConfig, model_dir: Path) -> str:
@@ -25,8 +26,13 @@ def build_service(
     cfg: ClusterConfig, model_dir: Path, actors: ClusterActors, metrics: Metrics
 ) -> CompletionService:
     keyed_as = namespace_model(cfg, model_dir)
+    agreement = Agreement(
+        namespace_model=keyed_as,
+        page_size=cfg.engine.page_size,
+        directory_namespace=directory_namespace(actors.directory),
+    )
     pool = WorkerPool(
-        actors.workers, keyed_as, cfg.router.poll_interval_s, cfg.router.poll_timeout_s
+        actors.workers, agreement, cfg.router.poll_interval_s, cfg.router.poll_timeout_s
     )
     metrics.healthy_workers = pool.healthy_count
     weights = RoutingWeights(

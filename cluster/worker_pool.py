@@ -3,8 +3,12 @@ in-flight work.
 
 Invariants:
 - A worker is routable only while ``HEALTHY`` and not draining: its last status
-  poll answered, with the namespace the router keys by, and no call to it failed
-  (and it refused nothing) since.
+  poll answered, in ``Agreement`` with this router, and no call to it failed (and
+  it refused nothing) since.
+- A worker that disagrees (page size, model, checkpoint or directory) is
+  ``REFUSED``, never routed to: its cache could never be hit. The reason, naming
+  both values and the config keys, is logged and shown by ``describe`` (so in
+  /health and "no healthy worker" errors) until a poll finds it in agreement.
 - A worker's load is this router's in-flight work on it (exact, updated on every
   request) plus the other routers' share from its last poll: the polled count
   minus what this router had in flight when that poll was sent. So several router
@@ -24,7 +28,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayError
 
 from cluster.routing_policy import WorkerView
-from workers.runtime.worker_types import WorkerStatus
+from workers.runtime.worker_types import WorkerInfo, WorkerStatus
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +37,48 @@ class Health(StrEnum):
     STARTING = "starting"  # never answered yet
     HEALTHY = "healthy"
     DOWN = "down"  # a call failed, or it stopped answering polls
+    REFUSED = "refused"  # it answers, but keys its cache unlike this router
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What a worker must share with the router: the router finds a worker's cached
+    pages in the directory only if it computes the same keys (same model namespace,
+    same page size) and looks where the worker publishes them."""
+
+    namespace_model: str  # model.name + "@" + the checkpoint's fingerprint
+    page_size: int  # engine.page_size
+    directory_namespace: str  # worker_types.directory_namespace of the router's directory
+
+
+def disagreement(expected: Agreement, info: WorkerInfo) -> str | None:
+    """Why a worker's cache could never serve this router's requests (None: it agrees)."""
+    problems = []
+    if info.page_size != expected.page_size:
+        problems.append(
+            f"its KV pages hold {info.page_size} tokens but this router keys prompts by "
+            f"{expected.page_size}-token pages (engine.page_size)"
+        )
+    model, _, fingerprint = info.namespace_model.rpartition("@")
+    own_model, _, own_fingerprint = expected.namespace_model.rpartition("@")
+    if model != own_model:
+        problems.append(f"it serves model {model!r} but this router {own_model!r} (model.name)")
+    elif fingerprint != own_fingerprint:
+        problems.append(
+            f"its checkpoint has fingerprint {fingerprint!r} but this router's "
+            f"{own_fingerprint!r} (model.path: another checkpoint, or one rewritten since)"
+        )
+    if info.directory_namespace != expected.directory_namespace:
+        problems.append(
+            f"it publishes to the {info.directory_namespace} but this router looks in the "
+            f"{expected.directory_namespace} (directory.kind, directory.redis.prefix)"
+        )
+    if not problems:
+        return None
+    return (
+        f"worker {info.worker_id} refused: {'; '.join(problems)}; it was started with "
+        "another config than this router's: restart the workers with the router's config"
+    )
 
 
 @dataclass(slots=True)
@@ -45,18 +91,19 @@ class _Tracked:
     requests_at_poll: int = 0  # ``requests`` when the last answered poll was sent
     tokens_at_poll: int = 0
     draining: bool = False  # refusing new work (from its last poll or refusal)
+    refusal: str | None = None  # why it is REFUSED (``disagreement``)
 
 
 class WorkerPool:
     def __init__(
         self,
         handles: Mapping[str, ActorHandle],
-        namespace_model: str,
+        agreement: Agreement,
         poll_interval_s: float,
         poll_timeout_s: float,
     ) -> None:
         self._workers = {worker_id: _Tracked(handle) for worker_id, handle in handles.items()}
-        self._namespace_model = namespace_model
+        self._agreement = agreement
         self._interval_s = poll_interval_s
         self._timeout_s = poll_timeout_s
         self._tasks: list[asyncio.Task] = []
@@ -85,10 +132,10 @@ class WorkerPool:
         return {worker_id: tracked.health for worker_id, tracked in self._workers.items()}
 
     def describe(self) -> str:
-        """Each worker's state, for error messages: "w0: healthy, w1: draining"."""
+        """Each worker's state, for error messages: "w0: healthy, w1: draining"
+        (a refused worker's with the reason)."""
         return ", ".join(
-            f"{worker_id}: {'draining' if t.draining and t.health is Health.HEALTHY else t.health}"
-            for worker_id, t in sorted(self._workers.items())
+            f"{worker_id}: {_state(t)}" for worker_id, t in sorted(self._workers.items())
         )
 
     def healthy_count(self) -> int:
@@ -150,15 +197,13 @@ class WorkerPool:
             if tracked.health is Health.HEALTHY or isinstance(error, RayError):
                 tracked.health = Health.DOWN
             return
-        if status.info.namespace_model != self._namespace_model:
-            logger.error(
-                "worker %s keys chunks as %r but this router as %r: not routing to it",
-                worker_id,
-                status.info.namespace_model,
-                self._namespace_model,
-            )
-            tracked.health = Health.DOWN
+        refusal = disagreement(self._agreement, status.info)
+        if refusal is not None:
+            if refusal != tracked.refusal:
+                logger.error("%s", refusal)
+            tracked.health, tracked.refusal = Health.REFUSED, refusal
             return
+        tracked.refusal = None
         if tracked.health is not Health.HEALTHY:
             logger.info("worker %s is healthy (epoch %d)", worker_id, status.info.epoch)
         tracked.status = status
@@ -173,3 +218,11 @@ class WorkerPool:
         others = max(0, load.requests - tracked.requests_at_poll)
         other_tokens = max(0, load.tokens - tracked.tokens_at_poll)
         return tracked.requests + others, tracked.tokens + other_tokens
+
+
+def _state(tracked: _Tracked) -> str:
+    if tracked.health is Health.REFUSED:
+        return f"refused ({tracked.refusal})"
+    if tracked.draining and tracked.health is Health.HEALTHY:
+        return "draining"
+    return tracked.health

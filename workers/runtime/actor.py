@@ -44,6 +44,7 @@ from workers.runtime.worker_types import (
     WorkerRequest,
     WorkerSpec,
     WorkerStatus,
+    directory_namespace,
 )
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class Worker:
             namespace_model=engine.namespace_model,
             max_model_len=engine.max_model_len,
             page_size=engine.pool.page_size,
+            directory_namespace=directory_namespace(spec.directory),
             startup_s=time.monotonic() - started,
         )
         self._mirror = CacheMirror()

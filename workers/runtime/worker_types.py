@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from workers.engine.config import EngineConfig
 from workers.engine.reuse_info import ReuseInfo, ReuseRequest
 from workers.engine.sampling_params import SamplingParams
-from workers.runtime.directory_client import DirectorySpec
+from workers.runtime.directory_client import DirectoryKind, DirectorySpec
 
 # Per generated token: (chosen token, logprob), then the top alternatives.
 TokenLogprobs = tuple[tuple[int, float], ...]
@@ -89,7 +89,17 @@ class WorkerInfo:
     namespace_model: str  # model id + checkpoint fingerprint: routers must key with it
     max_model_len: int
     page_size: int
+    directory_namespace: str  # where it publishes chunk keys (``directory_namespace``)
     startup_s: float  # this incarnation's start: model load, KV pool, graph capture
+
+
+def directory_namespace(spec: DirectorySpec) -> str:
+    """Where chunk keys published through ``spec`` can be looked up: routers find a
+    worker's keys only where this is equal (the Redis URL is left out: nodes may reach
+    one server by different addresses, and it may carry a password)."""
+    if spec.kind is DirectoryKind.REDIS:
+        return f"redis prefix {spec.redis_prefix!r}"
+    return f"embedded directory {spec.host_actor!r} in Ray namespace {spec.ray_namespace!r}"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,125 @@
+"""Stand-ins for worker actors, for router tests that need workers to disagree or to
+die on cue: real Ray actors answering ``status`` and ``generate`` like a worker,
+without an engine. Pickled by value, so Ray's worker processes need not import
+``tests``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import AsyncIterator, Sequence
+
+import ray
+from ray import cloudpickle
+
+from chunkstore import directory as d
+from chunkstore.hashing import PageKey
+from cluster.worker_pool import Agreement
+from workers.engine.reuse_info import ReuseInfo
+from workers.runtime.worker_types import (
+    EngineLoad,
+    WorkerDelta,
+    WorkerInfo,
+    WorkerRequest,
+    WorkerStatus,
+)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+AGREEMENT = Agreement(
+    namespace_model="tiny@0123abcd",
+    page_size=16,
+    directory_namespace="redis prefix 'chunkserve'",
+)
+
+DIE_BEFORE_OUTPUT = "die before output"
+DIE_AFTER_FIRST_DELTA = "die after the first delta"
+
+
+def worker_info(worker_id: str, agreement: Agreement = AGREEMENT) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=worker_id,
+        epoch=1,
+        namespace_model=agreement.namespace_model,
+        max_model_len=1024,
+        page_size=agreement.page_size,
+        directory_namespace=agreement.directory_namespace,
+        startup_s=0.0,
+    )
+
+
+@ray.remote(num_cpus=0)
+class StartLog:
+    """Counts worker starts of requests and tells each start how to fail, in turn."""
+
+    def __init__(self, behaviours: Sequence[str]) -> None:
+        self._behaviours = list(behaviours)
+        self.starts = 0
+
+    def start(self) -> str:
+        behaviour = self._behaviours[self.starts % len(self._behaviours)]
+        self.starts += 1
+        return behaviour
+
+    def count(self) -> int:
+        return self.starts
+
+
+@ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
+class FakeWorker:
+    """Answers polls with ``info``; every ``generate`` asks ``log`` how to fail, and
+    fails so (the process exits: callers see the actor die)."""
+
+    def __init__(self, info: WorkerInfo, log: ray.actor.ActorHandle | None = None) -> None:
+        self._info = info
+        self._log = log
+
+    async def status(self) -> WorkerStatus:
+        return WorkerStatus(
+            info=self._info,
+            load=EngineLoad(0, 0, 0, 0, 0, 0),
+            cached_pages=0,
+            kv_pages_total=64,
+            kv_pages_in_use=0,
+            draining=False,
+            directory_in_sync=True,
+            directory_superseded=False,
+        )
+
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[WorkerDelta]:
+        behaviour = await self._log.start.remote()
+        if behaviour == DIE_BEFORE_OUTPUT:
+            os._exit(1)
+        yield WorkerDelta(
+            index=0,
+            token_ids=(1,),
+            text="a",
+            finished=False,
+            finish_reason=None,
+            prompt_tokens=len(request.prompt_token_ids),
+            reuse=ReuseInfo("exact"),
+        )
+        await asyncio.sleep(0.5)  # the first delta reaches the router before the exit
+        os._exit(1)
+
+
+class NoDirectory:
+    """An ``AsyncDirectory`` that knows nothing (lookups: no information)."""
+
+    async def lookup(
+        self,
+        keys: Sequence[PageKey],
+        token_ends: Sequence[int],
+        entry_keys: Sequence[PageKey] = (),
+    ) -> d.LookupResult:
+        return d.NO_INFORMATION
+
+    async def stats(self) -> d.DirectoryStats | None:
+        return None
+
+    async def remove_worker(self, worker_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
