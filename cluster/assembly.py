@@ -55,7 +55,6 @@ def build_service(
         namespace_model=keyed_as,
         page_size=cfg.engine.page_size,
         default_max_tokens=cfg.server.default_max_tokens,
-        max_attempts=cfg.router.max_attempts,
         stream_interval_s=cfg.server.stream_interval_s,
         default_reuse=ReuseRequest(cfg.server.default_reuse),
     )

@@ -4,8 +4,9 @@ Shared by the HTTP app and the batch job. Invariants:
 - The prompt is tokenized and keyed once, off the event loop (``PromptLanes``: a
   large prompt never delays a small one), and only after its size was checked
   against the limit, so an over-long prompt costs no tokenizing.
-- A buffered (non-streaming) answer is retried from scratch on another worker when
-  its worker dies, even mid-generation: nothing reached the client yet.
+- A buffered (non-streaming) answer is started over on another worker when its
+  worker dies, even mid-generation: nothing reached the client yet. Its starts,
+  first and over, share one ``router.Attempts`` (the router's retry layer).
 - A stream is bound to its worker once it started; a death then ends it with an
   error event.
 - Every token a worker sent to the router is counted in the metrics, whether its
@@ -15,7 +16,6 @@ Shared by the HTTP app and the batch job. Invariants:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import time
@@ -68,7 +68,6 @@ class ServiceSettings:
     namespace_model: str  # model id + checkpoint fingerprint, as the engine keys pages
     page_size: int
     default_max_tokens: int
-    max_attempts: int  # buffered answers: workers tried when one dies mid-answer
     stream_interval_s: float = 0.0  # streamed answers: least time between worker deltas
     default_reuse: ReuseRequest = ReuseRequest()  # for requests whose `reuse` is absent
 
@@ -242,11 +241,13 @@ class CompletionService:
     async def _buffered(
         self, prompt: PreparedPrompt, request: WorkerRequest, arrived: float
     ) -> tuple[str, list[ChoiceOutput]]:
-        for attempt in range(self._settings.max_attempts):
-            request = dataclasses.replace(request, request_id=uuid.uuid4().hex)
-            stream = await self.router.open(prompt, request)
-            if attempt == 0:
+        attempts = self.router.attempts()
+        first = True
+        while True:
+            stream = await self.router.open(prompt, request, attempts)
+            if first:
                 self.metrics.ttft.observe(time.monotonic() - arrived)
+                first = False
             choices = [ChoiceOutput() for _ in request.params]
             gaps = _TokenGaps(self.metrics)
             try:
@@ -254,7 +255,7 @@ class CompletionService:
                     gaps.saw(delta)
                     choices[delta.index].add(delta)
             except WorkerLost:
-                if attempt + 1 == self._settings.max_attempts:
+                if attempts.exhausted:
                     raise
                 self.metrics.retries.inc()
                 continue
@@ -265,7 +266,6 @@ class CompletionService:
                 stream.close()
             self._count(len(request.prompt_token_ids), choices)
             return stream.worker_id, choices
-        raise AssertionError("unreachable: max_attempts >= 1")
 
     async def _events(
         self, stream: WorkerStream, fmt: ResponseFormat, body: Body, prompt_tokens: int

@@ -157,7 +157,12 @@ class RouterSection(_Section):
         1024, gt=0, description="above this many queued requests everywhere, answer 429"
     )
     max_attempts: int = Field(
-        3, gt=0, description="workers tried for a request whose worker dies before output"
+        3,
+        gt=0,
+        description="worker starts per request, all retries together (the router's one "
+        "retry layer): a worker that dies or drains before output, and a buffered "
+        "(non-streaming) answer whose worker dies mid-answer, are retried on another "
+        "worker while starts remain; never the same worker twice",
     )
     poll_interval_s: float = Field(0.5, gt=0, description="how often worker load is polled")
     poll_timeout_s: float = Field(

@@ -1,14 +1,20 @@
 """The chunk-aware router: one directory lookup, a policy decision, a worker stream.
 
+Retries (the one retry layer; ``router.max_attempts`` in the config):
+- A request's worker starts are counted by one ``Attempts``: at most
+  ``max_attempts`` in all, never the same worker twice, whoever retries. ``open``
+  retries while nothing reached the client (the worker died before its first delta,
+  or refused as draining); a caller that buffers the whole answer may start over
+  after ``WorkerLost`` only by calling ``open`` again with the same ``Attempts``.
+  So a request starts at most ``max_attempts`` generations, never more.
+
 Invariants:
-- One directory lookup per request (its result is reused when retrying): the
-  prompt's chunk keys and, for an approximate request, its chunks' entry keys, in
-  one call; scored by ``routing_policy.prefill_saved``.
-- ``open`` returns only once the chosen worker produced the first delta. Until then
-  nothing reached the client, so a worker that dies (or is draining) is skipped and
-  the request goes to another one, at most ``max_attempts`` workers in all.
+- One directory lookup per request (kept in its ``Attempts``, reused when
+  retrying): the prompt's chunk keys and, for an approximate request, its chunks'
+  entry keys, in one call; scored by ``routing_policy.prefill_saved``.
+- ``open`` returns only once the chosen worker produced the first delta.
 - After the first delta the request is bound to its worker: a death then surfaces
-  as ``WorkerLost`` (callers that buffer the whole answer may start over).
+  as ``WorkerLost``.
 - Every request counted in the pool's in-flight load is uncounted exactly once
   (``WorkerStream.close``), whether it finished, failed or was abandoned.
 - A worker found dead is marked down and its directory entries are purged (its
@@ -100,10 +106,25 @@ class WorkerStream:
             ray.cancel(self._generator)
 
 
+class Attempts:
+    """One request's worker starts, shared by every retry of it (see the module's
+    "Retries"): ``left`` starts remain; ``tried`` workers are not chosen again."""
+
+    def __init__(self, max_attempts: int) -> None:
+        self.left = max_attempts
+        self.tried: set[str] = set()
+        self.looked_up = False
+        self.holdings: dict[str, int] | None = None  # the request's directory answer
+
+    @property
+    def exhausted(self) -> bool:
+        return self.left <= 0
+
+
 @dataclass(frozen=True)
 class RouterSettings:
     weights: RoutingWeights
-    max_attempts: int
+    max_attempts: int  # worker starts per request, all retries together
     policy: Policy = Policy.CHUNK_AWARE
 
 
@@ -122,28 +143,39 @@ class Router:
         self._rotation = itertools.count()
         self._purges: set[asyncio.Task] = set()
 
-    async def open(self, prompt: PreparedPrompt, request: WorkerRequest) -> WorkerStream:
-        """Route ``request`` and wait for its first delta (see the module invariants)."""
+    def attempts(self) -> Attempts:
+        """A fresh budget of ``max_attempts`` worker starts for one request."""
+        return Attempts(self._settings.max_attempts)
+
+    async def open(
+        self, prompt: PreparedPrompt, request: WorkerRequest, attempts: Attempts | None = None
+    ) -> WorkerStream:
+        """Route ``request`` and wait for its first delta, spending ``attempts`` (a
+        fresh budget if None; pass the same one to start a request over)."""
+        attempts = self.attempts() if attempts is None else attempts
         await self.pool.start()
-        holdings = await self._lookup(prompt, request.reuse) if self._chunk_aware else None
-        tried: set[str] = set()
-        for attempt in range(self._settings.max_attempts):
-            views = [v for v in self.pool.views() if v.worker_id not in tried]
-            decision = self._choose(views, holdings)
+        if not attempts.looked_up:
+            attempts.looked_up = True
+            if self._chunk_aware:
+                attempts.holdings = await self._lookup(prompt, request.reuse)
+        while not attempts.exhausted:
+            views = [v for v in self.pool.views() if v.worker_id not in attempts.tried]
+            decision = self._choose(views, attempts.holdings)
             if decision is Unroutable.OVERLOADED:
                 raise Overloaded("every worker is at its request limit; retry later")
             if isinstance(decision, Unroutable):
                 break
             self._metrics.routes.inc(decision.reason.value)
             attempt_request = dataclasses.replace(
-                request, request_id=f"{request.request_id}.{attempt}"
+                request, request_id=f"{request.request_id}.{len(attempts.tried)}"
             )
+            attempts.tried.add(decision.worker_id)
+            attempts.left -= 1
             stream = await self._start(decision, attempt_request)
             if stream is not None:
                 return stream
-            tried.add(decision.worker_id)
             self._metrics.retries.inc()
-        raise NoHealthyWorker(self._no_worker_message(tried))
+        raise NoHealthyWorker(self._no_worker_message(attempts.tried))
 
     @property
     def _chunk_aware(self) -> bool:

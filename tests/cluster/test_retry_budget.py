@@ -1,0 +1,83 @@
+"""One retry layer: however its workers fail (before output, or a buffered answer's
+worker mid-answer), a request starts at most ``router.max_attempts`` generations
+in all. Worker stand-ins die on cue; a shared log counts the starts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+
+from cluster.completions import CompletionService, ServiceSettings
+from cluster.errors import NoHealthyWorker, WorkerLost
+from cluster.metrics import Metrics
+from cluster.openai_protocol import CompletionRequest
+from cluster.router import Router, RouterSettings
+from cluster.routing_policy import RoutingWeights
+from cluster.worker_pool import WorkerPool
+from tests.cluster.worker_doubles import (
+    AGREEMENT,
+    DIE_AFTER_FIRST_DELTA,
+    DIE_BEFORE_OUTPUT,
+    FakeWorker,
+    NoDirectory,
+    StartLog,
+    worker_info,
+)
+from workers.engine.checkpoint import load_tokenizer
+
+pytestmark = pytest.mark.ray
+
+MAX_ATTEMPTS = 3
+WEIGHTS = RoutingWeights(load_penalty_tokens=128, imbalance_slack=8, max_requests_per_worker=8)
+
+
+def starts_of_one_failing_request(tokenizer, behaviours: list[str], workers: int) -> int:
+    """Starts one buffered completion on ``workers`` stand-ins that fail as
+    ``behaviours`` say, in turn; returns how many generations it started."""
+    log = StartLog.remote(behaviours)
+    handles = {f"w{i}": FakeWorker.remote(worker_info(f"w{i}"), log) for i in range(workers)}
+
+    async def run() -> None:
+        pool = WorkerPool(handles, AGREEMENT, poll_interval_s=0.05, poll_timeout_s=10)
+        router = Router(pool, NoDirectory(), RouterSettings(WEIGHTS, MAX_ATTEMPTS), Metrics())
+        settings = ServiceSettings(
+            model_name="tiny",
+            namespace_model=AGREEMENT.namespace_model,
+            page_size=AGREEMENT.page_size,
+            default_max_tokens=4,
+        )
+        service = CompletionService(router, tokenizer, settings, Metrics())
+        body = CompletionRequest(model="tiny", prompt=[1, 2, 3], max_tokens=4)
+        try:
+            with pytest.raises((WorkerLost, NoHealthyWorker)):
+                await service.completion(body, "")
+        finally:
+            await pool.close()
+
+    asyncio.run(run())
+    starts = ray.get(log.count.remote())
+    for handle in [*handles.values(), log]:
+        ray.kill(handle)
+    return starts
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_qwen3):
+    return load_tokenizer(tiny_qwen3)
+
+
+def test_workers_dying_before_and_after_output_use_one_budget(ray_cluster, tokenizer):
+    """Each buffered start-over used to get its own ``max_attempts`` (up to its
+    square): here 2 starts per start-over, 6 in all."""
+    behaviours = [DIE_BEFORE_OUTPUT, DIE_AFTER_FIRST_DELTA]
+    starts = starts_of_one_failing_request(tokenizer, behaviours, workers=2 * MAX_ATTEMPTS)
+    assert starts == MAX_ATTEMPTS
+
+
+def test_workers_dying_mid_answer_are_tried_max_attempts_times(ray_cluster, tokenizer):
+    starts = starts_of_one_failing_request(
+        tokenizer, [DIE_AFTER_FIRST_DELTA], workers=MAX_ATTEMPTS + 1
+    )
+    assert starts == MAX_ATTEMPTS
