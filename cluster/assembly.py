@@ -22,6 +22,12 @@ def namespace_model(cfg: ClusterConfig, model_dir: Path) -> str:
     return f"{cfg.model.name}@{checkpoint_fingerprint(model_dir)}"
 
 
+def recent_route_lease_s(cfg: ClusterConfig) -> float:
+    """``router.recent_route_lease_s``, its default (null) resolved."""
+    lease = cfg.router.recent_route_lease_s
+    return 4 * cfg.workers.publish_interval_s if lease is None else lease
+
+
 def build_service(
     cfg: ClusterConfig, model_dir: Path, actors: ClusterActors, metrics: Metrics
 ) -> CompletionService:
@@ -47,6 +53,7 @@ def build_service(
             weights=weights,
             max_attempts=cfg.router.max_attempts,
             policy=Policy(cfg.router.policy),
+            recent_route_lease_s=recent_route_lease_s(cfg),
         ),
         metrics,
     )

@@ -164,6 +164,15 @@ class RouterSection(_Section):
         "(non-streaming) answer whose worker dies mid-answer, are retried on another "
         "worker while starts remain; never the same worker twice",
     )
+    recent_route_lease_s: float | None = Field(
+        None,
+        ge=0,
+        description="chunk_aware: how long a prompt prefix this router just sent to a "
+        "worker counts as held there, until the directory lists it (workers publish every "
+        "workers.publish_interval_s), so an identical prompt sent again at once, or a burst "
+        "of a new prefix, lands on the same worker; null: 4 times "
+        "workers.publish_interval_s; 0: off",
+    )
     poll_interval_s: float = Field(0.5, gt=0, description="how often worker load is polled")
     poll_timeout_s: float = Field(
         5.0, gt=0, description="a worker not answering a poll this fast counts as down"

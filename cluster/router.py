@@ -9,6 +9,9 @@ Retries (the one retry layer; ``router.max_attempts`` in the config):
   So a request starts at most ``max_attempts`` generations, never more.
 
 Invariants:
+- A chunk-aware decision is remembered (``routing_policy.RouteMemory``, for
+  ``recent_route_lease_s``) as soon as it is made, so the same prefix sent again
+  before the directory lists it follows it.
 - One directory lookup per request (kept in its ``Attempts``, reused when
   retrying): the prompt's chunk keys and, for an approximate request, its chunks'
   entry keys, in one call; scored by ``routing_policy.prefill_saved``.
@@ -27,6 +30,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -40,6 +44,7 @@ from cluster.prompts import PreparedPrompt
 from cluster.routing_policy import (
     Decision,
     Policy,
+    RouteMemory,
     RoutingWeights,
     Unroutable,
     WorkerView,
@@ -126,6 +131,7 @@ class RouterSettings:
     weights: RoutingWeights
     max_attempts: int  # worker starts per request, all retries together
     policy: Policy = Policy.CHUNK_AWARE
+    recent_route_lease_s: float = 0.0  # RouteMemory's lease (chunk-aware); 0: no memory
 
 
 class Router:
@@ -141,6 +147,7 @@ class Router:
         self._settings = settings
         self._metrics = metrics
         self._rotation = itertools.count()
+        self._memory = RouteMemory(settings.recent_route_lease_s)
         self._purges: set[asyncio.Task] = set()
 
     def attempts(self) -> Attempts:
@@ -160,11 +167,14 @@ class Router:
                 attempts.holdings = await self._lookup(prompt, request.reuse)
         while not attempts.exhausted:
             views = [v for v in self.pool.views() if v.worker_id not in attempts.tried]
-            decision = self._choose(views, attempts.holdings)
+            now = time.monotonic()
+            decision = self._choose(views, attempts.holdings, prompt, now)
             if decision is Unroutable.OVERLOADED:
                 raise Overloaded("every worker is at its request limit; retry later")
             if isinstance(decision, Unroutable):
                 break
+            if self._chunk_aware:  # before its first delta: a burst meanwhile follows it
+                self._memory.remember(prompt.lookup_keys, decision.worker_id, now)
             self._metrics.routes.inc(decision.reason.value)
             attempt_request = dataclasses.replace(
                 request, request_id=f"{request.request_id}.{len(attempts.tried)}"
@@ -182,11 +192,16 @@ class Router:
         return self._settings.policy is Policy.CHUNK_AWARE
 
     def _choose(
-        self, views: list[WorkerView], holdings: dict[str, int] | None
+        self,
+        views: list[WorkerView],
+        holdings: dict[str, int] | None,
+        prompt: PreparedPrompt,
+        now: float,
     ) -> Decision | Unroutable:
         weights, rotation = self._settings.weights, next(self._rotation)
         if self._chunk_aware:
-            return choose_worker(views, holdings, weights, rotation)
+            recent = self._memory.recall(prompt.lookup_keys, prompt.token_ends, now)
+            return choose_worker(views, holdings, weights, rotation, recent)
         return round_robin(views, weights.max_requests_per_worker, rotation)
 
     async def _lookup(self, prompt: PreparedPrompt, reuse: ReuseRequest) -> dict[str, int] | None:
@@ -246,6 +261,7 @@ class Router:
 
     def _lost(self, worker_id: str) -> None:
         self.pool.mark_down(worker_id)
+        self._memory.forget(worker_id)
         task = asyncio.get_running_loop().create_task(self._directory.remove_worker(worker_id))
         self._purges.add(task)
         task.add_done_callback(self._purges.discard)

@@ -4,15 +4,24 @@ Policy:
 1. Workers at ``max_requests_per_worker`` are full; if all are, the request is
    refused (``OVERLOADED``), if there are none, ``NO_WORKER``.
 2. With no directory answer, pick the least-loaded worker (``NO_DIRECTORY``).
-3. Otherwise a worker holding part of the prompt is a candidate unless it carries
+3. Otherwise (the holdings being the directory's, raised to what ``recent``, this
+   router's memory of its own decisions, says a worker holds: see ``RouteMemory``)
+   a worker holding part of the prompt is a candidate unless it carries
    more than ``imbalance_slack`` requests above the least-loaded worker (then load
    is badly imbalanced and balancing wins). Each candidate scores
    ``cached_tokens - load_penalty_tokens * requests``; the best candidate wins if
    it beats the least-loaded worker's score (``-load_penalty_tokens * least``),
-   i.e. if its cache saves more than its extra queue costs (``AFFINITY``).
+   i.e. if its cache saves more than its extra queue costs (``AFFINITY``, or
+   ``RECENT`` where only the memory says it holds that much).
 4. Else the least-loaded worker (``LOAD``).
 Ties go to fewer requests, then fewer tokens in flight, then ``rotation`` picks
 among the still tied, so equal workers share requests evenly.
+
+``RouteMemory`` is that memory: the prefixes this router sent to each worker in the
+last ``lease_s`` seconds count as held there, since the worker computes and keeps
+them at once while the directory learns of them only with its next publish. So an
+identical prompt sent again at once, or a burst of a new prefix, lands on the same
+worker. It reads no clock: callers pass ``now``.
 
 ``round_robin`` is the baseline that ignores caches and load: the open workers in id
 order, one after another (``rotation`` counts requests).
@@ -27,9 +36,12 @@ chunk; ``placed_saving``).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+
+from chunkstore.hashing import PageKey
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,7 @@ class Policy(StrEnum):
 
 class Reason(StrEnum):
     AFFINITY = "affinity"  # the worker holds a prefix of the prompt
+    RECENT = "recent"  # this router just sent it the prefix (RouteMemory); not yet listed
     LOAD = "load"  # nobody holds a useful prefix, or load is too imbalanced
     NO_DIRECTORY = "no_directory"  # the directory had no information
     ROTATION = "rotation"  # round-robin: the next worker in turn
@@ -75,29 +88,97 @@ def choose_worker(
     holdings: Mapping[str, int] | None,
     weights: RoutingWeights,
     rotation: int = 0,
+    recent: Mapping[str, int] | None = None,
 ) -> Decision | Unroutable:
-    """``holdings``: worker id -> cached prompt tokens (None: no directory answer)."""
+    """``holdings``: worker id -> cached prompt tokens (None: no directory answer).
+    ``recent``: worker id -> prompt tokens this router recently sent it (``RouteMemory``
+    .recall); counted as held where they exceed ``holdings``."""
     open_ = _open_workers(workers, weights.max_requests_per_worker)
     if isinstance(open_, Unroutable):
         return open_
     if holdings is None:
         return _least_loaded(open_, rotation, Reason.NO_DIRECTORY)
+    recent = recent or {}
+    held = {w: max(holdings.get(w, 0), recent.get(w, 0)) for w in {*holdings, *recent}}
     least = min(w.requests for w in open_)
     candidates = [
         w
         for w in open_
-        if holdings.get(w.worker_id, 0) > 0 and w.requests <= least + weights.imbalance_slack
+        if held.get(w.worker_id, 0) > 0 and w.requests <= least + weights.imbalance_slack
     ]
     penalty = weights.load_penalty_tokens
 
     def score(w: WorkerView) -> float:
-        return holdings.get(w.worker_id, 0) - penalty * w.requests
+        return held.get(w.worker_id, 0) - penalty * w.requests
 
     if candidates:
         best = _pick(candidates, lambda w: (-score(w), w.requests, w.tokens), rotation)
         if score(best) > -penalty * least:
-            return Decision(best.worker_id, Reason.AFFINITY, holdings[best.worker_id])
+            tokens = held[best.worker_id]
+            listed = holdings.get(best.worker_id, 0) >= tokens
+            return Decision(best.worker_id, Reason.AFFINITY if listed else Reason.RECENT, tokens)
     return _least_loaded(open_, rotation, Reason.LOAD)
+
+
+class RouteMemory:
+    """Which prompt prefixes this router sent to which worker in the last ``lease_s``
+    seconds (a decision's lease runs from when it was made; a new decision for the same
+    prefix and worker renews it). Holds at most ``max_keys`` keys, dropping the least
+    recently sent first. ``lease_s`` 0 remembers nothing."""
+
+    def __init__(self, lease_s: float, max_keys: int = 1 << 18) -> None:
+        if lease_s < 0 or max_keys <= 0:
+            raise ValueError(f"lease_s must be >= 0 and max_keys > 0, got {lease_s}, {max_keys}")
+        self._lease_s = lease_s
+        self._max_keys = max_keys
+        # key -> worker -> lease end; keys in the order last sent, so the first key's
+        # latest lease ends no later than any other key's
+        self._leases: OrderedDict[PageKey, dict[str, float]] = OrderedDict()
+
+    def remember(self, keys: Sequence[PageKey], worker_id: str, now: float) -> None:
+        """``keys``: the prompt's chunk keys, in prompt order, just sent to the worker."""
+        if not self._lease_s:
+            return
+        until = now + self._lease_s
+        for key in keys:
+            self._leases.setdefault(key, {})[worker_id] = until
+            self._leases.move_to_end(key)
+        self._expire(now)
+
+    def recall(
+        self, keys: Sequence[PageKey], token_ends: Sequence[int], now: float
+    ) -> dict[str, int]:
+        """Worker id -> prompt tokens of the longest prefix of ``keys`` (``token_ends``:
+        tokens up to each) recently sent to it; workers with none are left out."""
+        self._expire(now)
+        if not keys:
+            return {}
+        held: dict[str, int] = {}
+        for worker, until in self._leases.get(keys[0], {}).items():
+            if until <= now:
+                continue
+            for key, end in zip(keys, token_ends, strict=True):
+                if self._leases.get(key, {}).get(worker, now) <= now:
+                    break
+                held[worker] = end
+        return held
+
+    def forget(self, worker_id: str) -> None:
+        """Drop a worker's leases (it died: a restarted one holds nothing)."""
+        for workers in self._leases.values():
+            workers.pop(worker_id, None)
+
+    def __len__(self) -> int:
+        """Keys remembered (some possibly past their lease until the next call)."""
+        return len(self._leases)
+
+    def _expire(self, now: float) -> None:
+        leases = self._leases
+        while leases:
+            first = next(iter(leases.values()))
+            if len(leases) <= self._max_keys and max(first.values(), default=now) > now:
+                return
+            leases.popitem(last=False)
 
 
 def placed_saving(length: int, first_tokens: int, deviation_ratio: float) -> int:

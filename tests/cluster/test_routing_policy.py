@@ -1,5 +1,5 @@
 """The routing policy is a pure function: saved prefill (exact prefixes and approximate
-hits) against load."""
+hits, and what the router's memory of its own decisions says) against load."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections import Counter
 from cluster.routing_policy import (
     Decision,
     Reason,
+    RouteMemory,
     RoutingWeights,
     Unroutable,
     WorkerView,
@@ -121,3 +122,72 @@ def test_an_approximate_holder_beats_a_short_exact_prefix():
     assert decision == Decision("w1", Reason.AFFINITY, 156)
     busy = choose_worker(views(0, 2), saved, WEIGHTS)  # 156 - 200 < 32 - 0
     assert busy.worker_id == "w0" and busy.reason is Reason.AFFINITY
+
+
+KEYS = (b"k0", b"k1", b"k2")  # a prompt's chunk keys, in prompt order
+ENDS = (16, 48, 64)  # its tokens up to each
+
+
+def test_a_recent_decision_attracts_an_identical_repeat():
+    """The directory does not list the prefix yet (the worker publishes later); the
+    router's memory of sending it to w1 sends the repeat there too."""
+    memory = RouteMemory(lease_s=1.0)
+    first = choose_worker(views(0, 0), {}, WEIGHTS, rotation=1, recent=memory.recall(KEYS, ENDS, 0))
+    assert first.reason is Reason.LOAD
+    memory.remember(KEYS, first.worker_id, now=0.0)
+    for rotation in range(4):  # whatever turn the tie-breaking rotation is at
+        recent = memory.recall(KEYS, ENDS, now=0.1)
+        assert recent == {first.worker_id: 64}
+        repeat = choose_worker(views(0, 0), {}, WEIGHTS, rotation, recent)
+        assert repeat == Decision(first.worker_id, Reason.RECENT, 64)
+
+
+def test_an_expired_decision_attracts_nothing():
+    memory = RouteMemory(lease_s=1.0)
+    memory.remember(KEYS, "w1", now=0.0)
+    assert memory.recall(KEYS, ENDS, now=1.0) == {}
+    assert len(memory) == 0  # and is dropped
+    chosen = {
+        choose_worker(views(0, 0), {}, WEIGHTS, r, memory.recall(KEYS, ENDS, 1.5)).worker_id
+        for r in range(2)
+    }
+    assert chosen == {"w0", "w1"}  # plain rotation again
+
+
+def test_a_renewed_decision_lives_on_and_others_keep_their_own_lease():
+    memory = RouteMemory(lease_s=1.0)
+    memory.remember(KEYS, "w0", now=0.0)
+    memory.remember(KEYS[:1], "w1", now=0.5)  # w1 got a prompt sharing only the first chunk
+    memory.remember(KEYS, "w0", now=0.8)  # renewed
+    assert memory.recall(KEYS, ENDS, now=0.9) == {"w0": 64, "w1": 16}
+    assert memory.recall(KEYS, ENDS, now=1.6) == {"w0": 64}
+    assert memory.recall(KEYS, ENDS, now=1.8) == {}
+
+
+def test_memory_counts_the_longest_remembered_prefix_and_forgets_dead_workers():
+    memory = RouteMemory(lease_s=1.0)
+    memory.remember(KEYS[:2], "w0", now=0.0)
+    memory.remember((b"other", *KEYS[1:]), "w1", now=0.0)  # another first chunk: no prefix
+    assert memory.recall(KEYS, ENDS, now=0.1) == {"w0": 48}
+    memory.forget("w0")
+    assert memory.recall(KEYS, ENDS, now=0.1) == {}
+
+
+def test_memory_keeps_at_most_max_keys_and_zero_lease_keeps_none():
+    memory = RouteMemory(lease_s=10.0, max_keys=2)
+    memory.remember(KEYS, "w0", now=0.0)
+    assert len(memory) == 2 and memory.recall(KEYS, ENDS, now=0.1) == {}  # k0 dropped
+    off = RouteMemory(lease_s=0.0)
+    off.remember(KEYS, "w0", now=0.0)
+    assert len(off) == 0
+
+
+def test_the_directory_and_memory_combine_by_the_larger_and_load_still_counts():
+    memory = RouteMemory(lease_s=1.0)
+    memory.remember(KEYS, "w1", now=0.0)
+    recent = memory.recall(KEYS, ENDS, now=0.1)
+    listed = choose_worker(views(0, 0), {"w1": 300}, WEIGHTS, 0, recent)
+    assert listed == Decision("w1", Reason.AFFINITY, 300)  # the directory lists more
+    busy = choose_worker(views(0, 1), {}, WEIGHTS, 0, recent)  # 64 - 100 < 0
+    assert busy.worker_id == "w0" and busy.reason is Reason.LOAD
+    assert choose_worker(views(0, 0), None, WEIGHTS, 0, recent).reason is Reason.NO_DIRECTORY
