@@ -12,8 +12,16 @@ Policy:
    ``cached_tokens - load_penalty_tokens * requests``; the best candidate wins if
    it beats the least-loaded worker's score (``-load_penalty_tokens * least``),
    i.e. if its cache saves more than its extra queue costs (``AFFINITY``, or
-   ``RECENT`` where only the memory says it holds that much).
-4. Else the least-loaded worker (``LOAD``).
+   ``RECENT`` where only the memory says it holds that much) -- unless rule 4
+   sends it to an idle worker.
+4. Spill: an idle worker (no request in flight: new, restarted, or drained) takes
+   the request instead of the winning holder when the holder's queue costs more
+   than its cache saves, in tokens: the holder's queued work, estimated as its
+   tokens in flight less the held prefix for each of its requests (they are there
+   because they share it), exceeds the prefix this request would not compute
+   there (``SPILL``). The idle worker then holds the prefix too, so a hot prefix
+   spreads and a restarted worker gets traffic as soon as it is faster for someone.
+5. Else the least-loaded worker (``LOAD``).
 Ties go to fewer requests, then fewer tokens in flight, then ``rotation`` picks
 among the still tied, so equal workers share requests evenly.
 
@@ -66,6 +74,7 @@ class Policy(StrEnum):
 class Reason(StrEnum):
     AFFINITY = "affinity"  # the worker holds a prefix of the prompt
     RECENT = "recent"  # this router just sent it the prefix (RouteMemory); not yet listed
+    SPILL = "spill"  # idle, and sooner than the holder whose queue outweighs its cache
     LOAD = "load"  # nobody holds a useful prefix, or load is too imbalanced
     NO_DIRECTORY = "no_directory"  # the directory had no information
     ROTATION = "rotation"  # round-robin: the next worker in turn
@@ -115,9 +124,20 @@ def choose_worker(
         best = _pick(candidates, lambda w: (-score(w), w.requests, w.tokens), rotation)
         if score(best) > -penalty * least:
             tokens = held[best.worker_id]
+            idle = [w for w in open_ if w.requests == 0 and w is not best]
+            if idle and queued_work(best, tokens) > tokens:
+                spill = _pick(idle, lambda w: (-held.get(w.worker_id, 0), w.tokens), rotation)
+                return Decision(spill.worker_id, Reason.SPILL, held.get(spill.worker_id, 0))
             listed = holdings.get(best.worker_id, 0) >= tokens
             return Decision(best.worker_id, Reason.AFFINITY if listed else Reason.RECENT, tokens)
     return _least_loaded(open_, rotation, Reason.LOAD)
+
+
+def queued_work(worker: WorkerView, held: int) -> int:
+    """Tokens a holder of ``held`` prompt tokens must still work through before a new
+    request (rule 4): its tokens in flight less ``held`` for each request in flight
+    (never below 0). A stand-in until workers report their queued prefill."""
+    return max(0, worker.tokens - worker.requests * held)
 
 
 class RouteMemory:

@@ -191,3 +191,36 @@ def test_the_directory_and_memory_combine_by_the_larger_and_load_still_counts():
     busy = choose_worker(views(0, 1), {}, WEIGHTS, 0, recent)  # 64 - 100 < 0
     assert busy.worker_id == "w0" and busy.reason is Reason.LOAD
     assert choose_worker(views(0, 0), None, WEIGHTS, 0, recent).reason is Reason.NO_DIRECTORY
+
+
+def test_a_cold_idle_worker_beats_a_holder_whose_queue_is_long():
+    """w0 restarted: idle, holds nothing. The holder w1 has 3 requests of 1,256 tokens
+    in flight; less the 640 held for each, 1,848 tokens of work queue ahead, more than
+    the 640 its cache would save: w0 starts sooner, and the prefix spreads to it."""
+    workers = [WorkerView("w0", 0, 0), WorkerView("w1", 3, 3 * 1256)]
+    assert 640 - WEIGHTS.load_penalty_tokens * 3 > 0  # the load penalty alone keeps w1
+    decision = choose_worker(workers, {"w1": 640}, WEIGHTS)
+    assert decision == Decision("w0", Reason.SPILL, 0)
+
+
+def test_a_holder_whose_queue_costs_less_than_its_cache_saves_keeps_the_request():
+    workers = [WorkerView("w0", 0, 0), WorkerView("w1", 1, 700)]  # 60 queued < 640 saved
+    assert choose_worker(workers, {"w1": 640}, WEIGHTS) == Decision("w1", Reason.AFFINITY, 640)
+
+
+def test_without_an_idle_worker_nothing_spills():
+    workers = [WorkerView("w0", 1, 100), WorkerView("w1", 3, 3 * 1256)]
+    assert choose_worker(workers, {"w1": 640}, WEIGHTS).worker_id == "w1"
+
+
+def test_a_restarted_worker_gets_requests_again_while_holders_are_busy():
+    """Three holders of a hot prefix, each with a long queue, and a restarted worker:
+    it takes the first request, and then holds the prefix with the shortest queue, so
+    it wins the next one by affinity."""
+    holders = [WorkerView(f"w{i}", 4, 4 * 1256) for i in range(3)]
+    restarted = WorkerView("w3", 0, 0)
+    first = choose_worker([*holders, restarted], {w.worker_id: 640 for w in holders}, WEIGHTS)
+    assert first == Decision("w3", Reason.SPILL, 0)
+    busy = WorkerView("w3", 1, 1256)
+    held = {"w0": 640, "w1": 640, "w2": 640, "w3": 640}
+    assert choose_worker([*holders, busy], held, WEIGHTS) == Decision("w3", Reason.AFFINITY, 640)
