@@ -1,0 +1,69 @@
+"""A restarted worker holds nothing, yet gets requests of a hot prompt again as soon
+as it is faster than the busy holder (routing_policy rule 4, spill): two workers,
+one killed and restarted, then concurrent load on a prefix the other holds."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+
+from tests.chunkstore.testkit import wait_until
+from tests.cluster.conftest import cluster_config, stop_app, unique_name, wait_healthy
+
+pytestmark = pytest.mark.ray
+
+SYSTEM = "You answer questions about the Harbor Analytics handbook, chapter by chapter. " * 16
+MAX_TOKENS = 200  # each request's budget: the holder's queued work, with the question
+CLIENTS = 4  # in flight at once: the holder's queue never exceeds 3 when one arrives
+
+
+@pytest.fixture(scope="module")
+def app(start_app, tiny_qwen3):
+    config = cluster_config(
+        tiny_qwen3, unique_name("restart"), workers={"count": 2}, server={"num_replicas": 1}
+    )
+    app = start_app(config)
+    yield app
+    stop_app(app)
+
+
+def ask(app, question: str) -> dict:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    response = httpx.post(app.url("/v1/chat/completions"), json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return {"worker": response.headers["x-chunkserve-worker"], **response.json()["usage"]}
+
+
+def epoch(handle) -> int:
+    """The worker's epoch; 0 while it is down or restarting."""
+    try:
+        return ray.get(handle.status.remote(), timeout=5).info.epoch
+    except (RayError, GetTimeoutError):
+        return 0
+
+
+def test_a_restarted_worker_gets_requests_of_a_hot_prompt_while_the_holder_is_busy(app):
+    warm = ask(app, "Q: warm?")
+    holder = warm["worker"]
+    held = ask(app, "Q: held?")
+    assert held["worker"] == holder and held["prompt_tokens_details"]["cached_tokens"] > 0
+    # the load penalty alone keeps every request on the holder at this queue length
+    assert held["prompt_tokens_details"]["cached_tokens"] > 128 * (CLIENTS - 1)
+    other = next(w for w in (f"{app.name}-worker-0", f"{app.name}-worker-1") if w != holder)
+    handle = ray.get_actor(other, namespace="chunkserve-tests")
+    old_epoch = ray.get(handle.status.remote()).info.epoch
+    ray.kill(handle, no_restart=False)
+    assert wait_until(lambda: epoch(handle) > old_epoch, 60, 0.2)
+    wait_healthy(app, 2, timeout_s=60)
+
+    def client(c: int) -> list[str]:
+        return [ask(app, f"Q: client {c} asks {i}?")["worker"] for i in range(4)]
+
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        served = [w for ws in pool.map(client, range(CLIENTS)) for w in ws]
+    assert served.count(other) > 0, served
