@@ -1,6 +1,9 @@
-"""A restarted worker holds nothing, yet gets requests of a hot prompt again as soon
-as it is faster than the busy holder (routing_policy rule 4, spill): two workers,
-one killed and restarted, then concurrent load on a prefix the other holds."""
+"""Routing on a real cluster of two workers: the router remembers its own decisions,
+so an identical prompt sent again at once, before the worker's next publish reaches
+the directory, lands on the same worker and hits its cache (publishing slowed so
+the directory cannot know yet); and a restarted worker, holding nothing, gets
+requests of a hot prompt again as soon as it is faster than the busy holder
+(routing_policy rule 4, spill)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from tests.cluster.conftest import cluster_config, stop_app, unique_name, wait_h
 
 pytestmark = pytest.mark.ray
 
+PUBLISH_INTERVAL_S = 5.0  # longer than a test: the directory lists nothing new meanwhile
 SYSTEM = "You answer questions about the Harbor Analytics handbook, chapter by chapter. " * 16
 MAX_TOKENS = 200  # each request's budget: the holder's queued work, with the question
 CLIENTS = 4  # in flight at once: the holder's queue never exceeds 3 when one arrives
@@ -24,14 +28,37 @@ CLIENTS = 4  # in flight at once: the holder's queue never exceeds 3 when one ar
 @pytest.fixture(scope="module")
 def app(start_app, tiny_qwen3):
     config = cluster_config(
-        tiny_qwen3, unique_name("restart"), workers={"count": 2}, server={"num_replicas": 1}
+        tiny_qwen3,
+        unique_name("routing"),
+        workers={"count": 2, "publish_interval_s": PUBLISH_INTERVAL_S},
+        directory={"kind": "embedded", "lease_ttl_s": 4 * PUBLISH_INTERVAL_S},
+        router={"recent_route_lease_s": 60.0},
+        server={"default_max_tokens": 4},
     )
     app = start_app(config)
     yield app
     stop_app(app)
 
 
-def ask(app, question: str) -> dict:
+def ask(app, text: str) -> tuple[str, int]:
+    body = {"model": "tiny", "prompt": text, "max_tokens": 4, "temperature": 0}
+    response = httpx.post(app.url("/v1/completions"), json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    cached = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return response.headers["x-chunkserve-worker"], cached
+
+
+def test_immediate_identical_repeats_land_on_the_same_worker_and_hit(app):
+    for k in range(2):  # two new prompts: each sticks to wherever it went first
+        text = f"Prompt {k}: the quarterly report lists revenue by region and month. " * 6
+        home, cached = ask(app, text)
+        assert cached == 0  # new to every worker
+        for _ in range(5):  # no sleep: well within the publish interval
+            worker, cached = ask(app, text)
+            assert worker == home and cached > 0
+
+
+def ask_chat(app, question: str) -> dict:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
     body = {"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
     response = httpx.post(app.url("/v1/chat/completions"), json=body, timeout=120)
@@ -48,9 +75,9 @@ def epoch(handle) -> int:
 
 
 def test_a_restarted_worker_gets_requests_of_a_hot_prompt_while_the_holder_is_busy(app):
-    warm = ask(app, "Q: warm?")
+    warm = ask_chat(app, "Q: warm?")
     holder = warm["worker"]
-    held = ask(app, "Q: held?")
+    held = ask_chat(app, "Q: held?")
     assert held["worker"] == holder and held["prompt_tokens_details"]["cached_tokens"] > 0
     # the load penalty alone keeps every request on the holder at this queue length
     assert held["prompt_tokens_details"]["cached_tokens"] > 128 * (CLIENTS - 1)
@@ -62,7 +89,7 @@ def test_a_restarted_worker_gets_requests_of_a_hot_prompt_while_the_holder_is_bu
     wait_healthy(app, 2, timeout_s=60)
 
     def client(c: int) -> list[str]:
-        return [ask(app, f"Q: client {c} asks {i}?")["worker"] for i in range(4)]
+        return [ask_chat(app, f"Q: client {c} asks {i}?")["worker"] for i in range(4)]
 
     with ThreadPoolExecutor(CLIENTS) as pool:
         served = [w for ws in pool.map(client, range(CLIENTS)) for w in ws]
