@@ -1,6 +1,6 @@
 """One retry layer: however its workers fail (before output, or a buffered answer's
 worker mid-answer), a request starts at most ``router.max_attempts`` generations
-in all. Worker stand-ins die on cue; a shared log counts the starts."""
+in all. Worker stand-ins refuse or die on cue; a shared log counts the starts."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from cluster.worker_pool import WorkerPool
 from tests.cluster.worker_doubles import (
     AGREEMENT,
     DIE_AFTER_FIRST_DELTA,
-    DIE_BEFORE_OUTPUT,
+    REFUSE_AS_DRAINING,
     FakeWorker,
     NoDirectory,
     StartLog,
@@ -38,6 +38,7 @@ def starts_of_one_failing_request(tokenizer, behaviours: list[str], workers: int
     ``behaviours`` say, in turn; returns how many generations it started."""
     log = StartLog.remote(behaviours)
     handles = {f"w{i}": FakeWorker.remote(worker_info(f"w{i}"), log) for i in range(workers)}
+    ray.get([handle.status.remote() for handle in handles.values()])  # all started
 
     async def run() -> None:
         pool = WorkerPool(handles, AGREEMENT, poll_interval_s=0.05, poll_timeout_s=10)
@@ -52,7 +53,8 @@ def starts_of_one_failing_request(tokenizer, behaviours: list[str], workers: int
         body = CompletionRequest(model="tiny", prompt=[1, 2, 3], max_tokens=4)
         try:
             with pytest.raises((WorkerLost, NoHealthyWorker)):
-                await service.completion(body, "")
+                # bounded: a start that never answers fails the test, not the suite
+                await asyncio.wait_for(service.completion(body, ""), 120)
         finally:
             await pool.close()
 
@@ -68,10 +70,11 @@ def tokenizer(tiny_qwen3):
     return load_tokenizer(tiny_qwen3)
 
 
-def test_workers_dying_before_and_after_output_use_one_budget(ray_cluster, tokenizer):
+def test_workers_failing_before_and_after_output_use_one_budget(ray_cluster, tokenizer):
     """Each buffered start-over used to get its own ``max_attempts`` (up to its
-    square): here 2 starts per start-over, 6 in all."""
-    behaviours = [DIE_BEFORE_OUTPUT, DIE_AFTER_FIRST_DELTA]
+    square): here 2 starts per start-over (a refusal, then a death mid-answer), 6 in
+    all."""
+    behaviours = [REFUSE_AS_DRAINING, DIE_AFTER_FIRST_DELTA]
     starts = starts_of_one_failing_request(tokenizer, behaviours, workers=2 * MAX_ATTEMPTS)
     assert starts == MAX_ATTEMPTS
 

@@ -21,6 +21,7 @@ from workers.runtime.worker_types import (
     EngineLoad,
     WorkerDelta,
     WorkerInfo,
+    WorkerRefusal,
     WorkerRequest,
     WorkerStatus,
 )
@@ -33,7 +34,7 @@ AGREEMENT = Agreement(
     directory_namespace="redis prefix 'chunkserve'",
 )
 
-DIE_BEFORE_OUTPUT = "die before output"
+REFUSE_AS_DRAINING = "refuse as draining"  # before output: the router tries another
 DIE_AFTER_FIRST_DELTA = "die after the first delta"
 
 
@@ -69,7 +70,7 @@ class StartLog:
 @ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
 class FakeWorker:
     """Answers polls with ``info``; every ``generate`` asks ``log`` how to fail, and
-    fails so (the process exits: callers see the actor die)."""
+    fails so (refuses, or sends one delta and exits: callers see the actor die)."""
 
     def __init__(self, info: WorkerInfo, log: ray.actor.ActorHandle | None = None) -> None:
         self._info = info
@@ -87,10 +88,11 @@ class FakeWorker:
             directory_superseded=False,
         )
 
-    async def generate(self, request: WorkerRequest) -> AsyncIterator[WorkerDelta]:
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[WorkerDelta | WorkerRefusal]:
         behaviour = await self._log.start.remote()
-        if behaviour == DIE_BEFORE_OUTPUT:
-            os._exit(1)
+        if behaviour == REFUSE_AS_DRAINING:
+            yield WorkerRefusal("worker is draining", retryable=True)
+            return
         yield WorkerDelta(
             index=0,
             token_ids=(1,),
