@@ -276,7 +276,8 @@ def simulate(
             start = time.perf_counter()
             decision = route(request, [w.view() for w in workers])
             route_s += time.perf_counter() - start
-            affinity += decision.reason is Reason.AFFINITY
+            # for a cache: one the directory lists, or one this router just filled
+            affinity += decision.reason in (Reason.AFFINITY, Reason.RECENT)
             worker = by_id[decision.worker_id]
             worker.add(f"req-{index}", request, params)
             in_flight[f"req-{index}"] = worker
