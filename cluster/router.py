@@ -22,6 +22,9 @@ Invariants:
   (``WorkerStream.close``), whether it finished, failed or was abandoned.
 - A worker found dead is marked down and its directory entries are purged (its
   restarted incarnation re-publishes under a new epoch).
+- No wait for a worker's output outlives that worker: a stream whose worker the
+  pool finds gone (``WorkerPool.incarnation``) fails within a poll interval, as
+  if Ray had reported the death (which it may fail to do).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from cluster.routing_policy import (
     prefill_saved,
     round_robin,
 )
-from cluster.worker_pool import WorkerPool
+from cluster.worker_pool import WorkerPool, abandon, settle
 from workers.engine.reuse_info import ReuseRequest
 from workers.runtime.worker_types import WorkerDelta, WorkerRefusal, WorkerRequest
 
@@ -67,12 +70,14 @@ class WorkerStream:
         decision: Decision,
         first: WorkerDelta,
         generator: ray.ObjectRefGenerator,
+        watch: WorkerWatch,
         on_lost: Callable[[], None],
         on_close: Callable[[], None],
     ) -> None:
         self.decision = decision
         self._first = first
         self._generator = generator
+        self._watch = watch
         self._on_lost = on_lost
         self._on_close = on_close
         self._closed = False
@@ -87,10 +92,10 @@ class WorkerStream:
             yield self._first
             while True:
                 try:
-                    item = await _next_item(self._generator)
+                    item = await _next_item(self._generator, self._watch)
                 except StopAsyncIteration:
                     return
-                except RayActorError as error:
+                except (RayActorError, _WorkerGone) as error:
                     self._on_lost()
                     raise WorkerLost(
                         f"worker {self.worker_id} died while streaming this response; retry"
@@ -232,12 +237,13 @@ class Router:
         choices = len(request.params)
         tokens = len(request.prompt_token_ids) + sum(p.max_tokens for p in request.params)
         self.pool.begin(worker_id, choices, tokens)
+        watch = WorkerWatch(self.pool, worker_id)
         generator = (
             self.pool.handle(worker_id).generate.options(num_returns="streaming").remote(request)
         )
         try:
-            first = await _next_item(generator)
-        except RayActorError:
+            first = await _next_item(generator, watch)
+        except (RayActorError, _WorkerGone):
             self.pool.end(worker_id, choices, tokens)
             self._lost(worker_id)
             return None
@@ -255,6 +261,7 @@ class Router:
             decision,
             first,
             generator,
+            watch,
             on_lost=lambda: self._lost(worker_id),
             on_close=lambda: self.pool.end(worker_id, choices, tokens),
         )
@@ -272,6 +279,41 @@ class Router:
         return f"no healthy worker ({self.pool.describe()})"
 
 
-async def _next_item(generator: ray.ObjectRefGenerator) -> WorkerDelta | WorkerRefusal:
+class _WorkerGone(Exception):
+    """The pool found the worker gone while a call to it was still unanswered."""
+
+
+class WorkerWatch:
+    """Whether a worker is still the incarnation it was when work was sent to it."""
+
+    def __init__(self, pool: WorkerPool, worker_id: str) -> None:
+        self._pool = pool
+        self.worker_id = worker_id
+        self._incarnation = pool.incarnation(worker_id)
+        self.check_s = pool.poll_interval_s
+
+    def gone(self) -> bool:
+        return self._pool.incarnation(self.worker_id) != self._incarnation
+
+
+async def _next_item(
+    generator: ray.ObjectRefGenerator, watch: WorkerWatch
+) -> WorkerDelta | WorkerRefusal:
+    """The stream's next item. Ray fails it when the worker dies, but not always (a
+    death racing the item's report can leave it unresolved forever), so the pool's
+    polls bound the wait: once the worker is found gone this raises ``_WorkerGone``.
+    A cancelled caller returns at once, abandoning the read."""
+    read = asyncio.ensure_future(_read_next(generator))
+    try:
+        while not await settle(read, watch.check_s):
+            if watch.gone():
+                raise _WorkerGone(f"worker {watch.worker_id} was found gone")
+        return read.result()
+    finally:
+        if not read.done():
+            abandon(read)
+
+
+async def _read_next(generator: ray.ObjectRefGenerator) -> WorkerDelta | WorkerRefusal:
     ref = await generator.__anext__()
     return await ref

@@ -13,6 +13,12 @@ Invariants:
   request) plus the other routers' share from its last poll: the polled count
   minus what this router had in flight when that poll was sent. So several router
   replicas see each other's load, at most one poll interval late.
+- A worker's ``incarnation`` changes whenever it is found gone (the router saw a
+  call to it fail, a poll found the actor dead, or a poll answers with another
+  epoch: it restarted): work started
+  on an earlier incarnation will never finish, whatever its own awaits say.
+- No await on a worker outlives the caller: a cancelled caller returns at once,
+  abandoning the call (``settle``), even where Ray never resolves the call.
 - Only the event loop that called ``start`` touches the pool.
 """
 
@@ -25,7 +31,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from ray.actor import ActorHandle
-from ray.exceptions import RayError
+from ray.exceptions import ActorDiedError, RayError
 
 from cluster.routing_policy import WorkerView
 from workers.runtime.worker_types import WorkerInfo, WorkerStatus
@@ -81,6 +87,20 @@ def disagreement(expected: Agreement, info: WorkerInfo) -> str | None:
     )
 
 
+async def settle(future: asyncio.Future, timeout_s: float) -> bool:
+    """Wait at most ``timeout_s`` for ``future``; True if it is done. Never awaits
+    its cancellation: a cancelled caller returns at once, and the caller decides what
+    to do with an unfinished ``future`` (cancel it, or wait again)."""
+    done, _ = await asyncio.wait((future,), timeout=timeout_s)
+    return bool(done)
+
+
+def abandon(future: asyncio.Future) -> None:
+    """Cancel ``future`` without waiting for it, and drop whatever it ends with."""
+    future.cancel()
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
 @dataclass(slots=True)
 class _Tracked:
     handle: ActorHandle
@@ -92,6 +112,7 @@ class _Tracked:
     tokens_at_poll: int = 0
     draining: bool = False  # refusing new work (from its last poll or refusal)
     refusal: str | None = None  # why it is REFUSED (``disagreement``)
+    incarnation: int = 0  # bumped whenever the worker is found gone (module invariants)
 
 
 class WorkerPool:
@@ -154,6 +175,15 @@ class WorkerPool:
     def handle(self, worker_id: str) -> ActorHandle:
         return self._workers[worker_id].handle
 
+    def incarnation(self, worker_id: str) -> int:
+        """Changes whenever the worker is found gone; compare it to the value read
+        when work started to learn whether that work can still finish."""
+        return self._workers[worker_id].incarnation
+
+    @property
+    def poll_interval_s(self) -> float:
+        return self._interval_s
+
     # -- updates -------------------------------------------------------------------
     def begin(self, worker_id: str, choices: int, tokens: int) -> None:
         """Count work this router sent to a worker (choices, as the engine counts)."""
@@ -174,6 +204,7 @@ class WorkerPool:
         if tracked.health is not Health.DOWN:
             logger.warning("worker %s is down; routing around it", worker_id)
         tracked.health = Health.DOWN
+        tracked.incarnation += 1
 
     # -- polling -------------------------------------------------------------------
     async def _first_poll(self) -> None:
@@ -189,14 +220,22 @@ class WorkerPool:
     async def _poll(self, worker_id: str) -> None:
         tracked = self._workers[worker_id]
         sent = (tracked.requests, tracked.tokens)
+        call = asyncio.ensure_future(tracked.handle.status.remote())
         try:
-            status = await asyncio.wait_for(tracked.handle.status.remote(), self._timeout_s)
+            if not await settle(call, self._timeout_s):
+                raise TimeoutError(f"no answer in {self._timeout_s} s")
+            status = call.result()
         except (TimeoutError, RayError) as error:
             if tracked.health is Health.HEALTHY:
                 logger.warning("worker %s did not answer a poll: %r", worker_id, error)
+            if isinstance(error, ActorDiedError):
+                tracked.incarnation += 1  # its work in flight is lost
             if tracked.health is Health.HEALTHY or isinstance(error, RayError):
                 tracked.health = Health.DOWN
             return
+        finally:
+            if not call.done():
+                abandon(call)
         refusal = disagreement(self._agreement, status.info)
         if refusal is not None:
             if refusal != tracked.refusal:
@@ -204,6 +243,8 @@ class WorkerPool:
             tracked.health, tracked.refusal = Health.REFUSED, refusal
             return
         tracked.refusal = None
+        if tracked.status is not None and tracked.status.info.epoch != status.info.epoch:
+            tracked.incarnation += 1  # restarted between two polls
         if tracked.health is not Health.HEALTHY:
             logger.info("worker %s is healthy (epoch %d)", worker_id, status.info.epoch)
         tracked.status = status

@@ -20,6 +20,8 @@ from tests.cluster.worker_doubles import (
     AGREEMENT,
     DIE_AFTER_FIRST_DELTA,
     REFUSE_AS_DRAINING,
+    RESTART_SILENTLY,
+    RESTART_SILENTLY_AFTER_FIRST_DELTA,
     FakeWorker,
     NoDirectory,
     StartLog,
@@ -27,7 +29,8 @@ from tests.cluster.worker_doubles import (
 )
 from workers.engine.checkpoint import load_tokenizer
 
-pytestmark = pytest.mark.ray
+# a hang fails these tests in minutes, not at the suite's 10-minute limit
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 MAX_ATTEMPTS = 3
 WEIGHTS = RoutingWeights(load_penalty_tokens=128, imbalance_slack=8, max_requests_per_worker=8)
@@ -83,4 +86,15 @@ def test_workers_dying_mid_answer_are_tried_max_attempts_times(ray_cluster, toke
     starts = starts_of_one_failing_request(
         tokenizer, [DIE_AFTER_FIRST_DELTA], workers=MAX_ATTEMPTS + 1
     )
+    assert starts == MAX_ATTEMPTS
+
+
+@pytest.mark.parametrize("behaviour", [RESTART_SILENTLY, RESTART_SILENTLY_AFTER_FIRST_DELTA])
+def test_a_worker_found_restarted_fails_its_unanswered_calls(ray_cluster, tokenizer, behaviour):
+    """Ray may never resolve a call to a worker that died (a death racing the
+    stream's report): the pool's polls, meeting a new epoch, end the wait, before
+    the first delta or after it, and the request moves on as after a reported
+    death. Here no worker ever answers, so it fails after ``max_attempts`` starts
+    (``wait_for`` in ``starts_of_one_failing_request`` bounds a hang)."""
+    starts = starts_of_one_failing_request(tokenizer, [behaviour], workers=MAX_ATTEMPTS + 1)
     assert starts == MAX_ATTEMPTS

@@ -6,6 +6,7 @@ without an engine. Pickled by value, so Ray's worker processes need not import
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -36,6 +37,9 @@ AGREEMENT = Agreement(
 
 REFUSE_AS_DRAINING = "refuse as draining"  # before output: the router tries another
 DIE_AFTER_FIRST_DELTA = "die after the first delta"
+# a death Ray never reports: the call hangs while polls meet a new epoch
+RESTART_SILENTLY = "hang, and answer polls as restarted"
+RESTART_SILENTLY_AFTER_FIRST_DELTA = "one delta, then hang and answer polls as restarted"
 
 
 def worker_info(worker_id: str, agreement: Agreement = AGREEMENT) -> WorkerInfo:
@@ -70,7 +74,9 @@ class StartLog:
 @ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
 class FakeWorker:
     """Answers polls with ``info``; every ``generate`` asks ``log`` how to fail, and
-    fails so (refuses, or sends one delta and exits: callers see the actor die)."""
+    fails so (refuses; sends one delta and exits: callers see the actor die; or
+    hangs, before or after one delta, while polls see a new epoch, as if the
+    worker had restarted without Ray failing the call)."""
 
     def __init__(self, info: WorkerInfo, log: ray.actor.ActorHandle | None = None) -> None:
         self._info = info
@@ -93,6 +99,8 @@ class FakeWorker:
         if behaviour == REFUSE_AS_DRAINING:
             yield WorkerRefusal("worker is draining", retryable=True)
             return
+        if behaviour == RESTART_SILENTLY:
+            await self._restart_silently()
         yield WorkerDelta(
             index=0,
             token_ids=(1,),
@@ -102,8 +110,14 @@ class FakeWorker:
             prompt_tokens=len(request.prompt_token_ids),
             reuse=ReuseInfo("exact"),
         )
+        if behaviour == RESTART_SILENTLY_AFTER_FIRST_DELTA:
+            await self._restart_silently()
         await asyncio.sleep(0.5)  # the first delta reaches the router before the exit
         os._exit(1)
+
+    async def _restart_silently(self) -> None:
+        self._info = dataclasses.replace(self._info, epoch=self._info.epoch + 1)
+        await asyncio.sleep(3600)
 
 
 class NoDirectory:
