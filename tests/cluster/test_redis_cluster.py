@@ -227,7 +227,9 @@ def test_worker_killed_mid_load(app, probe):
     with ThreadPoolExecutor(12) as pool:
         buffered_futures = [pool.submit(buffered, i) for i in range(6)]
         streamed_futures = [pool.submit(streamed, i) for i in range(6)]
-        assert wait_until(lambda: ray.get(handle.status.remote()).load.requests >= 2, 20, 0.01)
+        # at least one request in flight there (more on a quiet machine; routing may
+        # spread a loaded one's burst over both workers)
+        assert wait_until(lambda: ray.get(handle.status.remote()).load.requests >= 1, 20, 0.01)
         ray.kill(handle, no_restart=False)
         # the dead worker's directory entries are gone within one lease (+ slack for
         # a loaded 2-core box)
