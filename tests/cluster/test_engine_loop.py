@@ -23,6 +23,7 @@ from workers.engine.sampling_params import SamplingParams
 from workers.runtime.actor import _collect, coalesce
 from workers.runtime.cache_mirror import CacheMirror
 from workers.runtime.engine_loop import EngineLoop, Rejected
+from workers.runtime.worker_types import EngineLoad
 
 
 @pytest.fixture
@@ -65,6 +66,37 @@ def test_outputs_rejections_counters_and_mirror(loop):
     assert again[0].num_cached_tokens == 48  # the last page is always recomputed
     rejected = collect(loop, "c", [10**9], SamplingParams(max_tokens=1))
     assert isinstance(rejected[0], Rejected) and "vocabulary" in rejected[0].message
+
+
+def test_load_reports_backlog_rates_and_a_growing_version(loop):
+    """The hint reaches the engine with the request (the backlog counts it while the
+    request waits); once requests ran, the load carries measured rates, no backlog,
+    and a version that grew with every update."""
+    loop, _ = loop
+    start = loop.load()
+    assert (start.prefill_tokens_per_s, start.step_s, start.prefill_backlog_tokens) == (0, 0, 0)
+    entered, gate = threading.Event(), threading.Event()
+    # hold the loop thread inside a call, so the next two commands are taken together
+    held = loop.call(lambda: entered.set() or gate.wait())
+    assert entered.wait(30)
+    items: queue.SimpleQueue = queue.SimpleQueue()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    loop.submit("a", tuple(range(100, 164)), params, "", items.put, expected_cached_tokens=24)
+    # a call after a submit runs after it is added, before the engine steps
+    shape = loop.call(lambda: loop._engine.load_shape())
+    gate.set()
+    held.result(timeout=30)
+    assert shape.result(timeout=30).prefill_backlog_tokens == 64 - 24
+    outputs = [items.get(timeout=30)]
+    while not outputs[-1].finished:
+        outputs.append(items.get(timeout=30))
+    end = loop.load()
+    assert end.prefill_tokens_per_s > 0 and end.step_s > 0
+    assert end.version > start.version
+    assert end.prefill_backlog_tokens == 0 and end.decode_seqs == 0
+    assert end.requests == 0 and end.generated_tokens_total == 4
+    # a load read later is never older
+    assert loop.load().version >= end.version
 
 
 def test_approximate_requests_reach_the_engine_with_their_spans(loop, tiny_qwen3, tmp_path):
@@ -142,12 +174,14 @@ def test_coalesce_merges_consecutive_outputs_per_choice():
             ReuseInfo("exact", 4),
         )
 
+    load = EngineLoad(1, 2, 3, 4, 5, 6, prefill_backlog_tokens=7, decode_seqs=1, version=9)
     deltas = coalesce([out("r#0", 1, "a"), out("r#1", 2, "b"), out("r#0", 3, "c", True)],
-                      {"r#0": 0, "r#1": 1})  # fmt: skip
+                      {"r#0": 0, "r#1": 1}, load)  # fmt: skip
     assert [(d.index, d.token_ids, d.text, d.finished) for d in deltas] == [
         (0, (1, 3), "ac", True),
         (1, (2,), "b", False),
     ]
+    assert all(d.load == load for d in deltas)  # every delta carries the worker's load
 
 
 def _out(rid: str, token: int, finished: bool = False) -> StepOutput:
@@ -278,6 +312,23 @@ def test_deltas_come_at_most_once_per_interval_and_the_first_at_once():
     times = [at for at, _ in _batches(buffered)]
     assert times == pytest.approx([0.01, last_output_at])
     assert len(buffered) <= 4
+
+
+def test_collected_deltas_carry_the_load_read_when_they_are_made():
+    versions = iter(range(1, 100))
+
+    def load() -> EngineLoad:
+        return EngineLoad(0, 0, 0, 0, 0, 0, version=next(versions))
+
+    async def run() -> list:
+        outputs: asyncio.Queue = asyncio.Queue()
+        for item in (_out("r#0", 1), _out("r#1", 2, True), _out("r#0", 3, True)):
+            outputs.put_nowait(item)
+        return [d async for d in _collect(outputs, ["r#0", "r#1"], 0.0, load)]
+
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        deltas = runner.run(run())
+    assert deltas and all(d.load is not None and d.load.version > 0 for d in deltas)
 
 
 def test_a_rejection_is_not_held_back():

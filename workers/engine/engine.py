@@ -1,5 +1,11 @@
 """The engine: owns the model runner, KV pool and scheduler; advances all requests
-one step at a time. Single-threaded: callers serialize access."""
+one step at a time. Single-threaded: callers serialize access.
+
+Load (what a router needs to estimate the wait for a new request's first token):
+``load_shape()`` gives the prefill backlog (prompt tokens still to compute, waiting
+sequences estimated from their ``expected_cached_tokens`` hint, admitted ones
+exact) and the number of decoding sequences; ``last_step_prompt_tokens`` says how
+many prompt positions the last ``step()`` computed (its prefill work)."""
 
 from __future__ import annotations
 
@@ -30,6 +36,18 @@ from workers.engine.reuse_info import ReuseInfo, ReuseRequest
 from workers.engine.sampler import sample, top_logprobs
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
+
+
+@dataclass(frozen=True, slots=True)
+class LoadShape:
+    """The engine's queued work, as ``Engine.load_shape`` counts it."""
+
+    # prompt tokens still to compute: a waiting sequence counts
+    # max(0, len(prompt) - expected_cached_tokens); an admitted one its prompt
+    # positions not yet computed (uncomputed prompt tail + pending scattered ones);
+    # entry fills (position-free chunks computed alone) count like prompts
+    prefill_backlog_tokens: int
+    decode_seqs: int  # running sequences past their prompt
 
 
 @dataclass(frozen=True)
@@ -132,6 +150,10 @@ class Engine:
         self._sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._filling: set[PageKey] = set()  # keys of entry fills queued or running
+        # what the last ``step()`` computed: prompt positions (scattered ones included;
+        # entry fills' tokens count as prompt) and sequences scheduled (0: it did nothing)
+        self.last_step_prompt_tokens = 0
+        self.last_step_seqs = 0
 
     # -- requests --------------------------------------------------------------
     def namespace(self, tenant_salt: str | None = None) -> Namespace:
@@ -146,13 +168,19 @@ class Engine:
         tenant_salt: str | None = None,
         placeable: tuple[tuple[int, int], ...] = (),
         reuse: ReuseRequest | None = None,
+        expected_cached_tokens: int = 0,
     ) -> None:
         """``placeable``: sorted, disjoint (start, end) spans of the prompt (its
         chunks) that approximate reuse may take from position-free entries; exact
         reuse ignores them. ``reuse``: what this request asks of reuse (default
-        exact); on an engine with reuse off every request is served without."""
+        exact); on an engine with reuse off every request is served without.
+        ``expected_cached_tokens``: the caller's estimate of the prompt tokens this
+        engine holds, for ``load_shape`` while the request waits; it changes nothing
+        that is computed."""
         self._validate(request_id, prompt_token_ids)
         _validate_spans(placeable, len(prompt_token_ids))
+        if expected_cached_tokens < 0:
+            raise ValueError(f"expected_cached_tokens must be >= 0, got {expected_cached_tokens}")
         reuse = reuse or ReuseRequest()
         if reuse.mode == "approximate":
             self._check_placement()
@@ -164,6 +192,7 @@ class Engine:
             namespace=self.namespace(tenant_salt),
             placeable=tuple(placeable),
             reuse_request=reuse,
+            expected_cached_tokens=expected_cached_tokens,
         )
         if params.seed is not None and not params.greedy:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -180,10 +209,33 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def load_shape(self) -> LoadShape:
+        """Prefill backlog and decoding sequences (see ``LoadShape``).
+
+        Cost: one pass over the waiting and running sequences, a few attribute reads
+        each (no allocation; no tokens are looked at): O(waiting + running), about
+        0.1 us per sequence on CPython, run by the engine loop after every step."""
+        backlog = 0
+        for seq in self.scheduler.waiting:  # not admitted: the caller's hint
+            uncached = len(seq.prompt_token_ids) - seq.expected_cached_tokens
+            if uncached > 0:
+                backlog += uncached
+        decoding = 0
+        for seq in self.scheduler.running:  # admitted: exact
+            tail = len(seq.prompt_token_ids) - seq.num_computed
+            pending = len(seq.pending)  # scattered prompt positions (placed chunks)
+            if tail > 0 or pending:
+                backlog += max(tail, 0) + pending
+            else:
+                decoding += 1
+        return LoadShape(backlog, decoding)
+
     # -- stepping --------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
+        self.last_step_seqs = len(batch)
         if not batch:
+            self.last_step_prompt_tokens = 0
             return []
         logits = self.runner.run(batch)
         sampling = [item for item in batch if item.samples]
@@ -193,10 +245,17 @@ class Engine:
             [item.seq.generator for item in sampling],
         )
         logprobs = top_logprobs(logits, tokens, [item.seq.params for item in sampling])
+        prompt_tokens = 0  # prompt positions computed: a few integer ops per item
         for item in batch:
+            prompt_len = len(item.seq.prompt_token_ids)
+            if item.start < prompt_len:
+                prompt_tokens += min(item.end, prompt_len) - item.start
+            if item.scattered is not None:  # (placed chunks lie within the prompt)
+                prompt_tokens += int(np.searchsorted(item.scattered, prompt_len))
             self._record_computed(item)
             if item.seq.fill_key is not None and item.end == len(item.seq.token_ids):
                 self._store_fill(item.seq)
+        self.last_step_prompt_tokens = prompt_tokens
         return [
             self._append_token(item.seq, token, lp)
             for item, token, lp in zip(sampling, tokens, logprobs, strict=True)

@@ -49,6 +49,10 @@ class Sequence:
     # entries (the chunks of documents); sorted, disjoint
     placeable: tuple[tuple[int, int], ...] = ()
     reuse_request: ReuseRequest = ReuseRequest()
+    # the router's estimate of prompt tokens this engine holds: used only to estimate
+    # the prefill backlog of the sequence while it waits (``Engine.load_shape``); it
+    # never changes what is computed (admission finds the real cache hits)
+    expected_cached_tokens: int = 0
     # set on the engine's internal sequences that compute a position-free entry: no
     # token is sampled; the pages become the entry under this key when done
     fill_key: PageKey | None = None

@@ -10,6 +10,9 @@ Invariants:
   thread) and ``EventPublisher`` (its own thread; each cycle doubles as heartbeat).
 - ``generate`` yields ``WorkerRefusal`` only as its first and last item; a request
   that yielded nothing had no visible effect, so the router may retry it elsewhere.
+- Every ``WorkerDelta`` carries the loop's load (``EngineLoad``) read when the delta
+  was made, as does every ``status``: routers see queued prefill, decode count and
+  measured rates with each poll and each output.
 - A fatal engine error kills the process, so Ray restarts the actor (new epoch).
 - Registered chunks live in ``WorkerChunks``, reached only through the loop thread;
   they die with the actor (a restarted worker holds none). A chunk whose TTL ended
@@ -24,7 +27,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import ray
 import torch
@@ -38,6 +41,7 @@ from workers.runtime.directory_client import connect_directory
 from workers.runtime.engine_loop import EngineLoop, Rejected
 from workers.runtime.worker_chunks import ChunkFailure, Registered, WorkerChunks
 from workers.runtime.worker_types import (
+    EngineLoad,
     WorkerDelta,
     WorkerInfo,
     WorkerRefusal,
@@ -112,10 +116,11 @@ class Worker:
                 sink,
                 placeable=request.placeable,
                 reuse=request.reuse,
+                expected_cached_tokens=request.expected_cached_tokens,
             )
         recorded = not request.chunk_ids
         try:
-            async for item in _collect(outputs, ids, request.stream_interval_s):
+            async for item in _collect(outputs, ids, request.stream_interval_s, self._loop.load):
                 if not recorded and isinstance(item, WorkerDelta):
                     recorded = True  # before the client sees output: later calls see the hit
                     self._record_use(request, item.cached_tokens)
@@ -219,11 +224,15 @@ def _threadsafe_sink(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue):
 
 
 async def _collect(
-    outputs: asyncio.Queue[StepOutput | Rejected], ids: list[str], interval_s: float
+    outputs: asyncio.Queue[StepOutput | Rejected],
+    ids: list[str],
+    interval_s: float,
+    load: Callable[[], EngineLoad | None] = lambda: None,
 ) -> AsyncIterator[WorkerDelta | WorkerRefusal]:
     """Deltas until every choice finished: the first as soon as it exists, then at
     most one per choice every ``interval_s``, coalescing what arrived meanwhile (a
-    choice's last delta is never held back past the moment every choice finished)."""
+    choice's last delta is never held back past the moment every choice finished).
+    Each delta carries ``load()``, read when its batch of deltas is made."""
     index_of = {request_id: i for i, request_id in enumerate(ids)}
     unfinished = len(ids)
     loop = asyncio.get_running_loop()
@@ -244,7 +253,7 @@ async def _collect(
         if rejected is not None:
             yield WorkerRefusal(rejected.message, retryable=False)
             return
-        for delta in coalesce(items, index_of):
+        for delta in coalesce(items, index_of, load()):
             yield delta
             unfinished -= delta.finished
         next_yield = loop.time() + interval_s
@@ -259,8 +268,11 @@ def _timeout(seconds: float) -> float | None:
     return None if math.isinf(seconds) else max(0.0, seconds)
 
 
-def coalesce(outputs: list[StepOutput], index_of: dict[str, int]) -> list[WorkerDelta]:
-    """One delta per choice from consecutive step outputs, in first-seen order."""
+def coalesce(
+    outputs: list[StepOutput], index_of: dict[str, int], load: EngineLoad | None = None
+) -> list[WorkerDelta]:
+    """One delta per choice from consecutive step outputs, in first-seen order, each
+    carrying ``load``."""
     grouped: dict[int, list[StepOutput]] = {}
     for output in outputs:
         grouped.setdefault(index_of[output.request_id], []).append(output)
@@ -277,6 +289,7 @@ def coalesce(outputs: list[StepOutput], index_of: dict[str, int]) -> list[Worker
                 prompt_tokens=last.num_prompt_tokens,
                 reuse=last.reuse,
                 logprobs=tuple(o.logprobs for o in group if o.logprobs is not None),
+                load=load,
             )
         )
     return deltas

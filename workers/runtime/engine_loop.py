@@ -16,6 +16,16 @@ Invariants:
   through its future; any other exception is fatal, as from the engine.
 - ``prefill`` (loop thread only, inside a ``call``) steps the engine until its own
   request finishes, delivering other requests' outputs as usual.
+- ``load()`` is one consistent snapshot (taken under the counters' lock). Its
+  ``version`` grows with every change of any counter, so of two snapshots of one
+  loop the one with the larger version is the newer. After every engine step
+  (also those ``prefill`` and ``step_until`` take) and every iteration, the load
+  says the engine's prefill backlog and decoding sequences as ``Engine.load_shape``
+  counts them then; before the step's outputs reach their sinks, so an output's
+  consumer reads a load that includes that step. ``prefill_tokens_per_s`` and
+  ``step_s`` are EWMAs (weight ``LOAD_EWMA_WEIGHT``) of steps timed with
+  ``time.perf_counter`` around ``Engine.step``; steps that computed nothing are not
+  timed; 0.0 until the first measurement, which sets the average directly.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -35,6 +46,11 @@ from workers.engine.sampling_params import SamplingParams
 from workers.runtime.worker_types import EngineLoad
 
 logger = logging.getLogger(__name__)
+
+# Weight of the newest step in the load's moving averages (step time, prefill rate):
+# the last ~5 steps dominate, so a change of batch mix shows within a few steps while
+# one slow step (a GC pause, a big admission) moves the estimate by a fifth only.
+LOAD_EWMA_WEIGHT = 0.2
 
 
 @dataclass(frozen=True)
@@ -55,6 +71,7 @@ class _Submit:
     sink: Sink
     placeable: tuple[tuple[int, int], ...]
     reuse: ReuseRequest | None
+    expected_cached_tokens: int
 
 
 @dataclass(frozen=True)
@@ -86,6 +103,18 @@ class _Counters:
     prompt_tokens_total: int = 0
     cached_tokens_total: int = 0
     generated_tokens_total: int = 0
+    prefill_backlog_tokens: int = 0
+    decode_seqs: int = 0
+    prefill_tokens_per_s: float = 0.0
+    step_s: float = 0.0
+    version: int = 0
+
+
+def _ewma(average: float, sample: float) -> float:
+    """The moving average after ``sample``; 0.0 means none yet (the sample sets it)."""
+    if average == 0.0:
+        return sample
+    return average + LOAD_EWMA_WEIGHT * (sample - average)
 
 
 class EngineLoop:
@@ -101,7 +130,7 @@ class EngineLoop:
         self._commands: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()
         self._prefill_ids = itertools.count()
         self._active: dict[str, _Active] = {}  # loop thread only
-        self._lock = threading.Lock()  # guards _counters
+        self._lock = threading.Lock()  # guards _counters (bump version on every change)
         self._counters = _Counters()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -121,12 +150,22 @@ class EngineLoop:
         sink: Sink,
         placeable: tuple[tuple[int, int], ...] = (),
         reuse: ReuseRequest | None = None,
+        expected_cached_tokens: int = 0,
     ) -> None:
-        """``placeable`` and ``reuse``: as ``Engine.add_request`` takes them (a request
-        the engine refuses, e.g. approximate on a model that cannot place chunks, gets
-        a ``Rejected`` naming why)."""
+        """``placeable``, ``reuse`` and ``expected_cached_tokens`` (the router's
+        estimate of the prompt tokens cached here, for the load's backlog while the
+        request waits): as ``Engine.add_request`` takes them (a request the engine
+        refuses, e.g. approximate on a model that cannot place chunks, gets a
+        ``Rejected`` naming why)."""
         command = _Submit(
-            request_id, prompt_token_ids, params, tenant_salt, sink, tuple(placeable), reuse
+            request_id,
+            prompt_token_ids,
+            params,
+            tenant_salt,
+            sink,
+            tuple(placeable),
+            reuse,
+            expected_cached_tokens,
         )
         self._commands.put(command)
 
@@ -147,7 +186,7 @@ class EngineLoop:
         self._engine.add_request(request_id, tokens, params, tenant_salt=tenant_salt)
         finished = False
         while not finished:
-            for output in self._engine.step():
+            for output in self._step():
                 if output.request_id == request_id:
                     finished = finished or output.finished
                 else:
@@ -159,7 +198,7 @@ class EngineLoop:
         while not done():
             if not self._engine.has_unfinished():
                 raise RuntimeError("the engine ran out of work before the awaited state")
-            for output in self._engine.step():
+            for output in self._step():
                 self._deliver(output)
 
     def load(self) -> EngineLoad:
@@ -172,6 +211,11 @@ class EngineLoop:
                 prompt_tokens_total=c.prompt_tokens_total,
                 cached_tokens_total=c.cached_tokens_total,
                 generated_tokens_total=c.generated_tokens_total,
+                prefill_backlog_tokens=c.prefill_backlog_tokens,
+                decode_seqs=c.decode_seqs,
+                prefill_tokens_per_s=c.prefill_tokens_per_s,
+                step_s=c.step_s,
+                version=c.version,
             )
 
     def kv_pages(self) -> tuple[int, int]:
@@ -200,10 +244,36 @@ class EngineLoop:
             else:
                 self._cancel(command.request_id)
         if self._engine.has_unfinished():
-            for output in self._engine.step():
+            for output in self._step():
                 self._deliver(output)
+        else:
+            self._update_load(None)  # commands alone may have changed it (an abort)
         self._on_events(self._engine.pool.drain_events())
         return True
+
+    def _step(self) -> list[StepOutput]:
+        """One engine step, timed; the load is updated before outputs are delivered."""
+        started = time.perf_counter()
+        outputs = self._engine.step()
+        self._update_load(time.perf_counter() - started)
+        return outputs
+
+    def _update_load(self, step_s: float | None) -> None:
+        """Take the engine's backlog and decode count; fold a step of ``step_s``
+        seconds (None: no step ran) into the averages."""
+        engine = self._engine
+        shape = engine.load_shape()
+        timed = step_s is not None and step_s > 0 and engine.last_step_seqs > 0
+        prompt_tokens = engine.last_step_prompt_tokens if timed else 0
+        with self._lock:
+            c = self._counters
+            if timed:
+                c.step_s = _ewma(c.step_s, step_s)
+                if prompt_tokens:
+                    c.prefill_tokens_per_s = _ewma(c.prefill_tokens_per_s, prompt_tokens / step_s)
+            c.prefill_backlog_tokens = shape.prefill_backlog_tokens
+            c.decode_seqs = shape.decode_seqs
+            c.version += 1
 
     def _call(self, command: _Call) -> None:
         try:
@@ -233,6 +303,7 @@ class EngineLoop:
                 tenant_salt=command.tenant_salt,
                 placeable=command.placeable,
                 reuse=command.reuse,
+                expected_cached_tokens=command.expected_cached_tokens,
             )
         except ValueError as error:
             command.sink(Rejected(command.request_id, str(error)))
@@ -243,6 +314,7 @@ class EngineLoop:
             self._counters.requests += 1
             self._counters.tokens += tokens
             self._counters.requests_total += 1
+            self._counters.version += 1
 
     def _cancel(self, request_id: str) -> None:
         if request_id in self._active:
@@ -258,6 +330,7 @@ class EngineLoop:
                 self._counters.prompt_tokens_total += output.num_prompt_tokens
                 self._counters.cached_tokens_total += output.num_cached_tokens
             self._counters.generated_tokens_total += len(output.new_token_ids)
+            self._counters.version += 1
         active.seen_output = True
         active.sink(output)
         if output.finished:
@@ -268,3 +341,4 @@ class EngineLoop:
         with self._lock:
             self._counters.requests -= 1
             self._counters.tokens -= active.tokens
+            self._counters.version += 1

@@ -44,12 +44,22 @@ class WorkerRequest:
     # (start, end) spans of the prompt's chunks approximate reuse may place
     # (chunking.placeable_spans); exact requests carry none
     placeable: tuple[tuple[int, int], ...] = ()
+    # the router's estimate (directory lookup) of the prompt tokens this worker holds:
+    # used only for the worker's prefill backlog while the request waits for admission
+    # (``EngineLoad.prefill_backlog_tokens``); what is computed never depends on it
+    expected_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.params:
             raise ValueError("a worker request needs at least one choice")
         if not self.stream_interval_s >= 0:
             raise ValueError(f"stream_interval_s must be >= 0, got {self.stream_interval_s}")
+        cached = self.expected_cached_tokens
+        if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+            raise ValueError(
+                f"expected_cached_tokens must be an integer >= 0 (prompt tokens the "
+                f"router expects this worker to hold), got {cached!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,9 @@ class WorkerDelta:
     prompt_tokens: int
     reuse: ReuseInfo  # how the prompt was served (mode, tokens reused and recomputed)
     logprobs: tuple[TokenLogprobs, ...] = ()  # one entry per token when requested
+    # the worker's load when the delta was made (never older than the step that
+    # produced its last token); the worker actor sets it on every delta it sends
+    load: EngineLoad | None = None
 
     @property
     def cached_tokens(self) -> int:
@@ -104,12 +117,31 @@ def directory_namespace(spec: DirectorySpec) -> str:
 
 @dataclass(frozen=True)
 class EngineLoad:
+    """A worker's load, as its engine loop counts it (``EngineLoop.load``).
+
+    What a router needs to estimate the time until a new request's first token here:
+    (``prefill_backlog_tokens`` + the request's uncached tokens)
+    / ``prefill_tokens_per_s`` + ``step_s``."""
+
     requests: int  # choices queued or running
     tokens: int  # prompt + max new tokens of those choices
     requests_total: int  # choices finished or running since start
     prompt_tokens_total: int
     cached_tokens_total: int  # of prompt_tokens_total, served from the cache
     generated_tokens_total: int
+    # prompt tokens still to compute for requests waiting or mid-prefill: a request
+    # not yet admitted counts max(0, prompt length - its expected_cached_tokens); an
+    # admitted one its prompt positions not yet computed (uncomputed tail + pending
+    # scattered positions); engine-internal entry fills count like prompts
+    prefill_backlog_tokens: int = 0
+    decode_seqs: int = 0  # running sequences past their prompt (decoding)
+    # EWMA, over steps that computed prompt tokens, of prompt tokens computed / the
+    # step's wall time (steps that also decode count as they are); 0.0: not measured
+    prefill_tokens_per_s: float = 0.0
+    step_s: float = 0.0  # EWMA of the engine step's wall time (steps that ran); 0.0: none yet
+    # grows with every change of this snapshot's counters: of two snapshots of one
+    # worker incarnation (same epoch), the larger version is the newer
+    version: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,160 @@
+"""The engine's load shape (issue 13): prefill backlog, decoding sequences and the
+prompt tokens each step computed, which routers use to estimate a request's wait."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine, LoadShape
+from workers.engine.reuse_info import ReuseInfo, ReuseRequest
+from workers.engine.sampling_params import SamplingParams
+from workers.runtime.worker_types import WorkerRequest
+
+PAGE = 16
+BUDGET = 32  # max_num_batched_tokens: a 100-token prompt takes four steps
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def _engine(model_dir, budget: int = BUDGET) -> Engine:
+    return Engine(
+        EngineConfig(model_dir=str(model_dir), page_size=PAGE, max_num_batched_tokens=budget)
+    )
+
+
+def _run(engine: Engine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return tokens
+
+
+def test_backlog_drops_by_the_prompt_tokens_each_step_computes(tiny_qwen3):
+    engine = _engine(tiny_qwen3)
+    assert engine.load_shape() == LoadShape(0, 0)
+    prompt = list(range(100, 200))
+    engine.add_request("a", prompt, GREEDY)
+    assert engine.load_shape() == LoadShape(100, 0)  # waiting, no hint: all of it
+    backlogs, computed = [100], []
+    while engine.load_shape().prefill_backlog_tokens:
+        engine.step()
+        computed.append(engine.last_step_prompt_tokens)
+        backlogs.append(engine.load_shape().prefill_backlog_tokens)
+    assert computed == [32, 32, 32, 4]
+    assert [a - b for a, b in zip(backlogs, backlogs[1:], strict=False)] == computed
+    assert engine.load_shape() == LoadShape(0, 1)  # decoding now
+    engine.step()
+    assert engine.last_step_prompt_tokens == 0  # a decode token is no prompt token
+    assert engine.last_step_seqs == 1
+    assert engine.load_shape() == LoadShape(0, 1)
+    _run(engine)
+    assert engine.load_shape() == LoadShape(0, 0)
+    assert engine.last_step_seqs == 1 and engine.step() == [] and engine.last_step_seqs == 0
+
+
+def test_waiting_requests_count_the_hint_admitted_ones_the_real_cache(tiny_qwen3):
+    engine = _engine(tiny_qwen3)
+    prompt = list(range(100, 200))
+    engine.add_request("first", prompt, GREEDY)
+    _run(engine)
+    # the hint is believed while the request waits, even past the prompt's length
+    engine.add_request("hinted", prompt, GREEDY, expected_cached_tokens=96)
+    assert engine.load_shape() == LoadShape(4, 0)
+    engine.abort("hinted")
+    engine.add_request("over", prompt, GREEDY, expected_cached_tokens=500)
+    assert engine.load_shape() == LoadShape(0, 0)
+    engine.abort("over")
+    # admitted, the real cache hit counts: 96 of the first 100 tokens are cached,
+    # the 4 left and 60 new ones are computed, 32 in the admitting step
+    longer = prompt + list(range(300, 360))
+    engine.add_request("longer", longer, GREEDY)  # no hint: all 160 estimated
+    assert engine.load_shape() == LoadShape(160, 0)
+    engine.step()
+    assert engine.last_step_prompt_tokens == 32  # cached positions are not computed
+    assert engine.load_shape() == LoadShape(160 - 96 - 32, 0)
+    _run(engine)
+    # an identical request: admission leaves 4 uncached tokens, computed at once
+    engine.add_request("again", prompt, GREEDY, expected_cached_tokens=0)
+    assert engine.load_shape() == LoadShape(100, 0)
+    engine.step()
+    assert engine.last_step_prompt_tokens == 4
+    assert engine.load_shape() == LoadShape(0, 1)
+
+
+def test_a_decoding_request_and_a_prefill_in_one_step(tiny_qwen3):
+    engine = _engine(tiny_qwen3)
+    engine.add_request("decoding", list(range(100, 120)), GREEDY)
+    engine.step()
+    assert engine.load_shape() == LoadShape(0, 1)
+    engine.add_request("new", list(range(200, 300)), GREEDY, expected_cached_tokens=40)
+    assert engine.load_shape() == LoadShape(60, 1)
+    engine.step()  # one decode token, then 31 prompt tokens of the new request
+    assert engine.last_step_prompt_tokens == 31 and engine.last_step_seqs == 2
+    assert engine.load_shape() == LoadShape(100 - 31, 1)
+
+
+def test_entry_fills_and_scattered_repairs_count_as_prefill(tiny_qwen3):
+    """Entry fills are prefill work; an approximate request's pending (scattered)
+    positions are in its backlog, and each step's computed prompt tokens account for
+    every drop of the backlog."""
+    engine = _engine(tiny_qwen3, budget=4)
+    docs = [list(range(200, 240)), list(range(300, 340))]
+    for doc in docs:
+        engine.fill_entry(doc)
+    assert engine.load_shape() == LoadShape(80, 0)
+    backlog = 80
+    while engine.has_unfinished():
+        engine.step()
+        now = engine.load_shape().prefill_backlog_tokens
+        assert backlog - now == engine.last_step_prompt_tokens == 4
+        backlog = now
+    assert backlog == 0
+    prompt = list(range(500, 520)) + docs[1] + docs[0] + list(range(400, 410))
+    approximate = ReuseRequest("approximate")
+    engine.add_request(
+        "b",
+        prompt,
+        SamplingParams(max_tokens=1),
+        placeable=((20, 60), (60, 100)),
+        reuse=approximate,
+    )
+    engine.step()  # admission: both chunks placed, then 4 positions computed
+    seq = engine._sequences["b"]
+    assert seq.reuse == ReuseInfo("approximate", 80, 8)  # 4 repaired in each chunk
+    # still to compute: of the 20-token gap before the chunks and the 8 repairs (all
+    # scattered, pending) 24, as the admitting step took 4; then the 10-token tail
+    assert len(seq.pending) == 24
+    backlog = engine.load_shape().prefill_backlog_tokens
+    assert backlog == 24 + 10
+    steps = []
+    while backlog:
+        engine.step()
+        now = engine.load_shape().prefill_backlog_tokens
+        steps.append(engine.last_step_prompt_tokens)
+        assert backlog - now == engine.last_step_prompt_tokens
+        backlog = now
+    assert steps == [4] * 6 + [4, 4, 2]  # the scattered positions first, then the tail
+    assert engine.load_shape() == LoadShape(0, 0)  # its one token came with the prompt
+
+
+def test_a_wrong_hint_changes_no_token(tiny_qwen3):
+    prompt = list(range(100, 200))
+    plain, hinted = _engine(tiny_qwen3), _engine(tiny_qwen3)
+    plain.add_request("r", prompt, GREEDY)
+    hinted.add_request("r", prompt, GREEDY, expected_cached_tokens=77)
+    assert hinted.load_shape() == LoadShape(23, 0)
+    assert _run(hinted) == _run(plain)
+    with pytest.raises(ValueError, match="expected_cached_tokens"):
+        plain.add_request("bad", prompt, GREEDY, expected_cached_tokens=-1)
+
+
+def test_a_worker_request_refuses_a_negative_hint():
+    params = (SamplingParams(max_tokens=1),)
+    assert WorkerRequest("r", (1, 2), params, "").expected_cached_tokens == 0
+    assert (
+        WorkerRequest("r", (1, 2), params, "", expected_cached_tokens=5).expected_cached_tokens == 5
+    )
+    for bad in (-1, 1.5, None):
+        with pytest.raises(ValueError, match="expected_cached_tokens must be an integer >= 0"):
+            WorkerRequest("r", (1, 2), params, "", expected_cached_tokens=bad)
