@@ -264,7 +264,7 @@ def subset_service(
     cfg: ClusterConfig, model_dir: Path, actors: ClusterActors, count: int, policy: str
 ) -> CompletionService:
     """A router over the first ``count`` workers. ``policy``: a router policy, optionally
-    with router settings, e.g. ``chunk_aware,load_penalty_tokens=1024``."""
+    with router settings, e.g. ``chunk_aware,default_prefill_tokens_per_s=50000``."""
     workers = dict(list(actors.workers.items())[:count])
     subset = ClusterActors(workers, actors.directory, actors.directory_host)
     raw = cfg.model_dump()
@@ -552,7 +552,7 @@ def parse_args() -> argparse.Namespace:
         nargs="+",
         default=list(POLICIES),
         help="router policies to compare, each optionally with router settings: "
-        "chunk_aware,load_penalty_tokens=1024,imbalance_slack=4",
+        "chunk_aware,recent_route_lease_s=0",
     )
     ap.add_argument("--gpus-per-worker", type=float, default=1.0, help="0: CPU workers")
     ap.add_argument("--pages", type=int, default=24576, help="KV pages per worker")

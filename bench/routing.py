@@ -7,7 +7,9 @@ engine's KV pool holds only a few of the chunk sets, so where a request lands de
 whether its prefix is cached. Policies:
 
 - chunk-aware: the router's path. The project's ``choose_worker`` (weights: the config
-  defaults) scores workers by the holdings an ``EmbeddedChunkDirectory`` reports; the
+  defaults) scores workers by expected wait: each engine's queued prefill
+  (``Engine.load_shape``) plus the request's tokens it does not hold, by the holdings
+  an ``EmbeddedChunkDirectory`` reports; the
   directory is fed by each engine's KV events the way the cluster feeds it (pool ->
   ``CacheMirror`` -> ``EventPublisher``), one publish per engine step.
 - round-robin: worker i, i+1, ... regardless of cache or load.
@@ -56,9 +58,8 @@ DEFAULT_MODEL_DIR = Path("/tmp/chunkserve-bench/tiny-qwen3")
 PAGE_SIZE = 16
 DEFAULTS = RouterSection()  # the router's weights as every shipped config leaves them
 WEIGHTS = RoutingWeights(
-    load_penalty_tokens=DEFAULTS.load_penalty_tokens,
-    imbalance_slack=DEFAULTS.imbalance_slack,
     max_requests_per_worker=DEFAULTS.max_requests_per_worker,
+    default_prefill_tokens_per_s=DEFAULTS.default_prefill_tokens_per_s,
 )
 
 
@@ -162,10 +163,16 @@ class Worker:
         self.served = 0
 
     def view(self) -> WorkerView:
-        return WorkerView(self.worker_id, self.requests, self.tokens)
+        """What the router sees: its own counts and the worker's queued prefill. No
+        measured rates: the workers are alike, and decisions stay deterministic (the
+        router then assumes one rate for all)."""
+        backlog = self.engine.load_shape().prefill_backlog_tokens
+        return WorkerView(self.worker_id, self.requests, self.tokens, backlog)
 
-    def add(self, request_id: str, request: Request, params: SamplingParams) -> None:
-        self.engine.add_request(request_id, list(request.prompt.token_ids), params)
+    def add(self, request_id: str, request: Request, params: SamplingParams, cached: int) -> None:
+        self.engine.add_request(
+            request_id, list(request.prompt.token_ids), params, expected_cached_tokens=cached
+        )
         self.requests += 1
         self.tokens += len(request.prompt.token_ids) + params.max_tokens
 
@@ -212,7 +219,7 @@ def chunk_aware(workers: list[Worker], directory: EmbeddedChunkDirectory) -> Pol
         prompt = request.prompt  # one lookup of the chunk keys, as Router._lookup does
         result = directory.lookup(prompt.lookup_keys, prompt.token_ends)
         holdings = {h.worker_id: h.tokens for h in result.holdings} if result.available else None
-        return decide(views, holdings, next(rotation))
+        return decide(request, views, holdings, next(rotation))
 
     return route
 
@@ -222,13 +229,19 @@ def oracle(workers: list[Worker], directory: EmbeddedChunkDirectory) -> Policy:
 
     def route(request: Request, views: Sequence[WorkerView]) -> Decision:
         holdings = {w.worker_id: n for w in workers if (n := w.cached_tokens(request))}
-        return decide(views, holdings, next(rotation))
+        return decide(request, views, holdings, next(rotation))
 
     return route
 
 
-def decide(views: Sequence[WorkerView], holdings: dict[str, int] | None, rotation: int) -> Decision:
-    decision = choose_worker(views, holdings, WEIGHTS, rotation)
+def decide(
+    request: Request,
+    views: Sequence[WorkerView],
+    holdings: dict[str, int] | None,
+    rotation: int,
+) -> Decision:
+    prompt_tokens = len(request.prompt.token_ids)
+    decision = choose_worker(views, holdings, WEIGHTS, prompt_tokens, rotation)
     if not isinstance(decision, Decision):
         raise ValueError(f"unroutable ({decision}): raise max_requests_per_worker")
     return decision
@@ -279,7 +292,7 @@ def simulate(
             # for a cache: one the directory lists, or one this router just filled
             affinity += decision.reason in (Reason.AFFINITY, Reason.RECENT)
             worker = by_id[decision.worker_id]
-            worker.add(f"req-{index}", request, params)
+            worker.add(f"req-{index}", request, params, decision.expected_cached_tokens)
             in_flight[f"req-{index}"] = worker
         round_s = 0.0
         for worker in workers:

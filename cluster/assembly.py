@@ -42,9 +42,8 @@ def build_service(
     )
     metrics.healthy_workers = pool.healthy_count
     weights = RoutingWeights(
-        load_penalty_tokens=cfg.router.load_penalty_tokens,
-        imbalance_slack=cfg.router.imbalance_slack,
         max_requests_per_worker=cfg.router.max_requests_per_worker,
+        default_prefill_tokens_per_s=cfg.router.default_prefill_tokens_per_s,
     )
     router = Router(
         pool,

@@ -141,17 +141,13 @@ class RouterSection(_Section):
         "weighed against load; round_robin: ignore caches and load, rotate over workers "
         "(a baseline for comparisons)",
     )
-    load_penalty_tokens: float = Field(
-        128,
-        ge=0,
-        description="cached prompt tokens worth one more queued request on a worker; the "
-        "router picks the worker maximizing cached tokens minus this times its load",
-    )
-    imbalance_slack: int = Field(
-        8,
-        ge=0,
-        description="a worker with this many more requests than the least-loaded one is "
-        "not chosen for its cache (load balancing wins)",
+    default_prefill_tokens_per_s: float = Field(
+        20_000.0,
+        gt=0,
+        description="chunk_aware: the prefill rate assumed for a worker until it reports "
+        "one measured (workers report theirs with every poll and output); the router "
+        "sends a request to the worker expected to give its first token soonest: the "
+        "prefill queued there plus the request's uncached tokens, at that rate, plus a step",
     )
     max_requests_per_worker: int = Field(
         1024, gt=0, description="above this many queued requests everywhere, answer 429"
@@ -174,6 +170,21 @@ class RouterSection(_Section):
         "workers.publish_interval_s; 0: off",
     )
     poll_interval_s: float = Field(0.5, gt=0, description="how often worker load is polled")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_settings(cls, data: object) -> object:
+        if not isinstance(data, dict):
+            return data
+        removed = sorted({"load_penalty_tokens", "imbalance_slack"} & set(data))
+        if removed:
+            raise ValueError(
+                f"router.{' and router.'.join(removed)} no longer exist: the router now "
+                "weighs cache hits against load in time (the prefill each worker has "
+                "queued, at its measured rate); delete them (router."
+                "default_prefill_tokens_per_s sets the rate assumed before one is measured)"
+            )
+        return data
     poll_timeout_s: float = Field(
         5.0, gt=0, description="a worker not answering a poll this fast counts as down"
     )

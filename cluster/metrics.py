@@ -305,6 +305,18 @@ def worker_gauges(statuses: Mapping[str, WorkerStatus | None]) -> list[Family]:
         "pages that can be evicted are not counted",
         ("worker",),
     )
+    backlog = Gauge(
+        "chunkserve_worker_prefill_backlog_tokens",
+        "prompt tokens queued for prefill on the worker (waiting or mid-prefill), what "
+        "a new request waits behind; the router's expected-wait routing reads it",
+        ("worker",),
+    )
+    prefill_rate = Gauge(
+        "chunkserve_worker_prefill_tokens_per_second",
+        "the worker's measured prefill rate (moving average over its steps); 0 before "
+        "it prefilled anything",
+        ("worker",),
+    )
     for worker_id, status in sorted(statuses.items()):
         up.set(0 if status is None else 1, worker_id)
         if status is not None:
@@ -313,7 +325,9 @@ def worker_gauges(statuses: Mapping[str, WorkerStatus | None]) -> list[Family]:
             pages.set(status.cached_pages, worker_id)
             kv_total.set(status.kv_pages_total, worker_id)
             kv_in_use.set(status.kv_pages_in_use, worker_id)
-    return [up, requests, tokens, pages, kv_total, kv_in_use]
+            backlog.set(status.load.prefill_backlog_tokens, worker_id)
+            prefill_rate.set(status.load.prefill_tokens_per_s, worker_id)
+    return [up, requests, tokens, pages, kv_total, kv_in_use, backlog, prefill_rate]
 
 
 class MetricsBoard:

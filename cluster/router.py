@@ -57,7 +57,7 @@ from cluster.routing_policy import (
 )
 from cluster.worker_pool import WorkerPool, abandon, settle
 from workers.engine.reuse_info import ReuseRequest
-from workers.runtime.worker_types import WorkerDelta, WorkerRefusal, WorkerRequest
+from workers.runtime.worker_types import EngineLoad, WorkerDelta, WorkerRefusal, WorkerRequest
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class WorkerStream:
         first: WorkerDelta,
         generator: ray.ObjectRefGenerator,
         watch: WorkerWatch,
+        observe: Callable[[EngineLoad], None],
         on_lost: Callable[[], None],
         on_close: Callable[[], None],
     ) -> None:
@@ -78,6 +79,7 @@ class WorkerStream:
         self._first = first
         self._generator = generator
         self._watch = watch
+        self._observe = observe  # the worker's load, reported with a delta
         self._on_lost = on_lost
         self._on_close = on_close
         self._closed = False
@@ -102,6 +104,8 @@ class WorkerStream:
                     ) from error
                 if isinstance(item, WorkerRefusal):
                     raise BadRequest(item.message)
+                if item.load is not None:
+                    self._observe(item.load)
                 yield item
         finally:
             self.close()
@@ -182,7 +186,9 @@ class Router:
                 self._memory.remember(prompt.lookup_keys, decision.worker_id, now)
             self._metrics.routes.inc(decision.reason.value)
             attempt_request = dataclasses.replace(
-                request, request_id=f"{request.request_id}.{len(attempts.tried)}"
+                request,
+                request_id=f"{request.request_id}.{len(attempts.tried)}",
+                expected_cached_tokens=decision.expected_cached_tokens,
             )
             attempts.tried.add(decision.worker_id)
             attempts.left -= 1
@@ -206,7 +212,8 @@ class Router:
         weights, rotation = self._settings.weights, next(self._rotation)
         if self._chunk_aware:
             recent = self._memory.recall(prompt.lookup_keys, prompt.token_ends, now)
-            return choose_worker(views, holdings, weights, rotation, recent)
+            prompt_tokens = len(prompt.token_ids)
+            return choose_worker(views, holdings, weights, prompt_tokens, rotation, recent)
         return round_robin(views, weights.max_requests_per_worker, rotation)
 
     async def _lookup(self, prompt: PreparedPrompt, reuse: ReuseRequest) -> dict[str, int] | None:
@@ -236,7 +243,8 @@ class Router:
         worker_id = decision.worker_id
         choices = len(request.params)
         tokens = len(request.prompt_token_ids) + sum(p.max_tokens for p in request.params)
-        self.pool.begin(worker_id, choices, tokens)
+        uncached = max(0, len(request.prompt_token_ids) - decision.expected_cached_tokens)
+        self.pool.begin(worker_id, choices, tokens, uncached)
         watch = WorkerWatch(self.pool, worker_id)
         generator = (
             self.pool.handle(worker_id).generate.options(num_returns="streaming").remote(request)
@@ -251,6 +259,8 @@ class Router:
             self.pool.end(worker_id, choices, tokens)
             ray.cancel(generator)
             raise
+        if isinstance(first, WorkerDelta) and first.load is not None:
+            self.pool.observe(worker_id, first.load)
         if isinstance(first, WorkerRefusal):
             self.pool.end(worker_id, choices, tokens)
             if first.retryable:
@@ -262,6 +272,7 @@ class Router:
             first,
             generator,
             watch,
+            observe=lambda load: self.pool.observe(worker_id, load),
             on_lost=lambda: self._lost(worker_id),
             on_close=lambda: self.pool.end(worker_id, choices, tokens),
         )

@@ -1,29 +1,31 @@
 """Which worker serves a request: a pure function of worker loads and cache holdings.
 
-Policy:
+Policy (``choose_worker``): the worker expected to give the first token soonest.
 1. Workers at ``max_requests_per_worker`` are full; if all are, the request is
    refused (``OVERLOADED``), if there are none, ``NO_WORKER``.
-2. With no directory answer, pick the least-loaded worker (``NO_DIRECTORY``).
-3. Otherwise (the holdings being the directory's, raised to what ``recent``, this
-   router's memory of its own decisions, says a worker holds: see ``RouteMemory``)
-   a worker holding part of the prompt is a candidate unless it carries
-   more than ``imbalance_slack`` requests above the least-loaded worker (then load
-   is badly imbalanced and balancing wins). Each candidate scores
-   ``cached_tokens - load_penalty_tokens * requests``; the best candidate wins if
-   it beats the least-loaded worker's score (``-load_penalty_tokens * least``),
-   i.e. if its cache saves more than its extra queue costs (``AFFINITY``, or
-   ``RECENT`` where only the memory says it holds that much) -- unless rule 4
-   sends it to an idle worker.
-4. Spill: an idle worker (no request in flight: new, restarted, or drained) takes
-   the request instead of the winning holder when the holder's queue costs more
-   than its cache saves, in tokens: the holder's queued work, estimated as its
-   tokens in flight less the held prefix for each of its requests (they are there
-   because they share it), exceeds the prefix this request would not compute
-   there (``SPILL``). The idle worker then holds the prefix too, so a hot prefix
-   spreads and a restarted worker gets traffic as soon as it is faster for someone.
-5. Else the least-loaded worker (``LOAD``).
-Ties go to fewer requests, then fewer tokens in flight, then ``rotation`` picks
-among the still tied, so equal workers share requests evenly.
+2. Each open worker's expected wait, in seconds (``expected_wait_s``): the prefill
+   queued ahead of the request there plus the request's own uncached tokens there,
+   at that worker's measured prefill rate, plus one engine step (the decode batch the
+   request joins; the measured rate already includes the decode steps interleaved
+   with prefill). A cache hit lowers the estimate only by the prefill it saves: the
+   holdings are saved tokens (``prefill_saved``: an exact prefix, or placed chunks
+   less what repair recomputes), raised to what ``recent``, this router's memory of
+   its own decisions, says a worker holds (see ``RouteMemory``). A worker that has
+   not measured its rate yet (new, restarted) is assumed as fast as the median
+   measured worker, or ``default_prefill_tokens_per_s`` if none has measured.
+3. The smallest wait wins (waits within ``WAIT_RESOLUTION_S`` tie); ties go to fewer
+   requests, then fewer tokens in flight, then ``rotation`` picks among the still
+   tied, so equal workers share requests evenly.
+4. The reason: ``NO_DIRECTORY`` without a directory answer (waits then count no
+   hits); ``SPILL`` if another open worker holds more of the prompt (its queue costs
+   more than its cache saves: the chosen worker then holds the prefix too, so a hot
+   prefix spreads); ``AFFINITY`` if the chosen worker holds part of the prompt
+   (``RECENT`` where only the memory says it holds that much); else ``LOAD``. The
+   memory counts even without a directory answer.
+
+So a restarted or new worker, with nothing queued, gets traffic as soon as it is
+faster for someone, and a holder keeps a prefix's requests only while its queue is
+shorter than the prefill the hit saves.
 
 ``RouteMemory`` is that memory: the prefixes this router sent to each worker in the
 last ``lease_s`` seconds count as held there, since the worker computes and keeps
@@ -44,6 +46,7 @@ chunk; ``placed_saving``).
 
 from __future__ import annotations
 
+import statistics
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -57,13 +60,18 @@ class WorkerView:
     worker_id: str
     requests: int  # queued + running on the worker
     tokens: int  # prompt + max new tokens of those
+    prefill_backlog: int = 0  # prompt tokens queued for prefill there, not yet computed
+    prefill_tokens_per_s: float = 0.0  # its measured prefill rate; 0: not measured yet
+    step_s: float = 0.0  # its measured engine step time; 0: not measured yet
 
 
 @dataclass(frozen=True)
 class RoutingWeights:
-    load_penalty_tokens: float
-    imbalance_slack: int
     max_requests_per_worker: int
+    default_prefill_tokens_per_s: float = 20_000.0  # assumed until a worker measures its
+
+
+WAIT_RESOLUTION_S = 1e-4  # expected waits closer than this are a tie
 
 
 class Policy(StrEnum):
@@ -90,54 +98,69 @@ class Decision:
     worker_id: str
     reason: Reason
     expected_cached_tokens: int  # prefill the directory says the worker saves (holdings)
+    expected_wait_s: float = 0.0  # until the first token, as rule 2 estimates it
 
 
 def choose_worker(
     workers: Sequence[WorkerView],
     holdings: Mapping[str, int] | None,
     weights: RoutingWeights,
+    prompt_tokens: int,
     rotation: int = 0,
     recent: Mapping[str, int] | None = None,
 ) -> Decision | Unroutable:
-    """``holdings``: worker id -> cached prompt tokens (None: no directory answer).
-    ``recent``: worker id -> prompt tokens this router recently sent it (``RouteMemory``
-    .recall); counted as held where they exceed ``holdings``."""
+    """``holdings``: worker id -> prompt tokens it would not compute (None: no directory
+    answer). ``recent``: worker id -> prompt tokens this router recently sent it
+    (``RouteMemory.recall``); counted as held where they exceed ``holdings``."""
     open_ = _open_workers(workers, weights.max_requests_per_worker)
     if isinstance(open_, Unroutable):
         return open_
-    if holdings is None:
-        return _least_loaded(open_, rotation, Reason.NO_DIRECTORY)
+    known = holdings or {}
     recent = recent or {}
-    held = {w: max(holdings.get(w, 0), recent.get(w, 0)) for w in {*holdings, *recent}}
-    least = min(w.requests for w in open_)
-    candidates = [
-        w
+    held = {
+        w: min(prompt_tokens, max(known.get(w, 0), recent.get(w, 0))) for w in {*known, *recent}
+    }
+    rate, step_s = _assumed_speed(open_, weights)
+    waits = {
+        w.worker_id: expected_wait_s(w, prompt_tokens - held.get(w.worker_id, 0), rate, step_s)
         for w in open_
-        if held.get(w.worker_id, 0) > 0 and w.requests <= least + weights.imbalance_slack
-    ]
-    penalty = weights.load_penalty_tokens
-
-    def score(w: WorkerView) -> float:
-        return held.get(w.worker_id, 0) - penalty * w.requests
-
-    if candidates:
-        best = _pick(candidates, lambda w: (-score(w), w.requests, w.tokens), rotation)
-        if score(best) > -penalty * least:
-            tokens = held[best.worker_id]
-            idle = [w for w in open_ if w.requests == 0 and w is not best]
-            if idle and queued_work(best, tokens) > tokens:
-                spill = _pick(idle, lambda w: (-held.get(w.worker_id, 0), w.tokens), rotation)
-                return Decision(spill.worker_id, Reason.SPILL, held.get(spill.worker_id, 0))
-            listed = holdings.get(best.worker_id, 0) >= tokens
-            return Decision(best.worker_id, Reason.AFFINITY if listed else Reason.RECENT, tokens)
-    return _least_loaded(open_, rotation, Reason.LOAD)
+    }
+    chosen = _pick(
+        open_,
+        lambda w: (round(waits[w.worker_id] / WAIT_RESOLUTION_S), w.requests, w.tokens),
+        rotation,
+    )
+    tokens = held.get(chosen.worker_id, 0)
+    if holdings is None:
+        reason = Reason.NO_DIRECTORY
+    elif max((held.get(w.worker_id, 0) for w in open_), default=0) > tokens:
+        reason = Reason.SPILL
+    elif tokens > 0:
+        reason = Reason.AFFINITY if known.get(chosen.worker_id, 0) >= tokens else Reason.RECENT
+    else:
+        reason = Reason.LOAD
+    return Decision(chosen.worker_id, reason, tokens, waits[chosen.worker_id])
 
 
-def queued_work(worker: WorkerView, held: int) -> int:
-    """Tokens a holder of ``held`` prompt tokens must still work through before a new
-    request (rule 4): its tokens in flight less ``held`` for each request in flight
-    (never below 0). A stand-in until workers report their queued prefill."""
-    return max(0, worker.tokens - worker.requests * held)
+def expected_wait_s(
+    worker: WorkerView, uncached_tokens: int, assumed_rate: float, assumed_step_s: float
+) -> float:
+    """Seconds until a request with ``uncached_tokens`` to prefill on ``worker`` gets
+    its first token (rule 2); the assumed rate and step stand in where the worker has
+    measured none."""
+    rate = worker.prefill_tokens_per_s or assumed_rate
+    step_s = worker.step_s or assumed_step_s
+    return (worker.prefill_backlog + max(0, uncached_tokens)) / rate + step_s
+
+
+def _assumed_speed(workers: Sequence[WorkerView], weights: RoutingWeights) -> tuple[float, float]:
+    """(prefill rate, step time) for workers that measured none: the median of those
+    that did (workers of one deployment run alike); the default rate and no step
+    time if none did."""
+    rates = [w.prefill_tokens_per_s for w in workers if w.prefill_tokens_per_s > 0]
+    steps = [w.step_s for w in workers if w.step_s > 0]
+    rate = statistics.median(rates) if rates else weights.default_prefill_tokens_per_s
+    return rate, statistics.median(steps) if steps else 0.0
 
 
 class RouteMemory:
@@ -252,11 +275,6 @@ def _open_workers(
         return Unroutable.NO_WORKER
     open_ = [w for w in workers if w.requests < max_requests_per_worker]
     return open_ or Unroutable.OVERLOADED
-
-
-def _least_loaded(workers: Sequence[WorkerView], rotation: int, reason: Reason) -> Decision:
-    chosen = _pick(workers, lambda w: (w.requests, w.tokens), rotation)
-    return Decision(chosen.worker_id, reason, 0)
 
 
 def _pick(

@@ -9,10 +9,14 @@ Invariants:
   ``REFUSED``, never routed to: its cache could never be hit. The reason, naming
   both values and the config keys, is logged and shown by ``describe`` (so in
   /health and "no healthy worker" errors) until a poll finds it in agreement.
-- A worker's load is this router's in-flight work on it (exact, updated on every
-  request) plus the other routers' share from its last poll: the polled count
-  minus what this router had in flight when that poll was sent. So several router
-  replicas see each other's load, at most one poll interval late.
+- A worker's load is its own newest report (``EngineLoad``, carried by every poll
+  answer and every output delta, newest by ``version``), corrected by what this
+  router did since: requests and tokens are this router's in-flight work on it
+  (exact, updated on every request) plus the others' share of the report (its count
+  less what this router had in flight when the report was asked for or arrived);
+  the prefill backlog is the report's plus the uncached tokens this router sent
+  since. So router replicas see each other's load as fresh as the latest delta
+  any of their requests received, at most one poll interval late.
 - A worker's ``incarnation`` changes whenever it is found gone (the router saw a
   call to it fail, a poll found the actor dead, or a poll answers with another
   epoch: it restarted): work started
@@ -34,7 +38,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, RayError
 
 from cluster.routing_policy import WorkerView
-from workers.runtime.worker_types import WorkerInfo, WorkerStatus
+from workers.runtime.worker_types import EngineLoad, WorkerInfo, WorkerStatus
 
 logger = logging.getLogger(__name__)
 
@@ -106,10 +110,12 @@ class _Tracked:
     handle: ActorHandle
     health: Health = Health.STARTING
     status: WorkerStatus | None = None
+    load: EngineLoad | None = None  # its newest report (a poll's or a delta's)
     requests: int = 0  # this router's choices in flight on the worker
     tokens: int = 0
-    requests_at_poll: int = 0  # ``requests`` when the last answered poll was sent
-    tokens_at_poll: int = 0
+    unreported_prefill: int = 0  # uncached prompt tokens this router sent since ``load``
+    requests_at_load: int = 0  # ``requests`` when ``load`` was asked for (or arrived)
+    tokens_at_load: int = 0
     draining: bool = False  # refusing new work (from its last poll or refusal)
     refusal: str | None = None  # why it is REFUSED (``disagreement``)
     incarnation: int = 0  # bumped whenever the worker is found gone (module invariants)
@@ -144,7 +150,7 @@ class WorkerPool:
     # -- queries -------------------------------------------------------------------
     def views(self) -> list[WorkerView]:
         return [
-            WorkerView(worker_id, *self._load(tracked))
+            self._view(worker_id, tracked)
             for worker_id, tracked in self._workers.items()
             if tracked.health is Health.HEALTHY and not tracked.draining
         ]
@@ -185,11 +191,20 @@ class WorkerPool:
         return self._interval_s
 
     # -- updates -------------------------------------------------------------------
-    def begin(self, worker_id: str, choices: int, tokens: int) -> None:
-        """Count work this router sent to a worker (choices, as the engine counts)."""
+    def begin(self, worker_id: str, choices: int, tokens: int, uncached: int) -> None:
+        """Count work this router sent to a worker (choices, as the engine counts;
+        ``uncached``: the prompt tokens it is expected to prefill)."""
         tracked = self._workers[worker_id]
         tracked.requests += choices
         tracked.tokens += tokens
+        tracked.unreported_prefill += uncached
+
+    def observe(self, worker_id: str, load: EngineLoad) -> None:
+        """Take the load a worker reported with an output delta (if newer)."""
+        tracked = self._workers[worker_id]
+        if tracked.load is None or load.version > tracked.load.version:
+            sent = (tracked.requests, tracked.tokens, tracked.unreported_prefill)
+            self._take_report(tracked, load, sent)  # all sent so far: in the report
 
     def end(self, worker_id: str, choices: int, tokens: int) -> None:
         tracked = self._workers[worker_id]
@@ -219,7 +234,7 @@ class WorkerPool:
 
     async def _poll(self, worker_id: str) -> None:
         tracked = self._workers[worker_id]
-        sent = (tracked.requests, tracked.tokens)
+        sent = (tracked.requests, tracked.tokens, tracked.unreported_prefill)
         call = asyncio.ensure_future(tracked.handle.status.remote())
         try:
             if not await settle(call, self._timeout_s):
@@ -243,22 +258,41 @@ class WorkerPool:
             tracked.health, tracked.refusal = Health.REFUSED, refusal
             return
         tracked.refusal = None
-        if tracked.status is not None and tracked.status.info.epoch != status.info.epoch:
-            tracked.incarnation += 1  # restarted between two polls
+        restarted = tracked.status is not None and tracked.status.info.epoch != status.info.epoch
+        if restarted:
+            tracked.incarnation += 1
+        if restarted or tracked.load is None or status.load.version > tracked.load.version:
+            self._take_report(tracked, status.load, sent)
         if tracked.health is not Health.HEALTHY:
             logger.info("worker %s is healthy (epoch %d)", worker_id, status.info.epoch)
         tracked.status = status
         tracked.draining = status.draining
-        tracked.requests_at_poll, tracked.tokens_at_poll = sent
         tracked.health = Health.HEALTHY
 
-    def _load(self, tracked: _Tracked) -> tuple[int, int]:
-        if tracked.status is None:
-            return tracked.requests, tracked.tokens
-        load = tracked.status.load
-        others = max(0, load.requests - tracked.requests_at_poll)
-        other_tokens = max(0, load.tokens - tracked.tokens_at_poll)
-        return tracked.requests + others, tracked.tokens + other_tokens
+    @staticmethod
+    def _take_report(tracked: _Tracked, load: EngineLoad, sent: tuple[int, int, int]) -> None:
+        """``sent``: this router's requests, tokens and unreported prefill when the
+        report was asked for; what it sent since is not in the report."""
+        tracked.load = load
+        tracked.requests_at_load, tracked.tokens_at_load, unreported_then = sent
+        tracked.unreported_prefill = max(0, tracked.unreported_prefill - unreported_then)
+
+    def _view(self, worker_id: str, tracked: _Tracked) -> WorkerView:
+        load = tracked.load
+        if load is None:
+            return WorkerView(
+                worker_id, tracked.requests, tracked.tokens, tracked.unreported_prefill
+            )
+        others = max(0, load.requests - tracked.requests_at_load)
+        other_tokens = max(0, load.tokens - tracked.tokens_at_load)
+        return WorkerView(
+            worker_id,
+            tracked.requests + others,
+            tracked.tokens + other_tokens,
+            load.prefill_backlog_tokens + tracked.unreported_prefill,
+            load.prefill_tokens_per_s,
+            load.step_s,
+        )
 
 
 def _state(tracked: _Tracked) -> str:

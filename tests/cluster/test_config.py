@@ -81,6 +81,8 @@ def test_default_reuse_serves_requests_that_name_no_reuse():
         ("model: {name: m, path: /x}\n", ["router.policy=random"], "router.policy: Input should be 'chunk_aware' or 'round_robin'"),
         ("model: {name: m, path: /x}\n", ["server.stream_interval_s=-1"], "server.stream_interval_s: Input should be greater than or equal to 0"),
         ("model: {name: m, path: /x}\n", ["server.default_reuse=sloppy"], "server.default_reuse: Input should be 'exact' or 'approximate'"),
+        ("model: {name: m, path: /x}\nrouter: {imbalance_slack: 8}\n", [], "router.imbalance_slack no longer exist"),
+        ("model: {name: m, path: /x}\n", ["router.load_penalty_tokens=1"], "router.load_penalty_tokens no longer exist: the router now weighs"),
     ],
 )  # fmt: skip
 def test_bad_configs_say_what_is_wrong(tmp_path, text, overrides, expected):

@@ -33,7 +33,7 @@ from workers.engine.checkpoint import load_tokenizer
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 MAX_ATTEMPTS = 3
-WEIGHTS = RoutingWeights(load_penalty_tokens=128, imbalance_slack=8, max_requests_per_worker=8)
+WEIGHTS = RoutingWeights(max_requests_per_worker=8)
 
 
 def starts_of_one_failing_request(tokenizer, behaviours: list[str], workers: int) -> int:

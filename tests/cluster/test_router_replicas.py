@@ -148,6 +148,12 @@ def test_latency_and_worker_families_after_requests(app, client):
         # idle: nothing running or pinned holds a page, and the pool has pages
         assert values[f'chunkserve_worker_kv_pages{{worker="{worker}"}}'] > 0
         assert values[f'chunkserve_worker_kv_pages_in_use{{worker="{worker}"}}'] == 0
+        # idle: nothing queued for prefill; it measured its rate while serving
+        assert values[f'chunkserve_worker_prefill_backlog_tokens{{worker="{worker}"}}'] == 0
+    rates = [
+        values[f'chunkserve_worker_prefill_tokens_per_second{{worker="{w}"}}'] for w in workers
+    ]
+    assert max(rates) > 0, rates
     cached = [values[f'chunkserve_worker_cached_pages{{worker="{w}"}}'] for w in workers]
     assert sum(cached) > 0, cached
 

@@ -1,9 +1,14 @@
-"""The routing policy is a pure function: saved prefill (exact prefixes and approximate
-hits, and what the router's memory of its own decisions says) against load."""
+"""The routing policy is a pure function: the expected wait for the first token on
+each worker (queued prefill plus the request's uncached tokens, at the worker's
+measured rate, plus a step), where cache hits (exact prefixes, approximate hits, and
+what the router's memory of its own decisions says) count only as the prefill they
+save."""
 
 from __future__ import annotations
 
 from collections import Counter
+
+import pytest
 
 from cluster.routing_policy import (
     Decision,
@@ -13,65 +18,135 @@ from cluster.routing_policy import (
     Unroutable,
     WorkerView,
     choose_worker,
+    expected_wait_s,
     placed_saving,
     prefill_saved,
     round_robin,
 )
 
-WEIGHTS = RoutingWeights(load_penalty_tokens=100, imbalance_slack=4, max_requests_per_worker=10)
+WEIGHTS = RoutingWeights(max_requests_per_worker=10, default_prefill_tokens_per_s=1000.0)
+PROMPT = 1000  # prompt tokens of the request being routed
+RATE = 1000.0  # prefill tokens/s of a measured worker below, unless given
 
 
-def views(*loads: int) -> list[WorkerView]:
-    return [WorkerView(f"w{i}", requests, requests * 50) for i, requests in enumerate(loads)]
+def view(
+    worker_id: str,
+    backlog: int = 0,
+    rate: float = RATE,
+    step_s: float = 0.0,
+    requests: int = 0,
+    tokens: int = 0,
+) -> WorkerView:
+    return WorkerView(worker_id, requests, tokens, backlog, rate, step_s)
+
+
+def idle(n: int) -> list[WorkerView]:
+    return [view(f"w{i}") for i in range(n)]
 
 
 def test_no_workers_and_all_full():
-    assert choose_worker([], {}, WEIGHTS) is Unroutable.NO_WORKER
-    assert choose_worker(views(10, 12), {}, WEIGHTS) is Unroutable.OVERLOADED
+    assert choose_worker([], {}, WEIGHTS, PROMPT) is Unroutable.NO_WORKER
+    full = [view("w0", requests=10), view("w1", requests=12)]
+    assert choose_worker(full, {}, WEIGHTS, PROMPT) is Unroutable.OVERLOADED
 
 
-def test_holder_wins_when_its_cache_outweighs_its_queue():
-    decision = choose_worker(views(0, 2), {"w1": 320}, WEIGHTS)
-    assert decision == Decision("w1", Reason.AFFINITY, 320)
+def test_the_shortest_expected_wait_wins():
+    workers = [view("w0", backlog=2000), view("w1", backlog=500), view("w2", backlog=900)]
+    decision = choose_worker(workers, {}, WEIGHTS, PROMPT)
+    assert decision == Decision("w1", Reason.LOAD, 0, pytest.approx((500 + PROMPT) / RATE))
 
 
-def test_least_loaded_wins_when_the_cache_saves_less_than_the_queue_costs():
-    decision = choose_worker(views(0, 2), {"w1": 150}, WEIGHTS)  # 150 - 200 < 0
-    assert decision.worker_id == "w0" and decision.reason is Reason.LOAD
+def test_a_faster_worker_wins_despite_a_longer_queue():
+    workers = [view("w0", backlog=4000, rate=10_000.0), view("w1", backlog=200)]
+    assert choose_worker(workers, {}, WEIGHTS, PROMPT).worker_id == "w0"  # 0.5 s < 1.2 s
 
 
-def test_badly_imbalanced_holder_is_skipped_whatever_it_holds():
-    decision = choose_worker(views(0, 5), {"w1": 10_000}, WEIGHTS)  # 5 > 0 + slack 4
-    assert decision.worker_id == "w0" and decision.reason is Reason.LOAD
+def test_the_step_time_counts():
+    """A worker deep in a large decode batch (long steps) loses to one that must first
+    prefill a little more."""
+    workers = [view("w0", step_s=0.5), view("w1", backlog=100, step_s=0.01)]
+    assert choose_worker(workers, {}, WEIGHTS, PROMPT).worker_id == "w1"  # 1.11 s < 1.5 s
 
 
-def test_more_cached_tokens_beat_fewer():
-    decision = choose_worker(views(1, 1, 1), {"w0": 64, "w2": 256}, WEIGHTS)
+def test_a_holder_wins_while_its_queue_costs_less_than_its_cache_saves():
+    workers = [view("w0"), view("w1", backlog=700)]
+    decision = choose_worker(workers, {"w1": 800}, WEIGHTS, PROMPT)
+    assert decision == Decision("w1", Reason.AFFINITY, 800, pytest.approx(0.9))
+
+
+def test_a_saturated_holder_spills_to_a_cold_worker():
+    """The holder's queue (1,200 tokens) outweighs the 800 its cache saves: the cold
+    worker is sooner, and then holds the prefix too."""
+    workers = [view("w0"), view("w1", backlog=1200)]
+    decision = choose_worker(workers, {"w1": 800}, WEIGHTS, PROMPT)
+    assert decision == Decision("w0", Reason.SPILL, 0, pytest.approx(1.0))
+
+
+def test_a_partial_holder_that_is_chosen_over_a_fuller_one_is_a_spill():
+    workers = [view("w0", backlog=100), view("w1", backlog=2000)]
+    decision = choose_worker(workers, {"w0": 200, "w1": 900}, WEIGHTS, PROMPT)
+    assert decision.worker_id == "w0" and decision.reason is Reason.SPILL
+    assert decision.expected_cached_tokens == 200
+
+
+def test_more_saved_tokens_beat_fewer_at_equal_queues():
+    decision = choose_worker(idle(3), {"w0": 64, "w2": 256}, WEIGHTS, PROMPT)
+    assert decision.worker_id == "w2" and decision.reason is Reason.AFFINITY
+
+
+def test_an_unmeasured_worker_is_assumed_as_fast_as_the_median_measured_one():
+    """A restarted worker (no rate measured yet, nothing queued) gets a request as
+    soon as it is faster for someone: here the holders of a hot prefix are busy."""
+    holders = [view(f"w{i}", backlog=3000, rate=rate) for i, rate in enumerate((900, 1000, 5000))]
+    restarted = WorkerView("w3", 0, 0)  # measured nothing
+    held = {w.worker_id: 800 for w in holders}
+    decision = choose_worker([*holders, restarted], held, WEIGHTS, PROMPT)
+    # w3 at the median rate 1000: 1.0 s; w2: 3,200 tokens at 5,000/s: 0.64 s
     assert decision.worker_id == "w2"
+    slower = [view(f"w{i}", backlog=3000) for i in range(3)]
+    decision = choose_worker([*slower, restarted], held, WEIGHTS, PROMPT)
+    assert decision == Decision("w3", Reason.SPILL, 0, pytest.approx(1.0))
 
 
-def test_no_directory_answer_means_least_loaded():
-    decision = choose_worker(views(3, 1, 2), None, WEIGHTS)
-    assert decision == Decision("w1", Reason.NO_DIRECTORY, 0)
+def test_with_no_worker_measured_the_default_rate_is_assumed():
+    workers = [WorkerView("w0", 0, 0, prefill_backlog=500), WorkerView("w1", 0, 0)]
+    decision = choose_worker(workers, {}, WEIGHTS, PROMPT)
+    assert decision.worker_id == "w1"
+    assert decision.expected_wait_s == pytest.approx(PROMPT / WEIGHTS.default_prefill_tokens_per_s)
+
+
+def test_expected_wait_counts_held_tokens_only_as_saved_prefill():
+    w = view("w", backlog=300, step_s=0.02)
+    assert expected_wait_s(w, PROMPT - 600, 1.0, 0.0) == pytest.approx((300 + 400) / RATE + 0.02)
+    assert expected_wait_s(w, -5, 1.0, 0.0) == pytest.approx(300 / RATE + 0.02)  # never < 0
+
+
+def test_no_directory_answer_means_waits_without_hits():
+    workers = [view("w0", backlog=300), view("w1", backlog=100), view("w2", backlog=200)]
+    decision = choose_worker(workers, None, WEIGHTS, PROMPT)
+    assert decision == Decision("w1", Reason.NO_DIRECTORY, 0, pytest.approx(1.1))
 
 
 def test_full_workers_are_never_chosen_even_as_holders():
-    decision = choose_worker(views(10, 9), {"w0": 10_000}, WEIGHTS)
-    assert decision.worker_id == "w1"
+    workers = [view("w0", requests=10), view("w1", backlog=5000, requests=9)]
+    assert choose_worker(workers, {"w0": PROMPT}, WEIGHTS, PROMPT).worker_id == "w1"
 
 
 def test_ties_rotate_so_equal_workers_share_requests():
-    chosen = Counter(choose_worker(views(0, 0, 0), {}, WEIGHTS, r).worker_id for r in range(9))
+    chosen = Counter(choose_worker(idle(3), {}, WEIGHTS, PROMPT, r).worker_id for r in range(9))
     assert chosen == {"w0": 3, "w1": 3, "w2": 3}
     tied_holders = {
-        choose_worker(views(0, 0), {"w0": 64, "w1": 64}, WEIGHTS, r).worker_id for r in range(2)
+        choose_worker(idle(2), {"w0": 64, "w1": 64}, WEIGHTS, PROMPT, r).worker_id for r in range(2)
     }
     assert tied_holders == {"w0", "w1"}
 
 
-def test_ties_on_requests_go_to_fewer_tokens_in_flight():
-    workers = [WorkerView("a", 1, 900), WorkerView("b", 1, 100)]
-    assert choose_worker(workers, {}, WEIGHTS).worker_id == "b"
+def test_waits_within_the_resolution_tie_and_go_to_fewer_requests_then_tokens():
+    a, b = view("a", backlog=0, requests=2), view("b", backlog=0, requests=1, tokens=900)
+    c = view("c", backlog=0, requests=1, tokens=100)
+    assert choose_worker([a, b, c], {}, WEIGHTS, PROMPT).worker_id == "c"
+    nearly = [view("x", rate=1000.0, requests=1), view("y", rate=1000.01)]  # 10 µs apart
+    assert choose_worker(nearly, {}, WEIGHTS, PROMPT).worker_id == "y"
 
 
 def test_round_robin_rotates_over_open_workers_ignoring_caches_and_load():
@@ -79,9 +154,15 @@ def test_round_robin_rotates_over_open_workers_ignoring_caches_and_load():
     chosen = [round_robin(workers, 10, r) for r in range(6)]
     assert [d.worker_id for d in chosen] == ["w0", "w1", "w2", "w0", "w1", "w2"]
     assert {d.reason for d in chosen} == {Reason.ROTATION}
-    assert round_robin(views(10, 0, 10), 10, 5).worker_id == "w1"  # full ones are skipped
+    assert (
+        round_robin([view("w0", requests=10), view("w1"), view("w2", requests=10)], 10, 5).worker_id
+        == "w1"
+    )  # full ones are skipped
     assert round_robin([], 10, 0) is Unroutable.NO_WORKER
-    assert round_robin(views(10, 11), 10, 0) is Unroutable.OVERLOADED
+    assert (
+        round_robin([view("w0", requests=10), view("w1", requests=11)], 10, 0)
+        is Unroutable.OVERLOADED
+    )
 
 
 SPANS = [(32, 96), (96, 136), (136, 200)]  # placeable chunks of 64, 40 and 64 tokens
@@ -118,10 +199,10 @@ def test_an_approximate_holder_beats_a_short_exact_prefix():
     one holding just the system prompt exactly, and loses once its queue costs more."""
     saved = prefill_saved({"w0": 32}, {"w1": [0, 1, 2]}, SPANS, 4, 0.0)
     assert saved == {"w0": 32, "w1": 60 + 36 + 60}
-    decision = choose_worker(views(0, 0), saved, WEIGHTS)
-    assert decision == Decision("w1", Reason.AFFINITY, 156)
-    busy = choose_worker(views(0, 2), saved, WEIGHTS)  # 156 - 200 < 32 - 0
-    assert busy.worker_id == "w0" and busy.reason is Reason.AFFINITY
+    decision = choose_worker(idle(2), saved, WEIGHTS, 200)
+    assert decision.worker_id == "w1" and decision.expected_cached_tokens == 156
+    busy = [view("w0"), view("w1", backlog=200)]  # 200 + 44 > 168 tokens to compute
+    assert choose_worker(busy, saved, WEIGHTS, 200).worker_id == "w0"
 
 
 KEYS = (b"k0", b"k1", b"k2")  # a prompt's chunk keys, in prompt order
@@ -132,14 +213,17 @@ def test_a_recent_decision_attracts_an_identical_repeat():
     """The directory does not list the prefix yet (the worker publishes later); the
     router's memory of sending it to w1 sends the repeat there too."""
     memory = RouteMemory(lease_s=1.0)
-    first = choose_worker(views(0, 0), {}, WEIGHTS, rotation=1, recent=memory.recall(KEYS, ENDS, 0))
+    first = choose_worker(
+        idle(2), {}, WEIGHTS, PROMPT, rotation=1, recent=memory.recall(KEYS, ENDS, 0)
+    )
     assert first.reason is Reason.LOAD
     memory.remember(KEYS, first.worker_id, now=0.0)
     for rotation in range(4):  # whatever turn the tie-breaking rotation is at
         recent = memory.recall(KEYS, ENDS, now=0.1)
         assert recent == {first.worker_id: 64}
-        repeat = choose_worker(views(0, 0), {}, WEIGHTS, rotation, recent)
-        assert repeat == Decision(first.worker_id, Reason.RECENT, 64)
+        repeat = choose_worker(idle(2), {}, WEIGHTS, PROMPT, rotation, recent)
+        assert repeat.worker_id == first.worker_id and repeat.reason is Reason.RECENT
+        assert repeat.expected_cached_tokens == 64
 
 
 def test_an_expired_decision_attracts_nothing():
@@ -148,7 +232,7 @@ def test_an_expired_decision_attracts_nothing():
     assert memory.recall(KEYS, ENDS, now=1.0) == {}
     assert len(memory) == 0  # and is dropped
     chosen = {
-        choose_worker(views(0, 0), {}, WEIGHTS, r, memory.recall(KEYS, ENDS, 1.5)).worker_id
+        choose_worker(idle(2), {}, WEIGHTS, PROMPT, r, memory.recall(KEYS, ENDS, 1.5)).worker_id
         for r in range(2)
     }
     assert chosen == {"w0", "w1"}  # plain rotation again
@@ -182,45 +266,29 @@ def test_memory_keeps_at_most_max_keys_and_zero_lease_keeps_none():
     assert len(off) == 0
 
 
-def test_the_directory_and_memory_combine_by_the_larger_and_load_still_counts():
+def test_the_directory_and_memory_combine_by_the_larger_and_queues_still_count():
     memory = RouteMemory(lease_s=1.0)
     memory.remember(KEYS, "w1", now=0.0)
     recent = memory.recall(KEYS, ENDS, now=0.1)
-    listed = choose_worker(views(0, 0), {"w1": 300}, WEIGHTS, 0, recent)
-    assert listed == Decision("w1", Reason.AFFINITY, 300)  # the directory lists more
-    busy = choose_worker(views(0, 1), {}, WEIGHTS, 0, recent)  # 64 - 100 < 0
-    assert busy.worker_id == "w0" and busy.reason is Reason.LOAD
-    assert choose_worker(views(0, 0), None, WEIGHTS, 0, recent).reason is Reason.NO_DIRECTORY
+    listed = choose_worker(idle(2), {"w1": 300}, WEIGHTS, PROMPT, 0, recent)
+    assert listed.worker_id == "w1" and listed.reason is Reason.AFFINITY  # listed: more
+    assert listed.expected_cached_tokens == 300
+    busy = [view("w0"), view("w1", backlog=100)]  # 100 queued > 64 remembered
+    decision = choose_worker(busy, {}, WEIGHTS, PROMPT, 0, recent)
+    assert decision.worker_id == "w0" and decision.reason is Reason.SPILL
+    blind = choose_worker(idle(2), None, WEIGHTS, PROMPT, 0, recent)  # the memory still counts
+    assert blind.worker_id == "w1" and blind.reason is Reason.NO_DIRECTORY
 
 
-def test_a_cold_idle_worker_beats_a_holder_whose_queue_is_long():
-    """w0 restarted: idle, holds nothing. The holder w1 has 3 requests of 1,256 tokens
-    in flight; less the 640 held for each, 1,848 tokens of work queue ahead, more than
-    the 640 its cache would save: w0 starts sooner, and the prefix spreads to it."""
-    workers = [WorkerView("w0", 0, 0), WorkerView("w1", 3, 3 * 1256)]
-    assert 640 - WEIGHTS.load_penalty_tokens * 3 > 0  # the load penalty alone keeps w1
-    decision = choose_worker(workers, {"w1": 640}, WEIGHTS)
-    assert decision == Decision("w0", Reason.SPILL, 0)
-
-
-def test_a_holder_whose_queue_costs_less_than_its_cache_saves_keeps_the_request():
-    workers = [WorkerView("w0", 0, 0), WorkerView("w1", 1, 700)]  # 60 queued < 640 saved
-    assert choose_worker(workers, {"w1": 640}, WEIGHTS) == Decision("w1", Reason.AFFINITY, 640)
-
-
-def test_without_an_idle_worker_nothing_spills():
-    workers = [WorkerView("w0", 1, 100), WorkerView("w1", 3, 3 * 1256)]
-    assert choose_worker(workers, {"w1": 640}, WEIGHTS).worker_id == "w1"
-
-
-def test_a_restarted_worker_gets_requests_again_while_holders_are_busy():
-    """Three holders of a hot prefix, each with a long queue, and a restarted worker:
-    it takes the first request, and then holds the prefix with the shortest queue, so
-    it wins the next one by affinity."""
-    holders = [WorkerView(f"w{i}", 4, 4 * 1256) for i in range(3)]
-    restarted = WorkerView("w3", 0, 0)
-    first = choose_worker([*holders, restarted], {w.worker_id: 640 for w in holders}, WEIGHTS)
-    assert first == Decision("w3", Reason.SPILL, 0)
-    busy = WorkerView("w3", 1, 1256)
-    held = {"w0": 640, "w1": 640, "w2": 640, "w3": 640}
-    assert choose_worker([*holders, busy], held, WEIGHTS) == Decision("w3", Reason.AFFINITY, 640)
+def test_a_spilled_prefix_attracts_its_repeats_to_the_new_holder():
+    """After a spill the cold worker holds the prefix (the memory says so before the
+    directory does), so the next request follows it there, by its memory."""
+    memory = RouteMemory(lease_s=1.0)
+    workers = [view("w0", backlog=100), view("w1", backlog=1200)]
+    first = choose_worker(workers, {"w1": 64}, WEIGHTS, 64, 0, memory.recall(KEYS, ENDS, 0))
+    assert first.worker_id == "w0" and first.reason is Reason.SPILL
+    memory.remember(KEYS, first.worker_id, now=0.0)
+    for rotation in range(3):
+        recent = memory.recall(KEYS, ENDS, 0.1)
+        again = choose_worker(workers, {"w1": 64}, WEIGHTS, 64, rotation, recent)
+        assert again == Decision("w0", Reason.RECENT, 64, pytest.approx(0.1))

@@ -19,7 +19,7 @@ from tests.cluster.worker_doubles import AGREEMENT, FakeWorker, NoDirectory, wor
 from workers.engine.sampling_params import SamplingParams
 from workers.runtime.worker_types import WorkerRequest
 
-WEIGHTS = RoutingWeights(load_penalty_tokens=128, imbalance_slack=8, max_requests_per_worker=8)
+WEIGHTS = RoutingWeights(max_requests_per_worker=8)
 
 
 def other(**changes) -> object:

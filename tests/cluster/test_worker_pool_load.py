@@ -1,0 +1,107 @@
+"""The pool's view of a worker's load: the worker's newest report (a poll answer or
+an output delta, newest by version), plus what this router sent since. No Ray: the
+worker handles are in-process stand-ins answering ``status.remote()``."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from cluster.worker_pool import Agreement, WorkerPool
+from workers.runtime.worker_types import EngineLoad, WorkerInfo, WorkerStatus
+
+AGREEMENT = Agreement("tiny@0123abcd", 16, "redis prefix 'chunkserve'")
+INFO = WorkerInfo("w0", 1, AGREEMENT.namespace_model, 1024, 16, AGREEMENT.directory_namespace, 0)
+
+
+def load(version: int, backlog: int = 0, requests: int = 0, tokens: int = 0) -> EngineLoad:
+    return EngineLoad(
+        requests, tokens, 0, 0, 0, 0,
+        prefill_backlog_tokens=backlog, decode_seqs=0, prefill_tokens_per_s=4000.0,
+        step_s=0.02, version=version,
+    )  # fmt: skip
+
+
+class Handle:
+    """A worker handle whose ``status.remote()`` answers ``self.answer``."""
+
+    def __init__(self, answer: EngineLoad) -> None:
+        self.answer = answer
+        self.info = INFO
+        self.status = self  # handle.status.remote()
+
+    def remote(self):
+        async def answer() -> WorkerStatus:
+            return WorkerStatus(self.info, self.answer, 0, 64, 0, False, True, False)
+
+        return answer()
+
+
+def run(test) -> None:
+    async def body() -> None:
+        handle = Handle(load(version=1, backlog=500, requests=2, tokens=800))
+        pool = WorkerPool({"w0": handle}, AGREEMENT, poll_interval_s=3600, poll_timeout_s=5)
+        await pool.start()
+        try:
+            await test(pool, handle)
+        finally:
+            await pool.close()
+
+    asyncio.run(body())
+
+
+def test_the_view_is_the_report_plus_what_this_router_sent_since():
+    async def test(pool: WorkerPool, handle: Handle) -> None:
+        (view,) = pool.views()
+        assert (view.requests, view.tokens, view.prefill_backlog) == (2, 800, 500)
+        assert (view.prefill_tokens_per_s, view.step_s) == (4000.0, 0.02)
+        pool.begin("w0", choices=1, tokens=300, uncached=250)
+        (view,) = pool.views()
+        assert (view.requests, view.tokens, view.prefill_backlog) == (3, 1100, 750)
+
+    run(test)
+
+
+def test_a_delta_report_replaces_an_older_one_and_an_older_one_is_ignored():
+    """Deltas carry the worker's load, so a router replica sees the other replicas'
+    work as fresh as its latest delta: here the worker's backlog drained to 40 and
+    it runs 5 requests (4 from elsewhere)."""
+
+    async def test(pool: WorkerPool, handle: Handle) -> None:
+        pool.begin("w0", choices=1, tokens=300, uncached=250)
+        pool.observe("w0", load(version=2, backlog=40, requests=5, tokens=1500))
+        (view,) = pool.views()  # the report counts what was sent before it
+        assert (view.requests, view.tokens, view.prefill_backlog) == (5, 1500, 40)
+        pool.observe("w0", load(version=1, backlog=999, requests=9, tokens=9999))
+        assert pool.views()[0].prefill_backlog == 40  # older: ignored
+        pool.end("w0", choices=1, tokens=300)  # this router's request finished
+        (view,) = pool.views()
+        assert (view.requests, view.tokens) == (4, 1200)
+
+    run(test)
+
+
+def test_a_poll_counts_what_was_sent_while_it_was_in_flight():
+    async def test(pool: WorkerPool, handle: Handle) -> None:
+        handle.answer = load(version=3, backlog=100, requests=1, tokens=100)
+        poll = asyncio.ensure_future(pool._poll("w0"))
+        await asyncio.sleep(0)  # asked now ...
+        pool.begin("w0", choices=1, tokens=300, uncached=250)  # ... sent before it answers
+        await poll
+        (view,) = pool.views()
+        assert (view.requests, view.tokens, view.prefill_backlog) == (2, 400, 350)
+
+    run(test)
+
+
+def test_a_restarted_worker_report_replaces_any_version_and_changes_its_incarnation():
+    async def test(pool: WorkerPool, handle: Handle) -> None:
+        pool.observe("w0", load(version=50, backlog=900))
+        before = pool.incarnation("w0")
+        handle.info = dataclasses.replace(INFO, epoch=2)
+        handle.answer = load(version=1, backlog=0)
+        await pool._poll("w0")
+        assert pool.views()[0].prefill_backlog == 0
+        assert pool.incarnation("w0") != before
+
+    run(test)
