@@ -5,9 +5,9 @@ Policy (``choose_worker``): the worker expected to give the first token soonest.
    refused (``OVERLOADED``), if there are none, ``NO_WORKER``.
 2. Each open worker's expected wait, in seconds (``expected_wait_s``): the prefill
    queued ahead of the request there plus the request's own uncached tokens there,
-   at that worker's measured prefill rate, plus one engine step (the decode batch the
-   request joins; the measured rate already includes the decode steps interleaved
-   with prefill). A cache hit lowers the estimate only by the prefill it saves: the
+   at that worker's measured prefill rate, plus one engine step where requests are
+   in flight (the decode batch the request joins; the measured rate already includes
+   the decode steps interleaved with prefill). A cache hit lowers the estimate only by the prefill it saves: the
    holdings are saved tokens (``prefill_saved``: an exact prefix, or placed chunks
    less what repair recomputes), raised to what ``recent``, this router's memory of
    its own decisions, says a worker holds (see ``RouteMemory``). A worker that has
@@ -147,9 +147,10 @@ def expected_wait_s(
 ) -> float:
     """Seconds until a request with ``uncached_tokens`` to prefill on ``worker`` gets
     its first token (rule 2); the assumed rate and step stand in where the worker has
-    measured none."""
+    measured none. An idle worker adds no step: no decode batch runs beside the
+    request's prefill there."""
     rate = worker.prefill_tokens_per_s or assumed_rate
-    step_s = worker.step_s or assumed_step_s
+    step_s = (worker.step_s or assumed_step_s) if worker.requests else 0.0
     return (worker.prefill_backlog + max(0, uncached_tokens)) / rate + step_s
 
 

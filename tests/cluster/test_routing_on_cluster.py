@@ -2,8 +2,9 @@
 so an identical prompt sent again at once, before the worker's next publish reaches
 the directory, lands on the same worker and hits its cache (publishing slowed so
 the directory cannot know yet); and a restarted worker, holding nothing, gets
-requests of a hot prompt again as soon as it is faster than the busy holder
-(routing_policy rule 4, spill)."""
+requests of a hot prompt again as soon as it is faster than the busy holder: once
+the prefill queued at the holder outweighs what its cache saves (routing_policy,
+expected wait: a spill)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ pytestmark = pytest.mark.ray
 
 PUBLISH_INTERVAL_S = 5.0  # longer than a test: the directory lists nothing new meanwhile
 SYSTEM = "You answer questions about the Harbor Analytics handbook, chapter by chapter. " * 16
-MAX_TOKENS = 200  # each request's budget: the holder's queued work, with the question
-CLIENTS = 4  # in flight at once: the holder's queue never exceeds 3 when one arrives
+CLIENTS = 8  # in flight at once
+# each client's question, unique and about as long as the shared system prompt, so a
+# few queued at the holder cost more prefill there than its cache saves
+QUESTION = "Describe what the handbook says about item {n} in its own words. " * 12
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +61,9 @@ def test_immediate_identical_repeats_land_on_the_same_worker_and_hit(app):
             assert worker == home and cached > 0
 
 
-def ask_chat(app, question: str) -> dict:
+def ask_chat(app, question: str, max_tokens: int = 4) -> dict:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-    body = {"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
     response = httpx.post(app.url("/v1/chat/completions"), json=body, timeout=120)
     assert response.status_code == 200, response.text
     return {"worker": response.headers["x-chunkserve-worker"], **response.json()["usage"]}
@@ -79,8 +82,6 @@ def test_a_restarted_worker_gets_requests_of_a_hot_prompt_while_the_holder_is_bu
     holder = warm["worker"]
     held = ask_chat(app, "Q: held?")
     assert held["worker"] == holder and held["prompt_tokens_details"]["cached_tokens"] > 0
-    # the load penalty alone keeps every request on the holder at this queue length
-    assert held["prompt_tokens_details"]["cached_tokens"] > 128 * (CLIENTS - 1)
     other = next(w for w in (f"{app.name}-worker-0", f"{app.name}-worker-1") if w != holder)
     handle = ray.get_actor(other, namespace="chunkserve-tests")
     old_epoch = ray.get(handle.status.remote()).info.epoch
@@ -89,7 +90,7 @@ def test_a_restarted_worker_gets_requests_of_a_hot_prompt_while_the_holder_is_bu
     wait_healthy(app, 2, timeout_s=60)
 
     def client(c: int) -> list[str]:
-        return [ask_chat(app, f"Q: client {c} asks {i}?")["worker"] for i in range(4)]
+        return [ask_chat(app, QUESTION.format(n=f"{c}.{i}"))["worker"] for i in range(3)]
 
     with ThreadPoolExecutor(CLIENTS) as pool:
         served = [w for ws in pool.map(client, range(CLIENTS)) for w in ws]

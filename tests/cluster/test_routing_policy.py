@@ -64,8 +64,10 @@ def test_a_faster_worker_wins_despite_a_longer_queue():
 def test_the_step_time_counts():
     """A worker deep in a large decode batch (long steps) loses to one that must first
     prefill a little more."""
-    workers = [view("w0", step_s=0.5), view("w1", backlog=100, step_s=0.01)]
+    workers = [view("w0", step_s=0.5, requests=8), view("w1", backlog=100, step_s=0.01, requests=1)]
     assert choose_worker(workers, {}, WEIGHTS, PROMPT).worker_id == "w1"  # 1.11 s < 1.5 s
+    quiet = [view("w0", step_s=0.5), view("w1", backlog=100, step_s=0.01, requests=1)]
+    assert choose_worker(quiet, {}, WEIGHTS, PROMPT).worker_id == "w0"  # idle: no step, 1 s
 
 
 def test_a_holder_wins_while_its_queue_costs_less_than_its_cache_saves():
@@ -116,7 +118,7 @@ def test_with_no_worker_measured_the_default_rate_is_assumed():
 
 
 def test_expected_wait_counts_held_tokens_only_as_saved_prefill():
-    w = view("w", backlog=300, step_s=0.02)
+    w = view("w", backlog=300, step_s=0.02, requests=1)
     assert expected_wait_s(w, PROMPT - 600, 1.0, 0.0) == pytest.approx((300 + 400) / RATE + 0.02)
     assert expected_wait_s(w, -5, 1.0, 0.0) == pytest.approx(300 / RATE + 0.02)  # never < 0
 
