@@ -13,9 +13,12 @@ Policy (``choose_worker``): the worker expected to give the first token soonest.
    its own decisions, says a worker holds (see ``RouteMemory``). A worker that has
    not measured its rate yet (new, restarted) is assumed as fast as the median
    measured worker, or ``default_prefill_tokens_per_s`` if none has measured.
-3. The smallest wait wins (waits within ``WAIT_RESOLUTION_S`` tie); ties go to fewer
-   requests, then fewer tokens in flight, then ``rotation`` picks among the still
-   tied, so equal workers share requests evenly.
+3. The workers whose wait is within ``WAIT_TOLERANCE`` (relative) plus
+   ``WAIT_SLACK_S`` of the smallest are as good: measured rates are noisy, and a
+   spill copies the prefix, so a holder keeps its requests until a colder worker is
+   clearly sooner. Among them the one holding the most of the prompt wins, then
+   fewer requests, then fewer tokens in flight, then ``rotation`` picks among the
+   still tied, so equal workers share requests evenly.
 4. The reason: ``NO_DIRECTORY`` without a directory answer (waits then count no
    hits); ``SPILL`` if another open worker holds more of the prompt (its queue costs
    more than its cache saves: the chosen worker then holds the prefix too, so a hot
@@ -71,7 +74,8 @@ class RoutingWeights:
     default_prefill_tokens_per_s: float = 20_000.0  # assumed until a worker measures its
 
 
-WAIT_RESOLUTION_S = 1e-4  # expected waits closer than this are a tie
+WAIT_TOLERANCE = 0.25  # waits within 25% of the smallest (plus the slack) are as good
+WAIT_SLACK_S = 0.005
 
 
 class Policy(StrEnum):
@@ -125,11 +129,11 @@ def choose_worker(
         w.worker_id: expected_wait_s(w, prompt_tokens - held.get(w.worker_id, 0), rate, step_s)
         for w in open_
     }
-    chosen = _pick(
-        open_,
-        lambda w: (round(waits[w.worker_id] / WAIT_RESOLUTION_S), w.requests, w.tokens),
-        rotation,
-    )
+    soonest = min(waits.values())
+    as_good = [
+        w for w in open_ if waits[w.worker_id] <= soonest * (1 + WAIT_TOLERANCE) + WAIT_SLACK_S
+    ]
+    chosen = _pick(as_good, lambda w: (-held.get(w.worker_id, 0), w.requests, w.tokens), rotation)
     tokens = held.get(chosen.worker_id, 0)
     if holdings is None:
         reason = Reason.NO_DIRECTORY

@@ -124,7 +124,7 @@ def test_expected_wait_counts_held_tokens_only_as_saved_prefill():
 
 
 def test_no_directory_answer_means_waits_without_hits():
-    workers = [view("w0", backlog=300), view("w1", backlog=100), view("w2", backlog=200)]
+    workers = [view("w0", backlog=3000), view("w1", backlog=100), view("w2", backlog=2000)]
     decision = choose_worker(workers, None, WEIGHTS, PROMPT)
     assert decision == Decision("w1", Reason.NO_DIRECTORY, 0, pytest.approx(1.1))
 
@@ -143,12 +143,24 @@ def test_ties_rotate_so_equal_workers_share_requests():
     assert tied_holders == {"w0", "w1"}
 
 
-def test_waits_within_the_resolution_tie_and_go_to_fewer_requests_then_tokens():
+def test_waits_within_the_tolerance_are_as_good_and_go_to_fewer_requests_then_tokens():
     a, b = view("a", backlog=0, requests=2), view("b", backlog=0, requests=1, tokens=900)
     c = view("c", backlog=0, requests=1, tokens=100)
     assert choose_worker([a, b, c], {}, WEIGHTS, PROMPT).worker_id == "c"
-    nearly = [view("x", rate=1000.0, requests=1), view("y", rate=1000.01)]  # 10 µs apart
-    assert choose_worker(nearly, {}, WEIGHTS, PROMPT).worker_id == "y"
+    # rates measured 20% apart on alike workers: as good, so an idle pair still alternates
+    alike = [view("x", rate=1200.0), view("y", rate=1000.0)]
+    chosen = {choose_worker(alike, {}, WEIGHTS, PROMPT, r).worker_id for r in range(2)}
+    assert chosen == {"x", "y"}
+    # 30% apart: the faster one
+    assert choose_worker([view("x", rate=1300.0), view("y")], {}, WEIGHTS, PROMPT).worker_id == "x"
+
+
+def test_among_as_good_workers_the_fuller_holder_wins():
+    """A holder saving 10% of the prompt is within the tolerance of an idle cold
+    worker: it keeps the request (no spill for a marginal gain)."""
+    workers = [view("w0"), view("w1", backlog=50, requests=3)]
+    decision = choose_worker(workers, {"w1": 100}, WEIGHTS, PROMPT)
+    assert decision.worker_id == "w1" and decision.reason is Reason.AFFINITY
 
 
 def test_round_robin_rotates_over_open_workers_ignoring_caches_and_load():
@@ -275,7 +287,7 @@ def test_the_directory_and_memory_combine_by_the_larger_and_queues_still_count()
     listed = choose_worker(idle(2), {"w1": 300}, WEIGHTS, PROMPT, 0, recent)
     assert listed.worker_id == "w1" and listed.reason is Reason.AFFINITY  # listed: more
     assert listed.expected_cached_tokens == 300
-    busy = [view("w0"), view("w1", backlog=100)]  # 100 queued > 64 remembered
+    busy = [view("w0"), view("w1", backlog=400)]  # 1.336 s: clearly later than 1 s
     decision = choose_worker(busy, {}, WEIGHTS, PROMPT, 0, recent)
     assert decision.worker_id == "w0" and decision.reason is Reason.SPILL
     blind = choose_worker(idle(2), None, WEIGHTS, PROMPT, 0, recent)  # the memory still counts
