@@ -19,8 +19,8 @@ Invariants:
   any of their requests received, at most one poll interval late.
 - A worker's ``incarnation`` changes whenever it is found gone (the router saw a
   call to it fail, a poll found the actor dead, or a poll answers with another
-  epoch: it restarted): work started
-  on an earlier incarnation will never finish, whatever its own awaits say.
+  epoch: it restarted): work started on an earlier incarnation will never finish,
+  whatever its own awaits say.
 - No await on a worker outlives the caller: a cancelled caller returns at once,
   abandoning the call (``settle``), even where Ray never resolves the call.
 - Only the event loop that called ``start`` touches the pool.
