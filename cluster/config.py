@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from cluster.routing_policy import DEFAULT_PREFILL_TOKENS_PER_S
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -142,7 +144,7 @@ class RouterSection(_Section):
         "(a baseline for comparisons)",
     )
     default_prefill_tokens_per_s: float = Field(
-        20_000.0,
+        DEFAULT_PREFILL_TOKENS_PER_S,
         gt=0,
         description="chunk_aware: the prefill rate assumed for a worker until it reports "
         "one measured (workers report theirs with every poll and output); the router "
@@ -185,6 +187,7 @@ class RouterSection(_Section):
                 "default_prefill_tokens_per_s sets the rate assumed before one is measured)"
             )
         return data
+
     poll_timeout_s: float = Field(
         5.0, gt=0, description="a worker not answering a poll this fast counts as down"
     )

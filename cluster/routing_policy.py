@@ -68,10 +68,13 @@ class WorkerView:
     step_s: float = 0.0  # its measured engine step time; 0: not measured yet
 
 
+DEFAULT_PREFILL_TOKENS_PER_S = 20_000.0  # assumed until a worker measures its own
+
+
 @dataclass(frozen=True)
 class RoutingWeights:
     max_requests_per_worker: int
-    default_prefill_tokens_per_s: float = 20_000.0  # assumed until a worker measures its
+    default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
 
 
 WAIT_TOLERANCE = 0.25  # waits within 25% of the smallest (plus the slack) are as good
