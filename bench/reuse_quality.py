@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from chunkstore.chunking import chunk_conversation  # noqa: E402
-from modeltools.docqa_data import DocQAExample, generate  # noqa: E402
+from modeltools.docqa_data import DocQAExample, answer_matches, generate  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 from workers.engine.naive_placement import NaivePlacement  # noqa: E402
@@ -253,7 +253,9 @@ def evaluate(
 
 
 def _row(mode, hops, docs, outs, prompts, results) -> dict:
-    correct = sum(o.text == p.example.answer for o, p in zip(outs, prompts, strict=True))
+    correct = sum(
+        answer_matches(o.text, p.example.answer) for o, p in zip(outs, prompts, strict=True)
+    )
     placed = sum(o.placed for o in outs)
     row = {
         "mode": mode,

@@ -115,19 +115,31 @@ _TRAIN_OPTIONS = (
     (
         "prompt_weight",
         float,
-        "loss weight of every other token; 0 trains on answers only (default 1)",
+        "loss weight of every other token; 0 trains on answers only (default 0.1)",
     ),
     (
         "turns",
         int,
         "questions per training conversation, the later ones as follow-up turns over the "
-        "same documents (default 1)",
+        "same documents (default 8)",
     ),
     (
         "reverse",
         lambda text: _parse_bool("--reverse", text),
         "true: follow-ups may also ask a value for its subject ('Who lives in Oslo?'), "
         "which trains the binding forward questions need (default false)",
+    ),
+    (
+        "answer_space",
+        lambda text: _parse_bool("--answer-space", text),
+        "true: replies start with a space (' Oslo'), the token the documents hold, so "
+        "answering is copying a document token (default true)",
+    ),
+    (
+        "guide_weight",
+        float,
+        "weight of the attention-guide loss that teaches four heads to bind values to "
+        "their subjects and look answers up (needs --answer-space true; 0: none; default 1)",
     ),
     ("lr_schedule", str, "wsd (warmup, constant, linear decay) or cosine (default wsd)"),
     ("decay_frac", float, "share of steps the wsd schedule decays over (default 0.2)"),

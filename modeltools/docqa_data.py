@@ -119,17 +119,25 @@ class DocQAExample:
             {"role": "user", "content": parts},
         ]
 
-    @property
-    def conversation(self) -> list[dict[str, Any]]:
-        """``messages`` answered, then every follow-up as a user and an assistant turn."""
+    def conversation(self, answer_space: bool = True) -> list[dict[str, Any]]:
+        """``messages`` answered, then every follow-up as a user and an assistant turn;
+        the replies as ``reply_text`` writes them."""
         turns: list[dict[str, Any]] = [
             *self.messages,
-            {"role": "assistant", "content": self.answer},
+            {"role": "assistant", "content": reply_text(self.answer, answer_space)},
         ]
         for question, answer in self.follow_ups:
             turns.append({"role": "user", "content": question})
-            turns.append({"role": "assistant", "content": answer})
+            turns.append({"role": "assistant", "content": reply_text(answer, answer_space)})
         return turns
+
+
+def reply_text(answer: str, answer_space: bool = True) -> str:
+    """What the assistant says for ``answer``: with ``answer_space`` the entity as the
+    documents write it, after a space (" Oslo"). Byte-level BPE keeps a space with the
+    word after it, so " Oslo" is the token the documents hold and "Oslo" another one;
+    answering with the documents' token makes answering a copy."""
+    return " " + answer if answer_space else answer
 
 
 @dataclass
@@ -379,6 +387,12 @@ def relation_chance(ex: DocQAExample) -> float:
     does not bind them to their subjects scores."""
     values = {m.group(1) for d in ex.documents for m in re.finditer(_ANSWER_RELATION[ex.kind], d)}
     return 1.0 / len(values) if ex.answer in values else 0.0
+
+
+def answer_matches(text: str, answer: str) -> bool:
+    """Exact match of a generated reply: the doc-QA model replies with the entity as the
+    documents write it, after a space (" Oslo"), so surrounding whitespace is ignored."""
+    return text.strip() == answer
 
 
 def entity_words() -> list[str]:

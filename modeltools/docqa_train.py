@@ -40,7 +40,8 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
 from modeltools import docqa_data
-from modeltools.docqa_data import DocQAExample
+from modeltools.docqa_data import DocQAExample, reply_text
+from modeltools.docqa_guides import GuideFinder, guide_heads, guide_loss, guide_tensor
 from modeltools.tokenizer_builder import build_tokenizer, chat_family, save_tokenizer
 
 FAMILY = "qwen3"
@@ -60,9 +61,15 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     answer_weight: float = 5.0  # loss weight of the answer tokens and the end token
-    prompt_weight: float = 1.0  # loss weight of every other token (0: answers only)
-    turns: int = 1  # questions per training conversation (later ones as follow-up turns)
+    prompt_weight: float = 0.1  # loss weight of every other token (0: answers only)
+    turns: int = 8  # questions per training conversation (later ones as follow-up turns)
     reverse: bool = False  # follow-ups may be reverse questions (a value asks for its subject)
+    # replies start with a space: " Oslo", the token the documents hold (byte-level BPE
+    # keeps the space with the word after it), instead of "Oslo", a different token
+    answer_space: bool = True
+    # weight of the attention guides' loss (modeltools.docqa_guides); 0: none. Needs
+    # answer_space (a guide points at the document token the answer copies)
+    guide_weight: float = 1.0
     lr_schedule: str = "wsd"  # "wsd": warmup, constant, linear decay over decay_frac; "cosine"
     decay_frac: float = 0.2  # share of the steps the wsd schedule decays over (to min_lr_ratio)
     curriculum: str = "gated"  # "gated" (accuracy-gated), "linear" or a schedule "0:4,900:6,..."
@@ -123,14 +130,19 @@ def prompt_ids(tokenizer: PreTrainedTokenizerFast, ex: DocQAExample) -> list[int
     return [t for e in encodings for t in e.ids]
 
 
-def answer_ids(tokenizer: PreTrainedTokenizerFast, ex: DocQAExample) -> list[int]:
+def answer_ids(
+    tokenizer: PreTrainedTokenizerFast, ex: DocQAExample, answer_space: bool = True
+) -> list[int]:
     """The assistant turn's tokens up to the end-of-turn token the engine stops on."""
     end = tokenizer.convert_tokens_to_ids(chat_family(FAMILY).eos)
-    return tokenizer.encode(ex.answer, add_special_tokens=False) + [end]
+    text = reply_text(ex.answer, answer_space)
+    return tokenizer.encode(text, add_special_tokens=False) + [end]
 
 
 def _batch_ids(
-    tokenizer: PreTrainedTokenizerFast, examples: Sequence[DocQAExample]
+    tokenizer: PreTrainedTokenizerFast,
+    examples: Sequence[DocQAExample],
+    answer_space: bool = True,
 ) -> list[list[tuple[list[int], bool]]]:
     """Every example's conversation as (token ids, is an answer) segments, from one
     tokenizer call: the prompt, the answer and end token, then for each follow-up the
@@ -140,11 +152,12 @@ def _batch_ids(
     for ex in examples:
         chunks = chunk_texts(ex)
         layout = [(len(texts), len(chunks), False), (len(texts) + len(chunks), 1, True)]
-        texts += [*chunks, ex.answer]
+        texts += [*chunks, reply_text(ex.answer, answer_space)]
         for question, answer in ex.follow_ups:
             layout.append((len(texts), 1, False))
             layout.append((len(texts) + 1, 1, True))
-            texts += [f"\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n", answer]
+            user = f"\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+            texts += [user, reply_text(answer, answer_space)]
         layouts.append(layout)
     encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
     out = []
@@ -158,7 +171,9 @@ def _batch_ids(
 
 
 def check_tokenization(
-    tokenizer: PreTrainedTokenizerFast, examples: Sequence[DocQAExample]
+    tokenizer: PreTrainedTokenizerFast,
+    examples: Sequence[DocQAExample],
+    answer_space: bool = True,
 ) -> None:
     """Raises unless the fast paths equal the engine's canonical tokenization: the
     prompt as ``chunk_conversation`` serves it, and a training conversation (follow-ups
@@ -166,13 +181,16 @@ def check_tokenization(
     from chunkstore.chunking import chunk_conversation
 
     end = tokenizer.convert_tokens_to_ids(chat_family(FAMILY).eos)
-    for ex, segments in zip(examples, _batch_ids(tokenizer, examples), strict=True):
+    batch = _batch_ids(tokenizer, examples, answer_space)
+    for ex, segments in zip(examples, batch, strict=True):
         canonical = [t for c in chunk_conversation(tokenizer, ex.messages) for t in c.token_ids]
         if canonical != prompt_ids(tokenizer, ex):
             raise AssertionError(f"fast tokenization differs from chunk_conversation: {ex}")
         full = [
             t
-            for c in chunk_conversation(tokenizer, ex.conversation, add_generation_prompt=False)
+            for c in chunk_conversation(
+                tokenizer, ex.conversation(answer_space), add_generation_prompt=False
+            )
             for t in c.token_ids
         ]
         trained = [t for ids, _ in segments for t in ids]
@@ -225,11 +243,15 @@ def encode_batch(
     examples: Sequence[DocQAExample],
     answer_weight: float,
     prompt_weight: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input ids, target ids, loss weights), right-padded; targets are the next tokens,
-    weighted ``answer_weight`` in answers (end tokens included), else ``prompt_weight``."""
-    seqs, weights = [], []
-    for segments in _batch_ids(tokenizer, examples):
+    answer_space: bool = True,
+    guides: GuideFinder | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input ids, target ids, loss weights, attention guides), right-padded; targets are
+    the next tokens, weighted ``answer_weight`` in answers (end tokens included), else
+    ``prompt_weight``; guides as ``docqa_guides.guide_tensor`` (none without a finder)."""
+    seqs, weights, guide_rows = [], [], []
+    for segments in _batch_ids(tokenizer, examples, answer_space):
+        guide_rows.append(guides.guides(segments) if guides is not None else [])
         seq, w = [], []
         for ids, is_answer in segments:
             seq += ids
@@ -241,7 +263,7 @@ def encode_batch(
     rows = [s + [pad] * (length + 1 - len(s)) for s in seqs]
     ids = torch.tensor(rows, dtype=torch.long)
     w = torch.tensor([ws + [0.0] * (length - len(ws)) for ws in weights])
-    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), w
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), w, guide_tensor(guide_rows)
 
 
 class _Batches(torch.utils.data.IterableDataset):
@@ -258,6 +280,7 @@ class _Batches(torch.utils.data.IterableDataset):
     ):
         self.tokenizer, self.cfg, self.first_step = tokenizer, cfg, first_step
         self.gated_docs = gated_docs  # the gate's max documents (gated curriculum)
+        self.guides = GuideFinder(tokenizer) if cfg.guide_weight > 0 else None
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         info = torch.utils.data.get_worker_info()
@@ -277,7 +300,12 @@ class _Batches(torch.utils.data.IterableDataset):
                 for _ in range(self.cfg.batch_size)
             ]
             yield encode_batch(
-                self.tokenizer, examples, self.cfg.answer_weight, self.cfg.prompt_weight
+                self.tokenizer,
+                examples,
+                self.cfg.answer_weight,
+                self.cfg.prompt_weight,
+                self.cfg.answer_space,
+                self.guides,
             )
             step += workers
 
@@ -310,6 +338,7 @@ def exact_match(
     examples: Sequence[DocQAExample],
     device: torch.device,
     batch_size: int = 128,
+    answer_space: bool = True,
 ) -> list[bool]:
     """Greedy exact match per example: the argmax at every position of the assistant
     turn (answer, then end token) is the target given the target before it — which is
@@ -319,7 +348,7 @@ def exact_match(
     out: list[bool] = []
     for i in range(0, len(examples), batch_size):
         chunk = examples[i : i + batch_size]
-        inputs, targets, weights = encode_batch(tokenizer, chunk, 2.0)
+        inputs, targets, weights, _ = encode_batch(tokenizer, chunk, 2.0, 1.0, answer_space)
         with _autocast(device):
             logits = model(input_ids=inputs.to(device)).logits
         predicted = logits.argmax(-1).cpu()
@@ -379,17 +408,24 @@ def _optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
     )
 
 
-def _step(model, optimizer, batch, device, cfg) -> float:
-    inputs, targets, weights = (t.to(device, non_blocking=True) for t in batch)
+def _step(model, optimizer, batch, device, cfg) -> torch.Tensor:
+    """One optimizer step; returns (answer-and-prompt loss, guide loss) detached."""
+    inputs, targets, weights, guides = (t.to(device, non_blocking=True) for t in batch)
+    guided = cfg.guide_weight > 0
     with _autocast(device):
-        logits = model(input_ids=inputs).logits
-    losses = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+        out = model(input_ids=inputs, output_attentions=guided)
+    losses = F.cross_entropy(out.logits.float().transpose(1, 2), targets, reduction="none")
     loss = (losses * weights).sum() / weights.sum()
+    guide = torch.zeros((), device=loss.device)
+    if guided:
+        guide = guide_loss(out.attentions, guides, guide_heads(model.config.num_hidden_layers))
+    parts = torch.stack([loss.detach(), guide.detach()])
+    loss = loss + cfg.guide_weight * guide
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()
-    return loss.detach()
+    return parts
 
 
 def _fit_steps(model, tokenizer, cfg, device, workers, log, started: float) -> int:
@@ -431,6 +467,9 @@ def train(
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     model.to(device).train()
+    if cfg.guide_weight > 0:
+        guide_heads(model.config.num_hidden_layers)  # fail early on a model too shallow
+        model.set_attn_implementation("eager")  # the guides read attention probabilities
     workers = cfg.num_workers
     if workers is None:
         workers = min(8, (os.cpu_count() or 2) - 1) if device.type == "cuda" else 0
@@ -443,6 +482,7 @@ def train(
             )
             for _ in range(20)
         ],
+        cfg.answer_space,
     )
     started = time.perf_counter()
     requested_steps = cfg.steps
@@ -470,7 +510,7 @@ def train(
     history: list[dict[str, float]] = []
     schedule: list[tuple[int, int]] = [(0, max(gate_docs, max_docs_at(0, cfg)))]
     best: tuple[float, dict[str, torch.Tensor] | None, int] = (-1.0, None, 0)
-    loss_sum, loss_n = torch.zeros((), device=device), 0
+    loss_sum, loss_n = torch.zeros(2, device=device), 0
     train_start = time.perf_counter()
     budget_left = (cfg.time_budget_s or 0) - (train_start - started)
     decay_started = not by_time
@@ -500,11 +540,13 @@ def train(
             marks = [*marks[-5:], (done, time.perf_counter())]
         if done % cfg.log_every == 0 or done == cfg.steps:
             elapsed = time.perf_counter() - train_start
+            mean = (loss_sum / loss_n).tolist()
+            guide = f" guide {mean[1]:.3f}" if cfg.guide_weight > 0 else ""
             log(
-                f"step {done}/{cfg.steps} loss {loss_sum.item() / loss_n:.4f} "
+                f"step {done}/{cfg.steps} loss {mean[0]:.4f}{guide} "
                 f"lr {_lr_at(step, cfg):.2e} docs<= {schedule[-1][1]} {elapsed:.0f}s"
             )
-            loss_sum, loss_n = torch.zeros((), device=device), 0
+            loss_sum, loss_n = torch.zeros(2, device=device), 0
         new_docs = gate_docs
         if (
             gated
@@ -517,7 +559,9 @@ def train(
                     _HELDOUT_EVAL_SEED + 100 * gate_docs, cfg.gate_examples, gate_docs
                 )
             acc = accuracy_by_hops(
-                gate_sets[gate_docs], exact_match(model, tokenizer, gate_sets[gate_docs], device)
+                gate_sets[gate_docs], exact_match(
+                    model, tokenizer, gate_sets[gate_docs], device, answer_space=cfg.answer_space
+                )
             )
             score = sum(acc.values()) / len(acc)
             log(
@@ -543,7 +587,8 @@ def train(
         if not gated and max_docs_at(done, cfg) != schedule[-1][1] and done < cfg.steps:
             schedule.append((done, max_docs_at(done, cfg)))
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            acc = accuracy_by_hops(evalset, exact_match(model, tokenizer, evalset, device))
+            ok = exact_match(model, tokenizer, evalset, device, answer_space=cfg.answer_space)
+            acc = accuracy_by_hops(evalset, ok)
             history.append({"step": done, **acc})
             log(f"step {done} held-out 8 docs: " + " ".join(f"{k} {v:.3f}" for k, v in acc.items()))
             score = sum(acc.values()) / len(acc)
@@ -584,7 +629,8 @@ def final_evaluation(
     for num_docs in (4, 8, 16):
         count = cfg.final_eval_examples if num_docs == 8 else cfg.final_eval_examples // 2
         examples = heldout_set(1000 + num_docs, max(2, count), num_docs)
-        acc = accuracy_by_hops(examples, exact_match(model, tokenizer, examples, device))
+        ok = exact_match(model, tokenizer, examples, device, answer_space=cfg.answer_space)
+        acc = accuracy_by_hops(examples, ok)
         chance = relation_chance_by_hops(examples)
         results[f"{num_docs}docs"] = {**acc, "examples": len(examples), "relation_chance": chance}
         log(f"final held-out {num_docs} docs ({len(examples)}): {_versus_chance(acc, chance)}")
@@ -636,6 +682,8 @@ def make_docqa_model(
         raise ValueError("steps, batch_size and turns must be positive")
     if cfg.answer_weight <= 0 or cfg.prompt_weight < 0:
         raise ValueError("answer_weight must be positive and prompt_weight not negative")
+    if cfg.guide_weight < 0 or (cfg.guide_weight > 0 and not cfg.answer_space):
+        raise ValueError("guide_weight must be 0, or positive with answer_space")
     out = Path(out_dir)
     _check_out_dir(out, overwrite)
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -650,6 +698,7 @@ def make_docqa_model(
     n_params = sum(p.numel() for p in model.parameters())
     log(f"doc-QA model: {n_params / 1e6:.2f}M parameters, vocab {config.vocab_size}")
     summary = train(model, tokenizer, cfg, log)
+    model.set_attn_implementation("sdpa")
     summary = {"seed": seed, "parameters": n_params, "config": asdict(cfg), **summary}
     _clear_stale_weights(out)
     weight_dtype = _DTYPES[_dtype_name(config.dtype)]
@@ -678,6 +727,14 @@ def _load_weights(model: torch.nn.Module, source: Path) -> None:
     model.load_state_dict({k: v.float() for k, v in state.items()})
 
 
+def answer_space_of(model_dir: str | Path) -> bool:
+    """Whether the checkpoint's replies start with a space (its training.json says)."""
+    info = Path(model_dir) / "training.json"
+    if not info.exists():
+        return False
+    return bool(json.loads(info.read_text()).get("config", {}).get("answer_space", False))
+
+
 def load_for_eval(model_dir: str | Path, device: str | None = None):
     """(model, tokenizer) of a doc-QA checkpoint via transformers, float32 on CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -702,9 +759,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     model, tokenizer = load_for_eval(args.dir, args.device)
     dev = next(model.parameters()).device
+    space = answer_space_of(args.dir)
     for n in args.docs:
         examples = heldout_set(args.seed + n, args.examples, n)
-        acc = accuracy_by_hops(examples, exact_match(model, tokenizer, examples, dev, 32))
+        acc = accuracy_by_hops(examples, exact_match(model, tokenizer, examples, dev, 32, space))
         print(
             f"{n} docs ({len(examples)}): {_versus_chance(acc, relation_chance_by_hops(examples))}"
         )

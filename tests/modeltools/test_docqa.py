@@ -94,10 +94,14 @@ def test_training_tokenization_is_the_engines(shipped_tokenizer):
     for ex in examples:
         ids = answer_ids(shipped_tokenizer, ex)
         assert ids[-1] == end and len(ids) == 2  # one entity token, then end of turn
+        # the reply is the token the documents hold (" Oslo"), not a token of its own
+        assert ids[0] in prompt_ids(shipped_tokenizer, ex)
+        assert answer_ids(shipped_tokenizer, ex, answer_space=False)[0] not in ids
         rendered = shipped_tokenizer.apply_chat_template(
-            [*ex.messages, {"role": "assistant", "content": ex.answer}], tokenize=False
+            [*ex.messages, {"role": "assistant", "content": " " + ex.answer}], tokenize=False
         )
-        assert rendered.endswith(f"<|im_start|>assistant\n{ex.answer}<|im_end|>\n")
+        assert rendered.endswith(f"<|im_start|>assistant\n {ex.answer}<|im_end|>\n")
+    check_tokenization(shipped_tokenizer, examples, answer_space=False)  # the older form
 
 
 def test_shipped_checkpoint_is_small_and_loads_in_transformers():
@@ -135,19 +139,24 @@ def test_engine_matches_transformers_on_a_docqa_prompt(shipped_llm, hf_reference
 
 
 def test_shipped_model_answers_heldout_questions(shipped_llm):
-    """Greedy exact match through the engine, 8 documents. The floor is what this
-    model reaches (about 35% on 2,000 examples), not the project's target."""
+    """Greedy exact match through the engine, held-out questions at 4, 8 and 16
+    documents, half of them two-hop: the shipped model answers all 2,000 + 2 x 1,000 of
+    its final evaluation (transformers, bf16) right; a miss or two here would be news."""
     from workers import SamplingParams
 
-    examples: list[DocQAExample] = heldout_set(21, 20, 8)
+    examples: list[DocQAExample] = [
+        ex for n in (4, 8, 16) for ex in heldout_set(21 + n, 12, n)
+    ]
     outs = shipped_llm.chat(
         [ex.messages for ex in examples], SamplingParams(max_tokens=6, temperature=0)
     )
     correct = [
-        o.text == ex.answer and o.finish_reason == "stop"
+        docqa_data.answer_matches(o.text, ex.answer) and o.finish_reason == "stop"
         for o, ex in zip(outs, examples, strict=True)
     ]
-    assert sum(correct) >= 5, [(ex.answer, o.text) for o, ex in zip(outs, examples, strict=True)]
+    assert sum(correct) >= len(examples) - 1, [
+        (ex.answer, o.text) for o, ex in zip(outs, examples, strict=True)
+    ]
     assert all(
         prompt_ids(shipped_llm.tokenizer, ex) == list(o.prompt_token_ids)
         for o, ex in zip(outs, examples, strict=True)
@@ -169,17 +178,22 @@ def test_curriculum_schedule_and_floor():
     assert _lr_at(500, wsd) == 1e-3 and _lr_at(800, wsd) == 1e-3 and _lr_at(999, wsd) < 1e-4
 
 
-def test_make_model_docqa_writes_a_loadable_checkpoint(tmp_path):
+def test_make_model_docqa_writes_a_loadable_checkpoint(tmp_path, capsys):
     from cluster.cli import main
     from workers import LLM, SamplingParams
 
     out = tmp_path / "docqa"
-    args = ["make-model", str(out), "--preset", "docqa", "--steps", "2", "--batch-size", "2",
-            "--eval-examples", "2", "--final-eval-examples", "2", "--device", "cpu",
-            "--set", "num_hidden_layers=1"]  # fmt: skip
-    assert main(args) == 0
+    options = ["--preset", "docqa", "--steps", "2", "--batch-size", "2", "--eval-examples", "2",
+               "--final-eval-examples", "2", "--device", "cpu", "--turns", "2",
+               "--set", "hidden_size=64", "--set", "head_dim=16", "--set", "intermediate_size=128"]  # fmt: skip
+    assert main(["make-model", str(out), *options, "--set", "num_hidden_layers=4"]) == 0
     summary = json.loads((out / "training.json").read_text())
     assert summary["steps_done"] == 2 and summary["config"]["batch_size"] == 2
+    assert summary["config"]["guide_weight"] > 0 and summary["config"]["answer_space"]
+    # the guides need the heads they supervise
+    shallow = ["make-model", str(tmp_path / "shallow"), *options, "--set", "num_hidden_layers=3"]
+    assert main(shallow) == 2
+    assert "at least 4 layers" in capsys.readouterr().err
     llm = LLM(str(out), page_size=16, max_model_len=2048)
     ex = heldout_set(0, 2, 4)[0]
     result = llm.chat(ex.messages, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[0]
@@ -241,8 +255,11 @@ def test_training_conversations_with_follow_ups_weight_answers_apart(shipped_tok
         docqa_data.generate_example(rng, rng.randint(2, 8), "train", questions=5, reverse=True)
         for _ in range(8)
     ]
-    check_tokenization(shipped_tokenizer, examples)  # follow-up turns as the template renders
-    inputs, targets, weights = encode_batch(shipped_tokenizer, examples, 2.0, 0.0)
+    for space in (True, False):  # follow-up turns as the template renders them
+        check_tokenization(shipped_tokenizer, examples, space)
+    inputs, targets, weights, _ = encode_batch(
+        shipped_tokenizer, examples, 2.0, 0.0, answer_space=False
+    )
     end = shipped_tokenizer.convert_tokens_to_ids("<|im_end|>")
     for row, ex in enumerate(examples):
         answered = targets[row][weights[row] > 0].tolist()
@@ -251,7 +268,7 @@ def test_training_conversations_with_follow_ups_weight_answers_apart(shipped_tok
             expected += shipped_tokenizer.encode(answer, add_special_tokens=False) + [end]
         assert answered == expected  # answers and end tokens only, in order
         assert set(weights[row][weights[row] > 0].tolist()) == {2.0}
-    _, _, with_prompt = encode_batch(shipped_tokenizer, examples, 2.0, 0.25)
+    _, _, with_prompt, _ = encode_batch(shipped_tokenizer, examples, 2.0, 0.25)
     assert set(with_prompt.unique().tolist()) == {0.0, 0.25, 2.0}  # padding, prompt, answers
 
 
