@@ -48,8 +48,10 @@ class GuideFinder:
     """Finds guide positions in token sequences of the doc-QA tokenizer."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast):
-        entity_ids = {tokenizer.convert_tokens_to_ids(tokenizer.tokenize(" " + w))[0]
-                      for w in docqa_data.entity_words()}
+        entity_ids = {
+            tokenizer.convert_tokens_to_ids(tokenizer.tokenize(" " + w))[0]
+            for w in docqa_data.entity_words()
+        }
         self.entities = entity_ids
         self.note = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(" note"))[0]
         self.colon = tokenizer.convert_tokens_to_ids(":")
@@ -66,9 +68,7 @@ class GuideFinder:
             docs.append(ents[:3])
         return docs
 
-    def guides(
-        self, segments: Sequence[tuple[list[int], bool]]
-    ) -> list[tuple[int, int, int]]:
+    def guides(self, segments: Sequence[tuple[list[int], bool]]) -> list[tuple[int, int, int]]:
         """(role, source, target) positions in the concatenated sequence of
         ``segments`` ((token ids, is an answer) as ``docqa_train._batch_ids`` makes
         them). A question whose answer cannot be traced through the documents (a reverse
@@ -89,9 +89,7 @@ class GuideFinder:
 
     def _question_guides(self, seq, answer_start, answer_id, by_subject, out) -> None:
         source = answer_start - 1  # the position whose next token is the answer
-        asked = next(
-            (p for p in range(source, -1, -1) if seq[p] in self.entities), None
-        )
+        asked = next((p for p in range(source, -1, -1) if seq[p] in self.entities), None)
         if asked is None:
             return
         out.append((SUBJECT, source, asked))

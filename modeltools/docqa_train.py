@@ -559,9 +559,10 @@ def train(
                     _HELDOUT_EVAL_SEED + 100 * gate_docs, cfg.gate_examples, gate_docs
                 )
             acc = accuracy_by_hops(
-                gate_sets[gate_docs], exact_match(
+                gate_sets[gate_docs],
+                exact_match(
                     model, tokenizer, gate_sets[gate_docs], device, answer_space=cfg.answer_space
-                )
+                ),
             )
             score = sum(acc.values()) / len(acc)
             log(

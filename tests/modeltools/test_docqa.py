@@ -144,9 +144,7 @@ def test_shipped_model_answers_heldout_questions(shipped_llm):
     its final evaluation (transformers, bf16) right; a miss or two here would be news."""
     from workers import SamplingParams
 
-    examples: list[DocQAExample] = [
-        ex for n in (4, 8, 16) for ex in heldout_set(21 + n, 12, n)
-    ]
+    examples: list[DocQAExample] = [ex for n in (4, 8, 16) for ex in heldout_set(21 + n, 12, n)]
     outs = shipped_llm.chat(
         [ex.messages for ex in examples], SamplingParams(max_tokens=6, temperature=0)
     )

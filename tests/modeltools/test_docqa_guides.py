@@ -51,8 +51,13 @@ def test_guides_name_subjects_links_and_answers(tokenizer):
         seq = [t for ids, _ in segments for t in ids]
         spans = _document_spans(tokenizer, ex, seq)
         guides = finder.guides(segments)
-        word = lambda p: tokenizer.decode([seq[p]])  # noqa: E731
-        doc_of = lambda p: next(i for i, (a, b) in enumerate(spans) if a <= p < b)  # noqa: E731
+
+        def word(p, seq=seq):
+            return tokenizer.decode([seq[p]])
+
+        def doc_of(p, spans=spans):
+            return next(i for i, (a, b) in enumerate(spans) if a <= p < b)
+
         assert all(target < source for _, source, target in guides)
         binds = [(s, t) for r, s, t in guides if r == BIND]
         assert len(binds) == 2 * len(ex.documents)  # every document states two values
