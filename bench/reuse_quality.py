@@ -13,7 +13,8 @@ Modes (one engine each, same device and dtype):
   computed alone at position 0, rotated to its place, nothing recomputed.
 - ``approximate``, one row per repair setting (``--repairs``, e.g. ``k=4`` or
   ``k=2,r=0.1``): every document's position-free entry is held (filled before the
-  batch), placed, and repaired: the first k tokens of each document and the share r
+  batch, after the entry context ``--entry-system-prompt``), placed, and repaired:
+  the first k tokens of each document and the share r
   of placed tokens deviating most at layer 1 are recomputed. Cached system-prompt
   pages are dropped before each setting, so settings do not feed each other.
 
@@ -43,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from chunkstore.chunking import chunk_conversation  # noqa: E402
 from modeltools.docqa_data import DocQAExample, answer_matches, generate  # noqa: E402
-from workers.engine.config import EngineConfig  # noqa: E402
+from workers.engine.config import DEFAULT_ENTRY_SYSTEM_PROMPT, EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 from workers.engine.naive_placement import NaivePlacement  # noqa: E402
 from workers.engine.reuse_info import ReuseRequest  # noqa: E402
@@ -110,9 +111,20 @@ def build_prompt(tokenizer, example: DocQAExample) -> Prompt:
     return Prompt(example, tokens, tuple(spans))
 
 
-def make_engine(model: str, mode: str, device: str | None, num_pages: int) -> Engine:
+def make_engine(
+    model: str,
+    mode: str,
+    device: str | None,
+    num_pages: int,
+    entry_system_prompt: str | None = DEFAULT_ENTRY_SYSTEM_PROMPT,
+) -> Engine:
     config = EngineConfig(
-        model, device=device, num_pages=num_pages, enable_reuse=mode != "full", page_size=16
+        model,
+        device=device,
+        num_pages=num_pages,
+        enable_reuse=mode != "full",
+        page_size=16,
+        entry_system_prompt=entry_system_prompt,
     )
     if mode == "naive":
         return Engine(config, reuse_factory=NaivePlacement)
@@ -200,6 +212,7 @@ def evaluate(
     batch: int = 32,
     repairs: tuple[str, ...] = DEFAULT_REPAIRS,
     progress: Callable[[str], None] = print,
+    entry_system_prompt: str | None = DEFAULT_ENTRY_SYSTEM_PROMPT,
 ) -> dict:
     """Every (mode, hops, docs) row, plus exact-vs-full token mismatches."""
     settings = {text: parse_repair(text) for text in repairs}
@@ -208,7 +221,7 @@ def evaluate(
         # room for one batch twice over (exact mode keeps a warm copy) plus entries
         num_pages = 3 * batch * (k * 64 + 256) // 16
         engines = {mode: make_engine(model, mode, device, num_pages) for mode in MODES}
-        engines["approximate"] = make_engine(model, "exact", device, num_pages)
+        engines["approximate"] = make_engine(model, "exact", device, num_pages, entry_system_prompt)
         tokenizer = engines["full"].tokenizer
         for h in hops:
             base = generate(seed, examples, k, "heldout", h)
@@ -313,8 +326,16 @@ def main(argv: list[str] | None = None) -> int:
         default=list(DEFAULT_REPAIRS),
         help="approximate repair settings, one row each: k=FIRST_TOKENS[,r=DEVIATION_RATIO]",
     )
+    parser.add_argument(
+        "--entry-system-prompt",
+        default=DEFAULT_ENTRY_SYSTEM_PROMPT,
+        help="approximate rows: the system prompt entries are computed after "
+        f"(default {DEFAULT_ENTRY_SYSTEM_PROMPT!r}; 'none': each chunk alone from position 0)",
+    )
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
+    if args.entry_system_prompt == "none":
+        args.entry_system_prompt = None
     if args.examples < 1:
         parser.error("--examples must be >= 1")
     try:
@@ -335,12 +356,14 @@ def main(argv: list[str] | None = None) -> int:
         args.batch,
         tuple(args.repairs),
         progress=lambda line: print(line, file=sys.stderr, flush=True),
+        entry_system_prompt=args.entry_system_prompt,
     )
     result["meta"] = {
         "model": str(args.model),
         "examples": args.examples,
         "seed": args.seed,
         "positions": args.positions,
+        "entry_system_prompt": args.entry_system_prompt,
         "device": args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
         "seconds": round(time.perf_counter() - started, 1),
     }

@@ -72,6 +72,33 @@ def placeable_spans(chunks: Sequence[Chunk]) -> tuple[tuple[int, int], ...]:
     return tuple(spans)
 
 
+_SENTINEL = "chunkserve-entry-context-sentinel"
+
+
+def entry_context(tokenizer: ChatTokenizer, system_prompt: str | None) -> tuple[int, ...]:
+    """The tokens a position-free entry is computed after: the template's system turn
+    with ``system_prompt`` and the opening of a user turn, up to where a user
+    message's first text part starts (what precedes a retrieved document in an
+    ordinary prompt). ``None``: no context, the chunk alone from position 0."""
+    if system_prompt is None:
+        return ()
+    messages = [
+        {"role": "system", "content": system_prompt},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": _SENTINEL}, {"type": "text", "text": "?"}],
+        },
+    ]
+    chunks = chunk_conversation(tokenizer, messages, add_generation_prompt=False)
+    own = tuple(tokenizer.encode(_SENTINEL, add_special_tokens=False))
+    context: list[int] = []
+    for chunk in chunks:
+        if chunk.token_ids == own:
+            return tuple(context)
+        context += chunk.token_ids
+    raise ValueError("this chat template does not render a user message's parts as chunks")
+
+
 def chunk_prompt(tokenizer: ChatTokenizer, prompt: str) -> list[Chunk]:
     """A plain string prompt is one chunk."""
     if not prompt:

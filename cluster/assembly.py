@@ -36,6 +36,7 @@ def build_service(
         namespace_model=keyed_as,
         page_size=cfg.engine.page_size,
         directory_namespace=directory_namespace(actors.directory),
+        entry_system_prompt=cfg.engine.entry_system_prompt,
     )
     pool = WorkerPool(
         actors.workers, agreement, cfg.router.poll_interval_s, cfg.router.poll_timeout_s

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cluster.routing_policy import DEFAULT_PREFILL_TOKENS_PER_S
+from workers.engine.config import DEFAULT_ENTRY_SYSTEM_PROMPT
 
 
 class _Section(BaseModel):
@@ -80,6 +81,13 @@ class EngineSection(_Section):
         gt=0,
         description="approximate reuse: a chunk that misses is kept as a position-free "
         "entry (computed alone, in the background) only if it has at least this many tokens",
+    )
+    entry_system_prompt: str | None = Field(
+        DEFAULT_ENTRY_SYSTEM_PROMPT,
+        description="approximate reuse: position-free entries are computed after a system "
+        "turn with this prompt and the opening of a user turn (use the system prompt most "
+        "of your traffic has); null: each chunk alone from position 0, which on models "
+        "that read their context answers far worse",
     )
     attention_backend: Literal["torch", "flashinfer"] | None = Field(
         None, description="null: flashinfer on cuda, torch elsewhere"

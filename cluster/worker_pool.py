@@ -38,6 +38,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, RayError
 
 from cluster.routing_policy import WorkerView
+from workers.engine.config import DEFAULT_ENTRY_SYSTEM_PROMPT
 from workers.runtime.worker_types import EngineLoad, WorkerInfo, WorkerStatus
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ class Agreement:
     namespace_model: str  # model.name + "@" + the checkpoint's fingerprint
     page_size: int  # engine.page_size
     directory_namespace: str  # worker_types.directory_namespace of the router's directory
+    # engine.entry_system_prompt: position-free entries are shared by key, so every worker
+    # must compute them after the same context
+    entry_system_prompt: str | None = DEFAULT_ENTRY_SYSTEM_PROMPT
 
 
 def disagreement(expected: Agreement, info: WorkerInfo) -> str | None:
@@ -77,6 +81,12 @@ def disagreement(expected: Agreement, info: WorkerInfo) -> str | None:
         problems.append(
             f"its checkpoint has fingerprint {fingerprint!r} but this router's "
             f"{own_fingerprint!r} (model.path: another checkpoint, or one rewritten since)"
+        )
+    if info.entry_system_prompt != expected.entry_system_prompt:
+        problems.append(
+            f"it computes position-free entries after the system prompt "
+            f"{info.entry_system_prompt!r} but this router expects "
+            f"{expected.entry_system_prompt!r} (engine.entry_system_prompt)"
         )
     if info.directory_namespace != expected.directory_namespace:
         problems.append(

@@ -87,7 +87,7 @@ class LLM:
         """``reuse``: "exact" (default), "approximate", a dict ``{"mode", "first_tokens",
         "deviation_ratio"}`` or a ``ReuseRequest``. Approximate reuse places the KV of
         each message (part) held as a position-free entry wherever it appears; a missed
-        one of at least ``min_entry_tokens`` tokens is computed alone after the request,
+        one of at least ``min_entry_tokens`` tokens is computed (after the entry context) after the request,
         before this call returns, so the next call can place it."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]

@@ -19,6 +19,16 @@ def result(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    """Entries computed alone from position 0 (no entry context)."""
+    out = tmp_path_factory.mktemp("quality") / "alone.json"
+    argv = ["--examples", "4", "--docs", "4", "--hops", "1", "--device", "cpu"]
+    argv += ["--repairs", "k=0", "--entry-system-prompt", "none"]
+    assert reuse_quality.main([*argv, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
 def test_exact_reuse_equals_full_prefill_on_docqa_prompts(result):
     assert result["exact_token_mismatches"] == 0
     rows = {(r["mode"], r["hops"]): r for r in result["rows"]}
@@ -30,9 +40,14 @@ def test_exact_reuse_equals_full_prefill_on_docqa_prompts(result):
         assert exact["recomputed_share"] < 0.2  # a warm cache serves nearly every token
 
 
-def test_approximate_limits_naive_placement_and_full_prefill(result):
-    """k=0 places exactly what naive placement does; recomputing every placed token
-    is full prefill."""
+def test_approximate_limits_naive_placement_and_full_prefill(result, alone):
+    """Entries computed alone and placed with nothing recomputed are naive placement;
+    the entry context brings them far closer to full prefill; recomputing every placed
+    token is full prefill."""
+    solo = {(r["mode"], r.get("first_tokens")): r for r in alone["rows"]}
+    assert alone["meta"]["entry_system_prompt"] is None
+    assert abs(solo[("approximate", 0)]["kl"] - solo[("naive", None)]["kl"]) < 1e-6
+    assert solo[("approximate", 0)]["placed_recomputed_share"] == 0
     rows = {
         (r["mode"], r.get("first_tokens"), r.get("deviation_ratio"), r["hops"]): r
         for r in result["rows"]
@@ -42,7 +57,7 @@ def test_approximate_limits_naive_placement_and_full_prefill(result):
         nothing = rows[("approximate", 0, 0.0, hops)]
         everything = rows[("approximate", 10000, 0.0, hops)]
         some = rows[("approximate", 2, 0.2, hops)]
-        assert abs(nothing["kl"] - naive["kl"]) < 1e-6
+        assert nothing["kl"] < naive["kl"] / 10 and naive["kl"] > 1
         assert nothing["placed_recomputed_share"] == 0
         assert everything["kl"] < 1e-9 and everything["accuracy"] == full["accuracy"]
         assert everything["placed_recomputed_share"] == 1
@@ -60,7 +75,7 @@ def test_rows_cover_every_mode_with_the_promised_fields(result):
     # documents are placed, not computed: only system prompt, question and the
     # generation prompt are
     assert all(r["recomputed_share"] < 0.6 for r in naive)
-    # 12 prompts per row over the shipped model, which reads its documents, if weakly
-    # (about 60% at 4 documents; a random-weight model answers none)
+    # 12 prompts per row over the shipped model, which answers all held-out questions
+    # (a random-weight model answers none)
     full = [r for r in result["rows"] if r["mode"] == "full"]
-    assert all(r["accuracy"] >= 0.3 for r in full), full
+    assert all(r["accuracy"] >= 0.9 for r in full), full

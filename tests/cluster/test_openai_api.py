@@ -276,14 +276,19 @@ def test_reuse_field_asks_for_approximate_reuse_streamed_or_not(client):
         return reuse_of(reply) | {"cached": reply.usage.prompt_tokens_details.cached_tokens}
 
     # the entries are filled by the worker after the first request: wait for them
+    first_four = {"mode": "approximate", "first_tokens": 4, "deviation_ratio": 0}
     deadline = time.monotonic() + 20
-    while (got := placed("approximate"))["recomputed_tokens"] < 4 * len(PLACE_DOCS):
+    while (got := placed(first_four))["recomputed_tokens"] < 4 * len(PLACE_DOCS):
         assert time.monotonic() < deadline, got
         time.sleep(0.1)
     assert got["mode"] == "approximate" and got["reused_tokens"] == got["cached"] > 0
     assert got["recomputed_tokens"] == 4 * len(PLACE_DOCS)  # first_tokens 4 per document
     repaired = placed({"mode": "approximate", "first_tokens": 8, "deviation_ratio": 0})
     assert repaired["recomputed_tokens"] == 8 * len(PLACE_DOCS)
+    # the default repair: the most deviating tenth of the placed tokens
+    default = placed("approximate")
+    assert default["mode"] == "approximate"
+    assert 0 < default["recomputed_tokens"] <= 0.15 * default["reused_tokens"]
 
     stream = client.chat.completions.create(
         model="tiny",

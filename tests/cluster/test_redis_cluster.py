@@ -172,7 +172,8 @@ def test_approximate_requests_go_where_the_documents_entries_are(app, probe):
         assert reply.worker == home
         assert reply.reuse["mode"] == "approximate"
         assert reply.reuse["reused_tokens"] == reply.cached > 0
-        assert reply.reuse["recomputed_tokens"] == 4 * len(PLACED_DOCS)
+        # the default repair recomputes the most deviating tenth of the placed tokens
+        assert 0 < reply.reuse["recomputed_tokens"] <= 0.15 * reply.reuse["reused_tokens"]
 
 
 def test_redis_stopped_mid_load_then_affinity_returns(app, probe, redis_server):

@@ -51,6 +51,12 @@ def test_a_directory_mismatch_names_both_and_the_keys():
     assert "directory.redis.prefix" in reason
 
 
+def test_an_entry_context_mismatch_names_both_prompts_and_the_key():
+    reason = disagreement(AGREEMENT, worker_info("w0", other(entry_system_prompt=None)))
+    assert "None" in reason and repr(AGREEMENT.entry_system_prompt) in reason
+    assert "engine.entry_system_prompt" in reason
+
+
 def test_every_disagreement_is_named_at_once():
     reason = disagreement(AGREEMENT, worker_info("w0", other(page_size=8, namespace_model="x@1")))
     assert "engine.page_size" in reason and "model.name" in reason

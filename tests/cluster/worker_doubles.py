@@ -51,6 +51,7 @@ def worker_info(worker_id: str, agreement: Agreement = AGREEMENT) -> WorkerInfo:
         page_size=agreement.page_size,
         directory_namespace=agreement.directory_namespace,
         startup_s=0.0,
+        entry_system_prompt=agreement.entry_system_prompt,
     )
 
 

@@ -22,7 +22,7 @@ from workers.engine.sampling_params import SamplingParams
 PAGE = 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
 DOCS = (37, 48, 33)  # document lengths: all at least min_entry_tokens
-APPROX = ReuseRequest("approximate", first_tokens=4)
+APPROX = ReuseRequest("approximate", first_tokens=4, deviation_ratio=0.0)
 
 
 def _engine(model, **overrides) -> Engine:
@@ -104,6 +104,54 @@ def test_recomputing_every_placed_token_equals_plain_generation(model, parts):
             matched + placed,
             placed,
         )
+
+
+def test_an_entry_is_its_chunk_computed_after_the_entry_context(model, parts):
+    """Entries are computed after the engine's entry context (a system turn and the
+    opening of a user turn), then moved to start at position 0. Placed right after
+    that same context, with nothing recomputed, the chunk's KV is exactly what a plain
+    pass computes there: the request equals plain generation (CPU float32). (Only the
+    first chunk after the context: a second one would not have seen the first.)"""
+    engine, plain = _engine(model), _engine(model, enable_reuse=False)
+    context = list(engine.entry_context)
+    assert 0 < len(context) < 64  # the default system turn, e.g. 19 tokens on Qwen3
+    for doc in parts["docs"]:
+        engine.fill_entry(doc)
+    while engine.has_unfinished():
+        engine.step()
+    for doc in parts["docs"]:
+        entry = engine.pool.entry(position_free_key(engine.namespace(), doc))
+        assert entry is not None and entry.num_tokens == len(doc)
+        assert len(entry.pages) == -(-len(doc) // PAGE)  # the context's pages went back
+    assert engine.pool.num_available == 160  # nothing leaked
+    for doc in parts["docs"]:
+        prompt, spans = _layout(context, [doc], parts["question"])
+        want, want_lp, _ = _run(plain, prompt)
+        nothing = ReuseRequest("approximate", first_tokens=0, deviation_ratio=0.0)
+        got, got_lp, info = _run(engine, prompt, spans, nothing)
+        # reused: the chunk, plus the context's full pages matched exactly once cached
+        assert info.recomputed_tokens == 0
+        assert info.reused_tokens - len(doc) in (0, len(context) // PAGE * PAGE)
+        assert got == want
+        np.testing.assert_allclose(got_lp, want_lp, atol=1e-4)
+
+
+def test_entries_without_a_context_start_at_position_0(model, parts):
+    """``entry_system_prompt=None``: entries are computed alone (the older form),
+    which placed after a system turn is no longer exact."""
+    engine = _engine(model, entry_system_prompt=None)
+    plain = _engine(model, enable_reuse=False)
+    assert engine.entry_context == ()
+    doc = parts["docs"][0]
+    engine.fill_entry(doc)
+    while engine.has_unfinished():
+        engine.step()
+    system = list(_engine(model).entry_context)
+    prompt, spans = _layout(system, [doc], parts["question"])
+    _, want_lp, _ = _run(plain, prompt)
+    _, got_lp, info = _run(engine, prompt, spans, ReuseRequest("approximate", 0, 0.0))
+    assert info.reused_tokens == len(doc)
+    assert np.abs(got_lp - want_lp).max() > 1e-3
 
 
 def test_placed_chunks_are_labelled_tainted_and_never_served_to_exact_requests(model, parts):

@@ -47,7 +47,8 @@ def test_approximate_chat_places_documents_after_another_system_prompt(llms):
     )
     # the documents in another order, after another system prompt: nothing matches exactly
     reordered = conversation(SYSTEMS[1], DOCS[::-1], "Q: backups?")
-    second = llm.chat(reordered, GREEDY, reuse={"mode": "approximate", "first_tokens": 4})[0]
+    repair = {"mode": "approximate", "first_tokens": 4, "deviation_ratio": 0}
+    second = llm.chat(reordered, GREEDY, reuse=repair)[0]
     assert second.reuse.mode == "approximate"
     assert second.reuse.reused_tokens > 0
     assert second.reuse.recomputed_tokens == 4 * len(DOCS)

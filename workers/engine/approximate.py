@@ -9,7 +9,8 @@ Admission of an approximate request:
    A held entry is *placed*: its rows copied into the request's own pages at the
    span's offset, keys rotated there. A missed chunk is computed in context for this
    request; if it has at least ``min_entry_tokens`` tokens its entry is *filled*:
-   a separate internal sequence computes it alone from position 0, queued behind
+   a separate internal sequence computes it after the engine's entry context (a system
+   turn, ``EngineConfig.entry_system_prompt``) and moves it to start at 0, queued behind
    the requests already waiting, and stored as an entry when done.
 3. Repair: the first ``first_tokens`` tokens of every placed chunk, and the
    ``deviation_ratio`` share of placed tokens whose layer-1 K/V in this context
@@ -60,7 +61,7 @@ class ChunkReuse:
         self._exact = ExactPrefixReuse(pool)
 
     def admit(self, seq: Sequence) -> bool:
-        if seq.fill_key is not None:  # an entry is computed alone, in pages of its own
+        if seq.fill_key is not None:  # an entry is computed in pages of its own
             start_from(seq, "exact", [], 0)
             return True
         first_admission = seq.reuse is None

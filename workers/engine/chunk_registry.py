@@ -15,7 +15,7 @@ own (its *prefix*). Invariants:
 
 Approximate mode (``mode="approximate"``): the chunk is a text that may stand
 anywhere (a document); the registry pins its one position-free entry (its tokens
-computed alone from position 0), which approximate requests place wherever the text
+computed after the entry context, starting at 0), which approximate requests place wherever the text
 appears as a content part, after any system prompt. ``after`` does not apply. Its
 pinned pages count toward the same limit, once, whoever uses it.
 """
@@ -201,7 +201,7 @@ class ChunkRegistry:
     def _create_entry(
         self, chunk_id: str, messages: list[Message], expires_at: float | None
     ) -> _Chunk:
-        """Compute the chunk's position-free entry (alone from position 0) and pin it."""
+        """Compute the chunk's position-free entry (after the entry context) and pin it."""
         if self._engine.reuse.mode != "exact" or self._step_until is None:
             raise ValueError(
                 "registering approximate chunks needs an engine with reuse on "

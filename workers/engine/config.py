@@ -6,6 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
+# The system turn position-free entries are computed after (``chunking.entry_context``):
+# a chunk computed alone from position 0 sees no conversation opening and, in a model
+# that binds facts across its context, its KV placed elsewhere answers little better
+# than chance (bench/RESULTS.md); after an ordinary system turn it stays close to the
+# KV computed in context, whichever system prompt the request has.
+DEFAULT_ENTRY_SYSTEM_PROMPT = "You are a helpful assistant."
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -22,6 +29,9 @@ class EngineConfig:
     enable_reuse: bool = True
     # approximate reuse: chunks shorter than this are computed, never kept as entries
     min_entry_tokens: int = 32
+    # approximate reuse: entries are computed after this system turn (and the opening of
+    # a user turn); None: after nothing, the chunk alone from position 0
+    entry_system_prompt: str | None = DEFAULT_ENTRY_SYSTEM_PROMPT
     # registered chunks: the most tokens one tenant may pin on this engine (None: no quota
     # beyond the engine's room)
     pin_quota_tokens: int | None = None

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from chunkstore.chunking import entry_context
 from chunkstore.hashing import Namespace, PageKey, position_free_key
 from workers.engine.approximate import ChunkReuse
 from workers.engine.attention import make_backend
@@ -29,7 +30,7 @@ from workers.engine.kv_pool import KVPool
 from workers.engine.model_runner import ModelRunner
 from workers.engine.models.config import ModelConfig
 from workers.engine.models.loader import load_model
-from workers.engine.placement import rope_supports_placement
+from workers.engine.placement import place_chunk, rope_supports_placement
 from workers.engine.request import Sequence
 from workers.engine.reuse import NoReuse, Reuse
 from workers.engine.reuse_info import ReuseInfo, ReuseRequest
@@ -45,7 +46,7 @@ class LoadShape:
     # prompt tokens still to compute: a waiting sequence counts
     # max(0, len(prompt) - expected_cached_tokens); an admitted one its prompt
     # positions not yet computed (uncomputed prompt tail + pending scattered ones);
-    # entry fills (position-free chunks computed alone) count like prompts
+    # entry fills (position-free chunks, after the entry context) count like prompts
     prefill_backlog_tokens: int
     decode_seqs: int  # running sequences past their prompt
 
@@ -150,6 +151,15 @@ class Engine:
         self._sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._filling: set[PageKey] = set()  # keys of entry fills queued or running
+        # what every position-free entry is computed after (config.entry_system_prompt)
+        self.entry_context: tuple[int, ...] = ()
+        try:
+            self.entry_context = entry_context(self.tokenizer, config.entry_system_prompt)
+        except Exception as e:  # a template that cannot render it: no approximate mode
+            self.placement_problem = self.placement_problem or (
+                f"the chat template cannot render the entry context ({e}); set "
+                "engine.entry_system_prompt to null to compute entries alone"
+            )
         # what the last ``step()`` computed: prompt positions (scattered ones included;
         # entry fills' tokens count as prompt) and sequences scheduled (0: it did nothing)
         self.last_step_prompt_tokens = 0
@@ -277,7 +287,7 @@ class Engine:
         or queued already); returns its key. The entry exists once ``step`` has run
         the fill (``pool.entry(key)``)."""
         self._check_placement()
-        self._validate("entry-fill", tokens)
+        self._validate("entry-fill", [*self.entry_context, *tokens])
         namespace = self.namespace(tenant_salt)
         key = position_free_key(namespace, tokens)
         self._queue_fill(key, list(tokens), namespace)
@@ -290,26 +300,49 @@ class Engine:
             )
 
     def _queue_fill(self, key: PageKey, tokens: list[int], namespace: Namespace) -> None:
-        """Queue the computation of a position-free entry (``tokens`` alone from
-        position 0) behind the requests already waiting; one fill per key at a time."""
+        """Queue the computation of a position-free entry (``tokens`` after the entry
+        context, ``chunking.entry_context``) behind the requests already waiting; one
+        fill per key at a time."""
         if key in self._filling or self.pool.entry(key) is not None:
             return
+        if len(self.entry_context) + len(tokens) > self.max_model_len:
+            return  # too long to compute after the context: the chunk stays computed
         self._filling.add(key)
         fill = Sequence(
             request_id=f"entry-fill-{key.hex()[:16]}",
             arrival=next(self._arrivals),
-            prompt_token_ids=tokens,
+            prompt_token_ids=[*self.entry_context, *tokens],
             params=SamplingParams(max_tokens=1),
             namespace=namespace,
             fill_key=key,
+            fill_context=len(self.entry_context),
         )
         self.scheduler.add(fill)
 
     def _store_fill(self, fill: Sequence) -> None:
         """A fill computed its chunk: its pages become the entry (or are released if
-        an entry with that key appeared meanwhile)."""
+        an entry with that key appeared meanwhile). The chunk's rows move to the start
+        of the fill's pages, keys rotated back by the context's length, so an entry
+        always starts at position 0; the pages left over are released."""
         self._filling.discard(fill.fill_key)
-        stored = self.pool.store_entry(fill.fill_key, fill.page_ids, len(fill.token_ids))
+        context, page_size = fill.fill_context, self.pool.page_size
+        length = len(fill.token_ids) - context
+        if context:
+            table = torch.as_tensor(np.asarray(fill.page_ids, dtype=np.int64))
+            src = torch.arange(context, context + length)
+            dst = torch.arange(length)
+            place_chunk(
+                self.runner.kv_stack,
+                table[src // page_size] * page_size + src % page_size,
+                table[dst // page_size] * page_size + dst % page_size,
+                -context,
+                self.runner.model.rope_cache,
+                page_size,
+            )
+            keep = -(-length // page_size)
+            self.pool.release(fill.page_ids[keep:])
+            fill.page_ids = fill.page_ids[:keep]
+        stored = self.pool.store_entry(fill.fill_key, fill.page_ids, length)
         self.scheduler.finish(fill, "entry", release=not stored)
 
     def _append_token(

@@ -56,6 +56,9 @@ class Sequence:
     # set on the engine's internal sequences that compute a position-free entry: no
     # token is sampled; the pages become the entry under this key when done
     fill_key: PageKey | None = None
+    # an entry fill's prompt is the engine's entry context, then the chunk: this many
+    # leading tokens are context, computed but not part of the entry
+    fill_context: int = 0
     page_keys: list[PageKey] = field(default_factory=list)
     finish_reason: str | None = None
     generator: torch.Generator | None = None

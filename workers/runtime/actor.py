@@ -76,6 +76,7 @@ class Worker:
             page_size=engine.pool.page_size,
             directory_namespace=directory_namespace(spec.directory),
             startup_s=time.monotonic() - started,
+            entry_system_prompt=spec.engine.entry_system_prompt,
         )
         self._mirror = CacheMirror()
         self._loop = EngineLoop(engine, self._mirror.absorb, _crash)

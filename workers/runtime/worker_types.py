@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.engine.config import EngineConfig
+from workers.engine.config import DEFAULT_ENTRY_SYSTEM_PROMPT, EngineConfig
 from workers.engine.reuse_info import ReuseInfo, ReuseRequest
 from workers.engine.sampling_params import SamplingParams
 from workers.runtime.directory_client import DirectoryKind, DirectorySpec
@@ -104,6 +104,8 @@ class WorkerInfo:
     page_size: int
     directory_namespace: str  # where it publishes chunk keys (``directory_namespace``)
     startup_s: float  # this incarnation's start: model load, KV pool, graph capture
+    # what its position-free entries are computed after (engine.entry_system_prompt)
+    entry_system_prompt: str | None = DEFAULT_ENTRY_SYSTEM_PROMPT
 
 
 def directory_namespace(spec: DirectorySpec) -> str:
