@@ -5,10 +5,15 @@
 #   bash bench/gpu_run.sh bench     # benchmarks, tables printed last
 #   bash bench/gpu_run.sh cluster   # bench/cluster_rag.py on Ray (needs both ray halves)
 #   bash bench/gpu_run.sh approx    # approximate reuse: speed, its profile, reuse quality
+#   bash bench/gpu_run.sh http      # bench/http_rag.py: the RAG load through the HTTP app
+#                                   # (chunkserve serve, Redis directory, openai client);
+#                                   # needs ray and .whl-http (FastAPI, openai, redis-server)
 # Wheel bundles that arrived with this call are installed into /tmp/site (see
 # .whl/install.sh); ones installed by an earlier call on the same machine stay.
-# The cluster run needs ray, which arrives in two calls: tests (or any mode) with
-# .whl and .whl-ray-a carried, then cluster with .whl-ray-b.
+# The cluster and http runs need ray and pydantic (cluster/config.py), FastAPI and the
+# rest of .whl-http; with the working tree each call carries at most 64 MiB, so they
+# arrive in three back-to-back calls on one warm machine: any mode with .whl and
+# .whl-ray-a carried, any mode with .whl-ray-b, then cluster or http with .whl-http.
 # Results go to $OUT (or /tmp/chunkserve-results).
 set -uo pipefail
 out=${OUT:-/tmp/chunkserve-results}
@@ -23,7 +28,7 @@ install_once() {
   (cd "$tmp" && source $bundle/install.sh >/dev/null) && touch /tmp/site/.installed$bundle
   rm -rf "$tmp"
 }
-for bundle in .whl .whl-ray-a .whl-ray-b; do install_once $bundle; done
+for bundle in .whl .whl-ray-a .whl-ray-b .whl-http; do install_once $bundle; done
 export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}"
 model=/tmp/chunkserve-bench/qwen3-0.6b
 [ -f $model/config.json ] || python3 -m cluster.cli make-model $model --preset qwen3-0.6b >/dev/null
@@ -45,4 +50,10 @@ case "${1:-all}" in
     RAY_AUTH_MODE=disabled python3 bench/cluster_rag.py --model $model \
       --workers "${WORKERS:-1,2,4}" --gpus-per-worker "${GPUS_PER_WORKER:-1}" --kill \
       ${CLUSTER_ARGS:-} 2>&1 | grep -v -e Warning -e '^(' | tee "$out/cluster_rag.txt" ;;
+  http)
+    # Same workload shape and KV cap as cluster; redis-server comes from .whl-http.
+    PATH="/tmp/site/.redis/bin:$PATH" RAY_AUTH_MODE=disabled python3 bench/http_rag.py \
+      --model $model --workers "${WORKERS:-4}" --gpus-per-worker 1 --pages 24576 \
+      --json "$out/http_rag.json" --serve-log "$out/http_rag_serve.log" ${HTTP_ARGS:-} 2>&1 \
+      | grep -v -e Warning -e '^(' | tee "$out/http_rag.txt" ;;
 esac

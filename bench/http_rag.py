@@ -1,0 +1,607 @@
+"""The RAG workload of ``bench/cluster_rag.py`` through the real HTTP app: ``chunkserve
+serve`` with the Redis chunk directory, driven by the official ``openai`` client.
+
+What runs, all started here and all stopped at the end (also on an error or Ctrl-C):
+- Redis: ``redis-server`` (from PATH) on a free port, unless ``--redis-url`` names one;
+- Ray: a private head (``ray start --head --block``, its own temp dir and ports, this
+  machine's GPUs counted by torch), stopped by terminating that process;
+- the app: ``python -m cluster.cli serve --config configs/redis.yaml`` with ``--set``s for
+  the model, the workers, the GPUs, the Redis URL (a prefix of its own), the port and the
+  Ray address; its output goes to ``--serve-log``;
+- the clients: a closed loop of ``--concurrency`` ``openai.AsyncOpenAI`` clients sending
+  streamed chat completions with ``stream_options={"include_usage": True}``.
+
+Workload (as ``bench/cluster_rag.py``): a system prompt (one of 3) + one document (of
+``--docs``, drawn Zipf(``--zipf``)) as a content part + a unique question part. A warm-up
+of its own texts (kernels, graphs) comes first and is not counted.
+
+Measured per request: TTFT (until the first streamed content delta), latency, the
+usage's prompt and ``prompt_tokens_details.cached_tokens``, and the
+``X-Chunkserve-Worker`` header. Printed: one summary line on stdout, then a JSON summary
+(also written to ``--json``) with, besides, the ``/metrics`` counters over the measured
+run and ``chunkserve status`` at its end. Progress goes to stderr.
+
+    python bench/http_rag.py --model DIR --workers 4 --gpus-per-worker 1
+    python bench/http_rag.py --model /tmp/tiny --workers 1 --gpus-per-worker 0 \\
+        --requests 30 --concurrency 4 --doc-tokens 256 --system-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.cluster_rag import (  # noqa: E402
+    HIT_SHARE,
+    MODEL_NAME,
+    Shape,
+    TextMaker,
+    document_sequence,
+    make_bodies,
+)
+from workers.engine.checkpoint import load_tokenizer  # noqa: E402
+
+BASE_CONFIG = REPO / "configs/redis.yaml"
+STOP_TIMEOUT_S = 120  # serve removes its app and workers on SIGTERM
+
+
+def log(message: str) -> None:
+    print(f"[http_rag {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(check, timeout_s: float, what: str, alive=None, step_s: float = 0.25) -> None:
+    """Poll ``check()`` until true; ``alive()`` false or the timeout is an error."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if alive is not None and not alive():
+            raise RuntimeError(f"{what}: the process exited")
+        time.sleep(step_s)
+    raise RuntimeError(f"{what}: not ready within {timeout_s:.0f} s")
+
+
+def stop_process(proc: subprocess.Popen, name: str, sig: int, timeout_s: float) -> None:
+    """Send ``sig`` to a process we started in a session of its own, wait, then kill
+    whatever is left of its process group (by its id)."""
+    if proc.poll() is None:
+        log(f"stopping {name} (pid {proc.pid}) ...")
+        try:
+            proc.send_signal(sig)
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            log(f"{name} did not stop within {timeout_s:.0f} s: killing its process group")
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+# -- the services ---------------------------------------------------------------------
+def redis_answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def start_redis(stack: ExitStack) -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError(
+            "redis-server is not on PATH (on the GPU host: source .whl-http/install.sh); "
+            "or give --redis-url"
+        )
+    port = free_port()
+    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    stack.callback(stop_process, proc, "redis-server", signal.SIGTERM, 10)
+    wait_for(lambda: redis_answers(port), 20, "redis-server", alive=lambda: proc.poll() is None)
+    log(f"redis-server ({binary}) on port {port}")
+    return f"redis://127.0.0.1:{port}/0"
+
+
+def gpu_count() -> int:
+    import torch  # counted here: Ray's own detection may miss a VM's GPUs
+
+    return torch.cuda.device_count()
+
+
+def start_ray(stack: ExitStack, args: argparse.Namespace, env: dict) -> str:
+    """A private Ray head; returns its GCS address."""
+    temp_dir = tempfile.mkdtemp(prefix="hrag", dir="/tmp")  # short: socket paths
+    port = free_port()
+    gpus = gpu_count() if args.gpus_per_worker > 0 else 0
+    cpus = max(os.cpu_count() or 1, 2)
+    cmd = [
+        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+        f"--temp-dir={temp_dir}", f"--port={port}", f"--num-cpus={cpus}", f"--num-gpus={gpus}",
+        "--include-dashboard=false", "--disable-usage-stats",
+        f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+    ]  # fmt: skip
+    log_path = Path(temp_dir) / "ray-start.log"
+    out = stack.enter_context(open(log_path, "w"))  # noqa: SIM115 - closed by the stack
+    # The app is gone by the time the head stops: no drain (30 s by default) is needed.
+    env = {**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    proc = subprocess.Popen(
+        cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+
+    def stop() -> None:
+        stop_process(proc, "the Ray head", signal.SIGTERM, 60)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+    stack.callback(stop)
+    address = f"127.0.0.1:{port}"
+
+    def up() -> bool:
+        return "--block" in log_path.read_text() or "Ray runtime started" in log_path.read_text()
+
+    try:
+        wait_for(up, 180, "ray start", alive=lambda: proc.poll() is None, step_s=0.5)
+    except RuntimeError:
+        log("ray start output:\n" + log_path.read_text()[-3000:])
+        raise
+    log(f"Ray head at {address}: {cpus} CPUs, {gpus} GPUs (temp dir {temp_dir})")
+    return address
+
+
+def config_overrides(
+    args: argparse.Namespace, redis_url: str, ray_address: str, port: int
+) -> list[str]:
+    tag = f"{random.randrange(16**6):06x}"
+    sets = {
+        "name": f"http-rag-{tag}",
+        "model.name": MODEL_NAME,
+        "model.path": str(args.model),
+        "model.make_if_missing": "null",
+        "workers.count": args.workers,
+        "workers.num_gpus": args.gpus_per_worker,
+        "workers.num_cpus": args.worker_cpus,
+        "workers.startup_timeout_s": args.startup_timeout_s,
+        "directory.redis.url": redis_url,
+        "directory.redis.prefix": f"http-rag-{tag}",
+        "server.host": "127.0.0.1",
+        "server.port": port,
+        "server.num_replicas": args.replicas,
+        "server.default_max_tokens": args.max_tokens,
+        "router.max_requests_per_worker": 4096,
+        "ray.address": ray_address,
+    }
+    if args.gpus_per_worker > 0:
+        sets |= {
+            "engine.device": "cuda",
+            "engine.dtype": "bfloat16",
+            "engine.attention_backend": "flashinfer",
+            "engine.gpu_memory_utilization": round(0.9 * args.gpus_per_worker, 3),
+        }
+    else:
+        sets |= {"engine.device": "cpu", "engine.dtype": "float32"}
+    if args.pages:
+        sets["engine.num_pages"] = args.pages
+    out = [f"{key}={value}" for key, value in sets.items()]
+    return out + list(args.set)
+
+
+class ServeProcess:
+    """``chunkserve serve`` as a child process; its output goes to a log file, and its
+    own lines (not Ray's worker log lines) to stderr."""
+
+    OWN_LINE = re.compile(r"^(chunkserve|model |starting |error|Traceback|\S+Error)")
+
+    def __init__(self, sets: list[str], env: dict, log_path: Path) -> None:
+        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(BASE_CONFIG)]
+        for item in sets:
+            cmd += ["--set", item]
+        self.log_path = log_path
+        self.url: str | None = None
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, bufsize=1, start_new_session=True,
+        )  # fmt: skip
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._log.write(line)
+            self._log.flush()
+            text = line.rstrip()
+            if self.OWN_LINE.match(text):
+                log(f"serve: {text}")
+            match = re.search(r"serving '.*' at (http://\S+/v1)", text)
+            if match:
+                self.url = match.group(1)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        # SIGTERM: serve removes the app and its workers, then exits 0.
+        stop_process(self.proc, "chunkserve serve", signal.SIGTERM, STOP_TIMEOUT_S)
+        self._reader.join(timeout=5)
+        self._log.close()
+        log(f"chunkserve serve exited with {self.proc.returncode}; its log: {self.log_path}")
+
+
+def http_get(url: str, timeout_s: float = 5) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode(errors="replace")
+    except (OSError, ValueError) as error:
+        return 0, str(error)
+
+
+def wait_healthy(serve: ServeProcess, workers: int, timeout_s: float) -> str:
+    wait_for(lambda: serve.url is not None, timeout_s, "chunkserve serve", alive=serve.alive)
+    root = serve.url.removesuffix("/v1")
+
+    def healthy() -> bool:
+        status, body = http_get(f"{root}/health")
+        if status != 200:
+            return False
+        try:
+            return json.loads(body).get("healthy_workers") == workers
+        except ValueError:
+            return False
+
+    wait_for(healthy, 120, f"{root}/health with {workers} healthy worker(s)", alive=serve.alive)
+    status, models = http_get(f"{serve.url}/models")
+    log(f"app ready at {serve.url}; /v1/models: {status} {models.strip()[:200]}")
+    return serve.url
+
+
+# -- the clients ----------------------------------------------------------------------
+@dataclass
+class Result:
+    worker: str
+    ttft_s: float
+    latency_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+
+@dataclass
+class Run:
+    seconds: float = 0.0
+    results: list[Result] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def ttft_ms(self, q: float, hits: bool | None = None) -> float:
+        ttfts = sorted(
+            r.ttft_s
+            for r in self.results
+            if hits is None or (r.cached_tokens >= HIT_SHARE * r.prompt_tokens) == hits
+        )
+        return 1000 * ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else float("nan")
+
+    def cached_share(self) -> float:
+        prompt = sum(r.prompt_tokens for r in self.results)
+        return sum(r.cached_tokens for r in self.results) / prompt if prompt else 0.0
+
+    def requests_per_s(self) -> float:
+        return len(self.results) / self.seconds if self.seconds else 0.0
+
+
+async def one_request(client, body: dict) -> Result:
+    started = time.perf_counter()
+    raw = await client.chat.completions.with_raw_response.create(**body)
+    worker = raw.headers.get("x-chunkserve-worker", "?")
+    stream = raw.parse()
+    ttft = None
+    usage = None
+    async for chunk in stream:
+        if ttft is None and any(choice.delta.content for choice in chunk.choices):
+            ttft = time.perf_counter() - started
+        if chunk.usage is not None:
+            usage = chunk.usage
+    done = time.perf_counter() - started
+    if usage is None:
+        raise RuntimeError("the stream ended without a usage chunk")
+    details = usage.prompt_tokens_details
+    return Result(
+        worker,
+        done if ttft is None else ttft,  # no content at all (empty answer): the whole stream
+        done,
+        usage.prompt_tokens,
+        (details.cached_tokens or 0) if details is not None else 0,
+        usage.completion_tokens,
+    )
+
+
+async def run_clients(url: str, bodies: list[dict], clients: int, label: str) -> Run:
+    import openai
+
+    run = Run()
+    queue = list(reversed(bodies))
+    total = len(bodies)
+    client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+    last_report = [time.monotonic()]
+
+    async def worker() -> None:
+        while queue:
+            body = queue.pop()
+            try:
+                run.results.append(await one_request(client, body))
+            except Exception as error:  # noqa: BLE001 - every failure is counted
+                run.errors.append(f"{type(error).__name__}: {error}"[:500])
+            done = len(run.results) + len(run.errors)
+            if time.monotonic() - last_report[0] > 5 or done == total:
+                last_report[0] = time.monotonic()
+                log(f"{label}: {done}/{total} answered ({len(run.errors)} errors)")
+
+    started = time.perf_counter()
+    try:
+        await asyncio.gather(*(worker() for _ in range(clients)))
+    finally:
+        run.seconds = time.perf_counter() - started
+        await client.close()
+    return run
+
+
+# -- reporting ------------------------------------------------------------------------
+METRIC_LINE = re.compile(r"^(chunkserve_[a-z_]+)(\{[^}]*\})?\s+(\S+)$")
+COUNTERS = (
+    "chunkserve_requests_total",
+    "chunkserve_prompt_tokens_total",
+    "chunkserve_cached_prompt_tokens_total",
+    "chunkserve_generated_tokens_total",
+    "chunkserve_routing_decisions_total",
+    "chunkserve_worker_retries_total",
+    "chunkserve_directory_lookups_total",
+    "chunkserve_directory_lookup_failures_total",
+)
+
+
+def scrape(root: str) -> dict[str, float]:
+    status, text = http_get(f"{root}/metrics", timeout_s=30)
+    if status != 200:
+        return {}
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        match = METRIC_LINE.match(line.strip())
+        if match and match.group(1) in COUNTERS:
+            key = match.group(1) + (match.group(2) or "")
+            try:
+                values[key] = values.get(key, 0.0) + float(match.group(3))
+            except ValueError:
+                pass
+    return values
+
+
+def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict:
+    delta = {k: after[k] - before.get(k, 0.0) for k in sorted(after)}
+    delta = {k: v for k, v in delta.items() if v}
+    prompt = delta.get("chunkserve_prompt_tokens_total", 0.0)
+    cached = delta.get("chunkserve_cached_prompt_tokens_total", 0.0)
+    return {"counters": delta, "cache_hit_rate": cached / prompt if prompt else None}
+
+
+def chunkserve_status(sets: list[str], env: dict) -> str:
+    cmd = [sys.executable, "-m", "cluster.cli", "status", "--config", str(BASE_CONFIG)]
+    for item in sets:
+        cmd += ["--set", item]
+    try:
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        return "chunkserve status: timed out"
+    lines = [line for line in done.stdout.splitlines() if not line.startswith("(")]
+    text = "\n".join(lines).strip()
+    return (
+        text if done.returncode == 0 else f"{text}\n(exit {done.returncode}) {done.stderr[-1000:]}"
+    )
+
+
+def summarize(args, shape: Shape, run: Run, metrics: dict, status: str) -> dict:
+    return {
+        "bench": "http_rag",
+        "workers": args.workers,
+        "gpus_per_worker": args.gpus_per_worker,
+        "router_replicas": args.replicas,
+        "concurrency": args.concurrency,
+        "shape": shape.__dict__,
+        "requests": len(run.results) + len(run.errors),
+        "answered": len(run.results),
+        "errors": len(run.errors),
+        "first_errors": run.errors[:5],
+        "seconds": round(run.seconds, 3),
+        "requests_per_s": round(run.requests_per_s(), 3),
+        "output_tokens_per_s": round(sum(r.output_tokens for r in run.results) / run.seconds, 1)
+        if run.seconds
+        else 0.0,
+        "ttft_ms": {str(q): round(run.ttft_ms(q), 2) for q in (0.5, 0.9, 0.99)},
+        "ttft_ms_hits": {str(q): round(run.ttft_ms(q, True), 2) for q in (0.5, 0.9)},
+        "ttft_ms_misses": {str(q): round(run.ttft_ms(q, False), 2) for q in (0.5, 0.9)},
+        "latency_ms_p50": round(
+            1000 * sorted(r.latency_s for r in run.results)[len(run.results) // 2], 2
+        )
+        if run.results
+        else None,
+        "prompt_tokens": sum(r.prompt_tokens for r in run.results),
+        "cached_tokens": sum(r.cached_tokens for r in run.results),
+        "cached_share": round(run.cached_share(), 4),
+        "requests_per_worker": dict(sorted(Counter(r.worker for r in run.results).items())),
+        "metrics": metrics,
+        "chunkserve_status": status,
+    }
+
+
+def summary_line(summary: dict) -> str:
+    t = summary["ttft_ms"]
+    per_worker = "/".join(str(n) for n in summary["requests_per_worker"].values())
+    hit = summary["metrics"].get("cache_hit_rate")
+    return (
+        f"http_rag: {summary['workers']} worker(s) x {summary['gpus_per_worker']} GPU, "
+        f"{summary['router_replicas']} router replicas, {summary['concurrency']} clients: "
+        f"{summary['requests']} requests, {summary['errors']} errors, "
+        f"{summary['seconds']:.1f} s, {summary['requests_per_s']:.1f} req/s, "
+        f"{summary['output_tokens_per_s']:.0f} out tok/s, "
+        f"TTFT p50 {t['0.5']:.0f} ms p90 {t['0.9']:.0f} ms p99 {t['0.99']:.0f} ms, "
+        f"cached share {summary['cached_share']:.1%}"
+        + (f" (/metrics {hit:.1%})" if hit is not None else "")
+        + f", per worker {per_worker}"
+    )
+
+
+# -- main -----------------------------------------------------------------------------
+def main() -> int:
+    args = parse_args()
+    args.replicas = args.replicas or max(2, args.workers)
+    args.concurrency = args.concurrency or 32 * args.workers
+    args.requests = args.requests or 600 * args.workers
+    args.warmup = 4 * args.workers if args.warmup is None else args.warmup
+    shape = Shape(
+        args.docs, args.zipf, args.system_tokens, args.doc_tokens, args.question_tokens,
+        args.max_tokens,
+    )  # fmt: skip
+
+    def on_term(signum, frame):  # SIGTERM/SIGHUP: stop everything like Ctrl-C does
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_term)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
+    env.setdefault("RAY_AUTH_MODE", "disabled")  # a private, single-user cluster
+    serve_log = args.serve_log or Path(tempfile.gettempdir()) / f"http_rag-serve-{os.getpid()}.log"
+
+    log("preparing the workload ...")
+    maker = TextMaker(load_tokenizer(args.model))
+    sequence = document_sequence(shape, args.requests, args.seed)
+    dump = {"exclude_unset": True, "mode": "json"}
+    bodies = [b.model_dump(**dump) for b in make_bodies(maker, shape, sequence, 1, stream=True)]
+    warm = [
+        b.model_dump(**dump)
+        for b in make_bodies(maker, shape, sequence[: args.warmup], 10**6, stream=True)
+    ]
+
+    with ExitStack() as stack:
+        try:
+            redis_url = args.redis_url or start_redis(stack)
+            ray_address = start_ray(stack, args, env)
+            sets = config_overrides(args, redis_url, ray_address, args.port or free_port())
+            log(f"starting chunkserve serve ({args.workers} worker(s)); log: {serve_log}")
+            started = time.monotonic()
+            serve = ServeProcess(sets, env, serve_log)
+            stack.callback(serve.stop)
+            try:
+                url = wait_healthy(serve, args.workers, args.startup_timeout_s + 300)
+            except RuntimeError:
+                log("chunkserve serve output (tail):\n" + serve.tail())
+                raise
+            log(f"serving after {time.monotonic() - started:.1f} s")
+            root = url.removesuffix("/v1")
+            if warm:
+                warm_run = asyncio.run(
+                    run_clients(url, warm, min(len(warm), 2 * args.workers), "warm-up")
+                )
+                log(f"warm-up: {len(warm_run.results)} ok, {len(warm_run.errors)} errors")
+                if warm_run.errors:
+                    log(f"warm-up errors: {warm_run.errors[:3]}")
+            time.sleep(2)  # replicas push their counts every 0.5 s: let the warm-up's land
+            before = scrape(root)
+            run = asyncio.run(run_clients(url, bodies, args.concurrency, "measured"))
+            time.sleep(2)  # likewise the measured run's last counts
+            metrics = metrics_delta(before, scrape(root))
+            log("chunkserve status ...")
+            status = chunkserve_status(sets, env)
+        except KeyboardInterrupt:
+            log("interrupted: stopping everything")
+            return 130
+        except RuntimeError as error:  # a service did not start: its output is above
+            log(f"error: {error}; stopping everything")
+            return 1
+        summary = summarize(args, shape, run, metrics, status)
+        print(summary_line(summary), flush=True)
+        print(status, flush=True)
+        print(json.dumps(summary, indent=1), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(summary, indent=1))
+        if run.errors:
+            log(f"first errors: {run.errors[:3]}")
+    return 1 if run.errors else 0
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, required=True, help="checkpoint directory")
+    ap.add_argument("--workers", type=int, default=1, help="worker actors")
+    ap.add_argument("--gpus-per-worker", type=float, default=1.0, help="0: CPU workers")
+    ap.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs per worker")
+    ap.add_argument(
+        "--replicas", type=int, help="router (HTTP ingress) replicas (default: max(2, workers))"
+    )
+    ap.add_argument("--requests", type=int, help="measured requests (default: 600 per worker)")
+    ap.add_argument(
+        "--concurrency", type=int, help="clients in the closed loop (default: 32 per worker)"
+    )
+    ap.add_argument(
+        "--warmup", type=int, help="warm-up requests, not counted (default: 4 per worker)"
+    )
+    ap.add_argument("--docs", type=int, default=192)
+    ap.add_argument("--zipf", type=float, default=1.0)
+    ap.add_argument("--system-tokens", type=int, default=512)
+    ap.add_argument("--doc-tokens", type=int, default=2048)
+    ap.add_argument("--question-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--pages", type=int, help="KV pages per worker (default: sized by the engine)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--redis-url", help="use this Redis (default: start redis-server on a free port)"
+    )
+    ap.add_argument("--port", type=int, help="HTTP port (default: a free one)")
+    ap.add_argument("--startup-timeout-s", type=float, default=1200, help="workers' start")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="extra config override for chunkserve serve (repeatable)",
+    )  # fmt: skip
+    ap.add_argument("--serve-log", type=Path, help="chunkserve serve's output (default: /tmp)")
+    ap.add_argument("--json", type=Path, help="also write the JSON summary here")
+    return ap.parse_args()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
