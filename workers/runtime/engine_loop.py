@@ -25,7 +25,8 @@ Invariants:
   consumer reads a load that includes that step. ``prefill_tokens_per_s`` and
   ``step_s`` are EWMAs (weight ``LOAD_EWMA_WEIGHT``) of steps timed with
   ``time.perf_counter`` around ``Engine.step``; steps that computed nothing are not
-  timed; 0.0 until the first measurement, which sets the average directly.
+  timed, and only steps of at least ``RATE_SAMPLE_MIN_TOKENS`` prompt tokens sample the
+  rate; 0.0 until the first measurement, which sets the average directly.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ logger = logging.getLogger(__name__)
 # the last ~5 steps dominate, so a change of batch mix shows within a few steps while
 # one slow step (a GC pause, a big admission) moves the estimate by a fifth only.
 LOAD_EWMA_WEIGHT = 0.2
+# A step that computed fewer prompt tokens than this is not a prefill-rate sample: its
+# fixed cost (launches, the decode batch beside it) dominates, so tokens / second there
+# understates the rate many times over, and noisily; routers would then shun a worker
+# for the size of its last small prompts. Its time still feeds ``step_s``.
+RATE_SAMPLE_MIN_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -269,7 +275,7 @@ class EngineLoop:
             c = self._counters
             if timed:
                 c.step_s = _ewma(c.step_s, step_s)
-                if prompt_tokens:
+                if prompt_tokens >= RATE_SAMPLE_MIN_TOKENS:
                     c.prefill_tokens_per_s = _ewma(c.prefill_tokens_per_s, prompt_tokens / step_s)
             c.prefill_backlog_tokens = shape.prefill_backlog_tokens
             c.decode_seqs = shape.decode_seqs
