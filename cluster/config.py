@@ -80,7 +80,7 @@ class EngineSection(_Section):
         32,
         gt=0,
         description="approximate reuse: a chunk that misses is kept as a position-free "
-        "entry (computed alone, in the background) only if it has at least this many tokens",
+        "entry (computed after the entry context, in the background) only if it has at least this many tokens",
     )
     entry_system_prompt: str | None = Field(
         DEFAULT_ENTRY_SYSTEM_PROMPT,

@@ -6,10 +6,11 @@ answer and how its prompt was served.
 
 The documents are registered once with ``mode="approximate"``: each is computed
 after the engine's entry context (a neutral system turn) and pinned. Every persona's
-request then places those copies after its own system prompt (approximate reuse), recomputing only the first tokens
-of each document, the system prompt and the question. In exact mode each persona
-would need a copy of its own: a document's exact KV depends on everything before
-it. The default model is the doc-QA model shipped in modeltools/docqa_model.
+request then places those copies after its own system prompt (approximate reuse),
+recomputing the system prompt, the question and the most deviating tenth of the
+placed tokens (the default repair). In exact mode each persona would need a copy of
+its own: a document's exact KV depends on everything before it. The default model
+is the doc-QA model shipped in modeltools/docqa_model.
 """
 
 from __future__ import annotations

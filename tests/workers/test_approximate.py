@@ -263,3 +263,16 @@ def test_registered_approximate_chunk_pins_one_copy_for_every_system_prompt(mode
         llm.register_chunk(doc, mode="approximate", after=[chunk_id])
     with pytest.raises(ValueError, match="mode must be one of"):
         llm.register_chunk(doc, mode="fuzzy")
+
+
+def test_entry_fill_input_is_checked(model):
+    engine = _engine(model, max_model_len=128)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.fill_entry([])
+    room = 127 - len(engine.entry_context)
+    with pytest.raises(ValueError, match=f"at most {room} tokens"):
+        engine.fill_entry([11] * (room + 1))
+    engine.fill_entry([11] * room)  # the longest that fits is computed and kept
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pool.entry(position_free_key(engine.namespace(), [11] * room)) is not None

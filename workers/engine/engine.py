@@ -287,7 +287,17 @@ class Engine:
         or queued already); returns its key. The entry exists once ``step`` has run
         the fill (``pool.entry(key)``)."""
         self._check_placement()
-        self._validate("entry-fill", [*self.entry_context, *tokens])
+        if not tokens:
+            raise ValueError("an entry needs at least one token")
+        self._validate("entry-fill", list(tokens))
+        room = self.max_model_len - 1 - len(self.entry_context)
+        if len(tokens) > room:
+            raise ValueError(
+                f"a chunk kept as a position-free entry may have at most {room} tokens "
+                f"(it is computed after the {len(self.entry_context)}-token entry context, "
+                f"engine.entry_system_prompt, within the context length {self.max_model_len}); "
+                f"this one has {len(tokens)}"
+            )
         namespace = self.namespace(tenant_salt)
         key = position_free_key(namespace, tokens)
         self._queue_fill(key, list(tokens), namespace)
@@ -305,7 +315,7 @@ class Engine:
         fill per key at a time."""
         if key in self._filling or self.pool.entry(key) is not None:
             return
-        if len(self.entry_context) + len(tokens) > self.max_model_len:
+        if len(self.entry_context) + len(tokens) >= self.max_model_len:
             return  # too long to compute after the context: the chunk stays computed
         self._filling.add(key)
         fill = Sequence(
@@ -327,6 +337,8 @@ class Engine:
         self._filling.discard(fill.fill_key)
         context, page_size = fill.fill_context, self.pool.page_size
         length = len(fill.token_ids) - context
+        if not self.pool.is_private(fill.page_ids):  # moving rows would corrupt a sharer
+            raise RuntimeError("an entry fill's pages must be its own (unkeyed, used once)")
         if context:
             table = torch.as_tensor(np.asarray(fill.page_ids, dtype=np.int64))
             src = torch.arange(context, context + length)

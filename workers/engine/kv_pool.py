@@ -16,8 +16,8 @@ A key names a full page's tokens and everything before them (see
 is never keyed, so it is never matched and never reaches the directory; the mark
 lasts until the page is freed.
 
-A *position-free entry* holds one chunk's KV computed alone from position 0, in
-pages it owns (one reference each), under a key of its own kind (see
+A *position-free entry* holds one chunk's KV (computed after the engine's entry
+context, its rows starting at position 0) in pages it owns (one reference each), under a key of its own kind (see
 ``chunkstore.hashing.position_free_key``). Entries follow the pages' rules as a unit:
 a request placing from an entry, or a pin, holds it (``users``); an entry nobody
 holds is evictable, least recently used first, after the cached pages; a pinned
@@ -47,8 +47,8 @@ class _Page:
 
 @dataclass(eq=False)
 class ChunkEntry:
-    """A position-free entry: tokens ``[0, num_tokens)`` of a chunk computed alone,
-    in ``pages`` (position p at ``pages[p // page_size]``, offset ``p % page_size``).
+    """A position-free entry: tokens ``[0, num_tokens)`` of a chunk, starting at
+    position 0, in ``pages`` (position p at ``pages[p // page_size]``, offset ``p % page_size``).
     A handle stays valid while held, even after ``clear`` forgets its key."""
 
     key: PageKey
@@ -82,6 +82,11 @@ class KVPool:
         """Pages that ``allocate`` can hand out (free + evictable cached pages and
         entries)."""
         return len(self._free) + len(self._lru) + self._evictable_entry_pages
+
+    def is_private(self, page_ids: Sequence[int]) -> bool:
+        """Whether each of ``page_ids`` is in use exactly once and unkeyed (nobody else
+        can read it)."""
+        return all(self._pages[p].ref_count == 1 and self._pages[p].key is None for p in page_ids)
 
     def entry(self, key: PageKey) -> ChunkEntry | None:
         """The position-free entry under ``key``, if held here (takes no hold)."""
