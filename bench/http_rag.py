@@ -60,6 +60,7 @@ from bench.cluster_rag import (  # noqa: E402
     document_sequence,
     make_bodies,
 )
+from bench.cluster_rag import RequestResult as Result  # noqa: E402
 from workers.engine.checkpoint import load_tokenizer  # noqa: E402
 
 BASE_CONFIG = REPO / "configs/redis.yaml"
@@ -292,16 +293,6 @@ def wait_healthy(serve: ServeProcess, workers: int, timeout_s: float) -> str:
 
 
 # -- the clients ----------------------------------------------------------------------
-@dataclass
-class Result:
-    worker: str
-    ttft_s: float
-    latency_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    output_tokens: int
-
-
 @dataclass
 class Run:
     seconds: float = 0.0
