@@ -37,6 +37,7 @@ import random
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
@@ -80,6 +81,17 @@ class RequestResult:
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
+
+
+def ttft_quantile_ms(results: Sequence[RequestResult], q: float, hits: bool | None = None) -> float:
+    """The ``q`` quantile of TTFT in ms over all requests, or over hits (at least
+    ``HIT_SHARE`` of the prompt cached) or misses only; NaN with none."""
+    ttfts = sorted(
+        r.ttft_s
+        for r in results
+        if hits is None or (r.cached_tokens >= HIT_SHARE * r.prompt_tokens) == hits
+    )
+    return 1000 * ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else float("nan")
 
 
 @dataclass
@@ -131,13 +143,7 @@ class RunResult:
         return sum(r.cached_tokens for r in self.results) / prompt if prompt else 0.0
 
     def ttft_ms(self, q: float, hits: bool | None = None) -> float:
-        """The ``q`` quantile of TTFT over all requests, or over hits or misses only."""
-        ttfts = sorted(
-            r.ttft_s
-            for r in self.results
-            if hits is None or (r.cached_tokens >= HIT_SHARE * r.prompt_tokens) == hits
-        )
-        return 1000 * ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else float("nan")
+        return ttft_quantile_ms(self.results, q, hits)
 
     def worker_shares(self) -> str:
         counts = Counter(r.worker.rsplit("-", 1)[-1] for r in self.results)

@@ -53,12 +53,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.cluster_rag import (  # noqa: E402
-    HIT_SHARE,
     MODEL_NAME,
     Shape,
     TextMaker,
     document_sequence,
     make_bodies,
+    ttft_quantile_ms,
 )
 from bench.cluster_rag import RequestResult as Result  # noqa: E402
 from workers.engine.checkpoint import load_tokenizer  # noqa: E402
@@ -300,12 +300,7 @@ class Run:
     errors: list[str] = field(default_factory=list)
 
     def ttft_ms(self, q: float, hits: bool | None = None) -> float:
-        ttfts = sorted(
-            r.ttft_s
-            for r in self.results
-            if hits is None or (r.cached_tokens >= HIT_SHARE * r.prompt_tokens) == hits
-        )
-        return 1000 * ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else float("nan")
+        return ttft_quantile_ms(self.results, q, hits)
 
     def cached_share(self) -> float:
         prompt = sum(r.prompt_tokens for r in self.results)
