@@ -30,7 +30,7 @@ from workers.engine.kv_pool import KVPool
 from workers.engine.model_runner import ModelRunner
 from workers.engine.models.config import ModelConfig
 from workers.engine.models.loader import load_model
-from workers.engine.placement import place_chunk, rope_supports_placement
+from workers.engine.placement import place_chunk, rope_supports_placement, sequence_slots
 from workers.engine.request import Sequence
 from workers.engine.reuse import NoReuse, Reuse
 from workers.engine.reuse_info import ReuseInfo, ReuseRequest
@@ -340,13 +340,10 @@ class Engine:
         if not self.pool.is_private(fill.page_ids):  # moving rows would corrupt a sharer
             raise RuntimeError("an entry fill's pages must be its own (unkeyed, used once)")
         if context:
-            table = torch.as_tensor(np.asarray(fill.page_ids, dtype=np.int64))
-            src = torch.arange(context, context + length)
-            dst = torch.arange(length)
             place_chunk(
                 self.runner.kv_stack,
-                table[src // page_size] * page_size + src % page_size,
-                table[dst // page_size] * page_size + dst % page_size,
+                sequence_slots(fill.page_ids, context, context + length, page_size),
+                sequence_slots(fill.page_ids, 0, length, page_size),
                 -context,
                 self.runner.model.rope_cache,
                 page_size,

@@ -161,6 +161,14 @@ def place_chunk(
         flat.index_copy_(0, dst_rows, torch.cat((keys.reshape(n, -1), values)))
 
 
+def sequence_slots(page_table: Sequence[int], start: int, end: int, page_size: int) -> torch.Tensor:
+    """``[end - start]`` int64 cache slots of positions ``[start, end)`` of a sequence
+    whose pages are ``page_table`` (slot = page * page_size + offset)."""
+    table = torch.as_tensor(np.asarray(page_table, dtype=np.int64))
+    positions = torch.arange(start, end)
+    return table[positions // page_size] * page_size + positions % page_size
+
+
 def place_spans(
     kv_stack: torch.Tensor,
     cos_sin_cache: torch.Tensor,
@@ -172,14 +180,10 @@ def place_spans(
     entry_pages)``, the entry's tokens ``[0, end - start)`` (held in ``entry_pages``)
     go to positions ``[start, end)`` of the sequence whose pages are ``page_table``,
     keys rotated by ``start``. One ``place_chunk`` call over the stacked cache."""
-    table = torch.as_tensor(np.asarray(page_table, dtype=np.int64))
     src, dst, delta = [], [], []
     for start, end, entry_pages in spans:
-        positions = torch.arange(start, end)
-        dst.append(table[positions // page_size] * page_size + positions % page_size)
-        local = torch.arange(end - start)
-        pages = torch.as_tensor(np.asarray(entry_pages, dtype=np.int64))
-        src.append(pages[local // page_size] * page_size + local % page_size)
+        dst.append(sequence_slots(page_table, start, end, page_size))
+        src.append(sequence_slots(entry_pages, 0, end - start, page_size))
         delta.append(torch.full((end - start,), start, dtype=torch.long))
     place_chunk(
         kv_stack, torch.cat(src), torch.cat(dst), torch.cat(delta), cos_sin_cache, page_size
