@@ -23,11 +23,13 @@ product of ``cos(p * f)`` and ``cos(x * f)`` rotations; both round the angle
 products in float32, so they differ by a few ulps of the angle, which grows with
 the position (about ``(p + x) * 2**-24`` radians).
 
-Plain torch; runs on CPU and CUDA with no per-token Python loops.
+Plain torch on CPU and CUDA, with no per-token Python loops; on CUDA, placing
+entries into a request's pages takes one fused Triton kernel (``layers/placement_kernel``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -99,6 +101,7 @@ def place_chunk(
     delta: int | torch.Tensor,
     cos_sin_cache: torch.Tensor,
     page_size: int,
+    disjoint: bool = False,
 ) -> None:
     """Copy a chunk's K/V into ``dst_slots`` of every layer, keys rotated by ``delta``.
 
@@ -119,7 +122,9 @@ def place_chunk(
     - Only the ``2 * n`` destination rows of each layer are written (keys rotated,
       values bit-identical to the source); every other slot is untouched.
     - Source rows are gathered before anything is written, so sources and
-      destinations may overlap (e.g. shifting a chunk within its own pages).
+      destinations may overlap (e.g. shifting a chunk within its own pages). A
+      caller that knows they are ``disjoint`` lets a stacked CUDA cache take the
+      fused kernel (``layers/placement_kernel.py``): one read and one write per row.
     - The keys at the source are taken to be rotated at positions ``x``; at the
       destination they are rotated at ``x + delta`` (see ``rotate_keys``). Placing
       an entry computed at position 0 at offset ``p`` is ``delta = p``.
@@ -128,6 +133,13 @@ def place_chunk(
     if isinstance(kv_caches, torch.Tensor) and kv_caches.dim() == 6:
         if not isinstance(src, torch.Tensor):
             raise ValueError("a stacked cache takes source slots, not rows")
+        if disjoint and _fused_placement(kv_caches):
+            from workers.engine.layers.placement_kernel import place_rows
+
+            n = dst_slots.numel()
+            deltas = delta if isinstance(delta, torch.Tensor) else torch.full((n,), int(delta))
+            place_rows(kv_caches, src, dst_slots, deltas, cos_sin_cache)
+            return
         _place_stacked(kv_caches, src, dst_slots, delta, cos_sin_cache, page_size)
         return
     if not kv_caches:
@@ -179,15 +191,33 @@ def place_spans(
     """Place several entries into one sequence at once: for each ``(start, end,
     entry_pages)``, the entry's tokens ``[0, end - start)`` (held in ``entry_pages``)
     go to positions ``[start, end)`` of the sequence whose pages are ``page_table``,
-    keys rotated by ``start``. One ``place_chunk`` call over the stacked cache."""
+    keys rotated by ``start``. One ``place_chunk`` call over the stacked cache; entry
+    pages are never the sequence's own, so sources and destinations are disjoint."""
     src, dst, delta = [], [], []
     for start, end, entry_pages in spans:
         dst.append(sequence_slots(page_table, start, end, page_size))
         src.append(sequence_slots(entry_pages, 0, end - start, page_size))
         delta.append(torch.full((end - start,), start, dtype=torch.long))
     place_chunk(
-        kv_stack, torch.cat(src), torch.cat(dst), torch.cat(delta), cos_sin_cache, page_size
+        kv_stack,
+        torch.cat(src),
+        torch.cat(dst),
+        torch.cat(delta),
+        cos_sin_cache,
+        page_size,
+        disjoint=True,
     )
+
+
+def _fused_placement(kv_stack: torch.Tensor) -> bool:
+    """Whether the fused CUDA kernel can place rows in this stacked cache (Triton
+    present, power-of-two kv_heads and head_dim, as ``tl.arange`` needs)."""
+    if kv_stack.device.type != "cuda" or not kv_stack.is_contiguous():
+        return False
+    heads, head_dim = kv_stack.shape[-2], kv_stack.shape[-1]
+    if heads & (heads - 1) or head_dim & (head_dim - 1):
+        return False
+    return importlib.util.find_spec("triton") is not None
 
 
 def _place_stacked(
