@@ -179,8 +179,8 @@ def test_cuda_graph_decode_matches_eager(qwen3_06b, engines):
 
 
 def test_prefill_graphs_match_eager(qwen3_06b, engines):
-    """Single-request prefills of up to 256 new tokens replay a CUDA graph; a cache
-    hit's short tail over a long cached prefix takes the same path."""
+    """Prefills of up to 1,024 new tokens replay a CUDA graph: single prompts, a cache
+    hit's short tail over a long cached prefix, and several prompts in one step."""
     reuse, plain = engines
     eager = LLM(
         qwen3_06b,
@@ -192,12 +192,13 @@ def test_prefill_graphs_match_eager(qwen3_06b, engines):
     runner = reuse.engine.runner
     replays = []
     original = runner.prefill_graphs.run
-    runner.prefill_graphs.run = lambda *a: replays.append(1) or original(*a)
+    runner.prefill_graphs.run = lambda *a: replays.append(a[2].batch_size) or original(*a)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
     rng = random.Random(4)
     context = rng.choices(range(10, 1000), k=3000)
-    prompts = [rng.choices(range(10, 1000), k=n) for n in (17, 64, 100, 250)]
+    prompts = [rng.choices(range(10, 1000), k=n) for n in (17, 64, 100, 250, 700)]
     prompts += [context + rng.choices(range(10, 1000), k=40) for _ in range(3)]
+    batch = [rng.choices(range(10, 1000), k=n) for n in (30, 90, 200)]
     mismatches = []
     try:
         for prompt in prompts:
@@ -205,15 +206,19 @@ def test_prefill_graphs_match_eager(qwen3_06b, engines):
             b = eager.generate([prompt], params)[0]
             if a.token_ids != b.token_ids:
                 mismatches.append(_divergence(a, b))
+        for a, b in zip(reuse.generate(batch, params), eager.generate(batch, params), strict=True):
+            if a.token_ids != b.token_ids:
+                mismatches.append(_divergence(a, b))
     finally:
         runner.prefill_graphs.run = original
-    _record("prefill_graph_vs_eager", {"prompts": len(prompts), "mismatches": mismatches})
-    assert len(replays) >= len(prompts) - 1  # the first context request prefills 3K eagerly
+    _record("prefill_graph_vs_eager", {"prompts": len(prompts) + 3, "mismatches": mismatches})
+    assert replays.count(1) >= len(prompts) - 1  # the first context request prefills 3K eagerly
+    assert 3 in replays  # the batch's prompts in one step, one row each
     assert all(d["picked_runner_up"] and d["top2_gap"] < NEAR_TIE for d in mismatches)
 
 
 def test_scattered_recompute_over_cached_kv_matches_one_pass(engines):
-    """Recomputing a random subset of positions (custom-mask prefill) over KV whose
+    """Recomputing a random subset of positions (one causal row per run) over KV whose
     rows there were overwritten with noise restores the KV and last logits of one
     plain pass, within bf16 noise."""
     import numpy as np
@@ -239,14 +244,31 @@ def test_scattered_recompute_over_cached_kv_matches_one_pass(engines):
     tail = len(tokens) - 4
     subset = np.sort(rng.choice(tail, size=120, replace=False)).astype(np.int64)
     noisy = torch.from_numpy(np.concatenate((subset, np.arange(tail, len(tokens))))).cuda()
-    for cache in engine.runner.kv_caches:
-        cache[rows[0][noisy], :, rows[1][noisy]] = 5 * torch.randn_like(
-            cache[rows[0][noisy], :, rows[1][noisy]]
-        )
-    logits = engine.runner.run([ScheduledSeq(seq, tail, 4, subset)])[0].float()
+    runner, graphs = engine.runner, engine.runner.prefill_graphs
+    results = {}
+    for path in ("graph", "eager"):  # 124 tokens in 111 rows: a graph fits
+        for cache in runner.kv_caches:
+            cache[rows[0][noisy], :, rows[1][noisy]] = 5 * torch.randn_like(
+                cache[rows[0][noisy], :, rows[1][noisy]]
+            )
+        step = ScheduledSeq(seq, tail, 4, subset)
+        replays = []
+        runner.prefill_graphs = graphs if path == "graph" else None
+        original = graphs.run
+
+        def counted(*args, replays=replays, original=original):
+            replays.append(args[2].batch_size)
+            return original(*args)
+
+        graphs.run = counted
+        try:
+            logits = runner.run([step])[0].float()
+        finally:
+            runner.prefill_graphs, graphs.run = graphs, original
+        assert bool(replays) == (path == "graph") and all(r > 32 for r in replays)
+        kv_rel = ((kv() - plain_kv).norm() / plain_kv.norm()).item()
+        results[path] = {"kv_rel": kv_rel, "logit_rel": _rel_full(logits, plain_logits)}
     engine.pool.release(seq.page_ids)
-    kv_rel = ((kv() - plain_kv).norm() / plain_kv.norm()).item()
-    logit_rel = _rel_full(logits, plain_logits)
-    _record("scattered_recompute", {"kv_rel": kv_rel, "logit_rel": logit_rel})
-    assert engine.runner.backend.last_plan_kind == "prefill"
-    assert kv_rel <= 2e-2 and logit_rel <= 2e-2, (kv_rel, logit_rel)
+    _record("scattered_recompute", results)
+    for r in results.values():
+        assert r["kv_rel"] <= 2e-2 and r["logit_rel"] <= 2e-2, results

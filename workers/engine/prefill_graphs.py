@@ -1,12 +1,16 @@
-"""CUDA graphs for single-request prefill steps of up to ``PREFILL_BUCKETS[-1]`` new
-tokens — a cache hit's uncached tail, a short prompt — where an eager forward is bound
-by kernel launches, not by the GPU.
+"""CUDA graphs for prefill steps of up to ``TOKEN_BUCKETS[-1]`` new tokens in up to
+``ROW_BUCKETS[-1]`` layout rows, where an eager forward is bound by kernel launches,
+not by the GPU: a cache hit's uncached tail, a short prompt, a few short prompts
+batched, and an approximate request's repair step (its scattered positions give one
+row per run of consecutive positions, often hundreds).
 
-One graph per token bucket. The request's real tokens fill the front of the bucket;
-padding rows compute on token 0 at position 0, write their KV only to the scratch page,
-and are never attended to (the attention plan covers the real tokens only). Before each
+One graph per (token bucket, row bucket). The step's real tokens fill the front of
+the token bucket; padding tokens compute on token 0 at position 0, write their KV only
+to the scratch page, and are never attended to. Padding rows have no query tokens and
+one scratch page of KV, so the attention kernels do no work for them. Before each
 replay the graph's FlashInfer prefill wrapper is re-planned into its fixed buffers, so
-the cached prefix may be as long as a sequence can be.
+cached prefixes may be as long as a sequence can be. The wrappers share one page-index
+buffer (only one graph runs at a time, planned right before its replay).
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ from workers.engine.attention.flashinfer_backend import (
 from workers.engine.cuda_graphs import capture
 from workers.engine.models.decoder import DecoderModel
 
-PREFILL_BUCKETS = (16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+ROW_BUCKETS = (1, 32, 1024)
 
 
 @dataclass
 class _PrefillGraph:
     tokens: int
+    rows: int
     graph: torch.cuda.CUDAGraph
     wrapper: flashinfer.BatchPrefillWithPagedKVCacheWrapper
     input_ids: torch.Tensor
@@ -56,21 +62,41 @@ class PrefillGraphs:
         self.page_size = backend.shape.page_size
         self.max_pages_per_seq = max_pages_per_seq
         self.pool = pool
-        self.graphs = {t: self._capture(t) for t in sorted(PREFILL_BUCKETS, reverse=True)}
+        device = backend.shape.device
+        # every row may see a whole sequence; a step's rows share one sequence's pages
+        # (scattered runs) or split the batch's, so this bounds any layout we accept
+        self.max_page_indices = ROW_BUCKETS[-1] * max_pages_per_seq
+        padding = ROW_BUCKETS[-1]  # a scratch page per padding row
+        self.page_indices = torch.zeros(
+            self.max_page_indices + padding, dtype=torch.int32, device=device
+        )
+        # a layout that needs row bucket r has more rows, so more tokens, than the bucket
+        # below r: no graph for token buckets that cannot reach it
+        keys = [
+            (t, r)
+            for t in TOKEN_BUCKETS
+            for below, r in zip((0, *ROW_BUCKETS), ROW_BUCKETS, strict=False)
+            if below < t
+        ]
+        self.graphs = {key: self._capture(*key) for key in sorted(keys, reverse=True)}
         self.buckets = sorted(self.graphs)
+
+    def _bucket(self, layout: BatchLayout) -> tuple[int, int] | None:
+        n, rows = layout.num_tokens, layout.batch_size
+        return next(((t, r) for t, r in self.buckets if t >= n and r >= rows), None)
 
     def can_run(self, layout: BatchLayout) -> bool:
         return (
-            layout.batch_size == 1
-            and 1 < layout.num_tokens <= self.buckets[-1]
-            and layout.kv_page_indices.numel() <= self.max_pages_per_seq
+            layout.num_tokens > layout.batch_size  # decode steps have graphs of their own
+            and layout.kv_page_indices.numel() <= self.max_page_indices
+            and self._bucket(layout) is not None
         )
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout):
-        """Final hidden states [n, hidden] of the request's n new tokens."""
+        """Final hidden states [n, hidden] of the step's n new tokens."""
         n = layout.num_tokens
-        g = self.graphs[next(t for t in self.buckets if t >= n)]
+        g = self.graphs[self._bucket(layout)]
         g.input_ids[:n].copy_(input_ids, non_blocking=True)
         g.positions[:n].copy_(positions, non_blocking=True)
         g.input_ids[n:].zero_()
@@ -82,46 +108,77 @@ class PrefillGraphs:
             )
         )
         g.kv_rows.copy_(kv_write_rows(slots, self.page_size), non_blocking=True)
-        plan_prefill(g.wrapper, layout, self.backend.shape)
+        plan_prefill(g.wrapper, self._padded(layout, g.rows), self.backend.shape)
         g.graph.replay()
         return g.hidden[:n]
 
-    def _capture_layout(self, tokens: int) -> BatchLayout:
-        """``tokens`` new tokens of one request laid on the scratch page."""
-        pages = -(-tokens // self.page_size)
+    def _padded(self, layout: BatchLayout, rows: int) -> BatchLayout:
+        """``layout`` with empty rows appended up to ``rows``: no query tokens, one
+        scratch page of KV."""
+        pad = rows - layout.batch_size
+        if pad == 0:
+            return layout
         i32 = torch.int32
+        ones = torch.ones(pad, dtype=i32)
         return BatchLayout(
-            qo_indptr=torch.tensor([0, tokens], dtype=i32),
-            kv_page_indptr=torch.tensor([0, pages], dtype=i32),
-            kv_page_indices=torch.full((pages,), self.scratch_page, dtype=i32),
-            kv_last_page_len=torch.tensor([tokens - (pages - 1) * self.page_size], dtype=i32),
-            kv_lens=torch.tensor([tokens], dtype=i32),
+            qo_indptr=torch.cat((layout.qo_indptr, layout.qo_indptr[-1:].repeat(pad))),
+            kv_page_indptr=torch.cat(
+                (layout.kv_page_indptr, layout.kv_page_indptr[-1] + ones.cumsum(0, dtype=i32))
+            ),
+            kv_page_indices=torch.cat(
+                (layout.kv_page_indices, torch.full((pad,), self.scratch_page, dtype=i32))
+            ),
+            kv_last_page_len=torch.cat((layout.kv_last_page_len, ones)),
+            kv_lens=torch.cat((layout.kv_lens, ones)),
+            slot_mapping=layout.slot_mapping,
+            page_size=layout.page_size,
+        )
+
+    def _capture_layout(self, tokens: int, rows: int) -> BatchLayout:
+        """``tokens`` new tokens in ``rows`` rows: one token each and the rest in the
+        last row, or, with more rows than tokens, empty rows after the first
+        ``tokens``; every row's KV on the scratch page."""
+        i32 = torch.int32
+        counts = torch.ones(rows, dtype=i32)
+        if rows > tokens:
+            counts[tokens:] = 0
+        else:
+            counts[-1] = tokens - rows + 1
+        kv_lens = counts.clamp_min(1)
+        pages = (kv_lens + self.page_size - 1) // self.page_size
+        zero = torch.zeros(1, dtype=i32)
+        return BatchLayout(
+            qo_indptr=torch.cat((zero, counts.cumsum(0, dtype=i32))),
+            kv_page_indptr=torch.cat((zero, pages.cumsum(0, dtype=i32))),
+            kv_page_indices=torch.full((int(pages.sum()),), self.scratch_page, dtype=i32),
+            kv_last_page_len=kv_lens - (pages - 1) * self.page_size,
+            kv_lens=kv_lens,
             slot_mapping=torch.full((tokens,), self.scratch_page * self.page_size, dtype=i32),
             page_size=self.page_size,
         )
 
     @torch.inference_mode()
-    def _capture(self, tokens: int) -> _PrefillGraph:
+    def _capture(self, tokens: int, rows: int) -> _PrefillGraph:
         device = self.backend.shape.device
         i32 = dict(dtype=torch.int32, device=device)
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.backend.workspace,
             "NHD",
             use_cuda_graph=True,
-            qo_indptr_buf=torch.zeros(2, **i32),
-            paged_kv_indptr_buf=torch.zeros(2, **i32),
-            paged_kv_indices_buf=torch.zeros(self.max_pages_per_seq, **i32),
-            paged_kv_last_page_len_buf=torch.zeros(1, **i32),
+            qo_indptr_buf=torch.zeros(rows + 1, **i32),
+            paged_kv_indptr_buf=torch.zeros(rows + 1, **i32),
+            paged_kv_indices_buf=self.page_indices,
+            paged_kv_last_page_len_buf=torch.zeros(rows, **i32),
         )
-        layout = self._capture_layout(tokens)
+        layout = self._capture_layout(tokens, rows)
+        plan_prefill(wrapper, layout, self.backend.shape)
         input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
         positions = torch.zeros(tokens, dtype=torch.long, device=device)
         kv_rows = kv_write_rows(layout.slot_mapping, self.page_size).to(device)
-        plan_prefill(wrapper, layout, self.backend.shape)
         metadata = FlashInferMetadata(kv_rows, wrapper)
 
         def forward() -> torch.Tensor:
             return self.model(input_ids, positions, self.kv_caches, self.backend, metadata)
 
         graph, hidden = capture(forward, self.pool)
-        return _PrefillGraph(tokens, graph, wrapper, input_ids, positions, kv_rows, hidden)
+        return _PrefillGraph(tokens, rows, graph, wrapper, input_ids, positions, kv_rows, hidden)
