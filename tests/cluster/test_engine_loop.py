@@ -15,6 +15,7 @@ import pytest
 from chunkstore.events import CacheEvent, EventKind
 from chunkstore.hashing import Namespace, position_free_key
 from tests.chunkstore.testkit import wait_until
+from workers.engine.approximate import BRIDGE_SHARE
 from workers.engine.checkpoint import checkpoint_fingerprint
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, StepOutput
@@ -116,7 +117,9 @@ def test_approximate_requests_reach_the_engine_with_their_spans(loop, tiny_qwen3
     assert wait_until(lambda: entries <= set(mirror.snapshot()), timeout_s=30)
     swapped = list(range(500, 520)) + docs[1] + docs[0] + list(range(400, 410))
     second = collect(loop, "b", swapped, params, placeable=spans, reuse=approximate)[-1]
-    assert second.reuse == ReuseInfo("approximate", 80, 8)  # both placed, 4 repaired each
+    # both placed, 4 repaired in each, plus placed tokens joining nearby repair runs
+    assert second.reuse.mode == "approximate" and second.reuse.reused_tokens == 80
+    assert 8 <= second.reuse.recomputed_tokens <= 8 + int(BRIDGE_SHARE * 80)
     assert collect(loop, "c", swapped, params, placeable=spans)[-1].reuse.mode == "exact"
 
     partial = tmp_path / "partial"

@@ -14,6 +14,7 @@ from chunkstore.chunking import chunk_conversation, placeable_spans
 from chunkstore.events import EventKind
 from chunkstore.hashing import position_free_key
 from workers import LLM
+from workers.engine.approximate import BRIDGE_SHARE, bridge_gaps
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.reuse_info import ReuseRequest
@@ -183,7 +184,24 @@ def test_deviation_ratio_recomputes_the_most_deviating_share(model, parts):
     prompt, spans = _layout(parts["systems"][1], parts["docs"], parts["question"])
     _, _, info = _run(engine, prompt, spans, ReuseRequest("approximate", 2, 0.25))
     placed = sum(DOCS)
-    assert info.recomputed_tokens == 2 * len(DOCS) + round(0.25 * placed)
+    selected = 2 * len(DOCS) + round(0.25 * placed)
+    # plus the placed tokens that join nearby repair runs, within their budget
+    assert selected <= info.recomputed_tokens <= selected + int(BRIDGE_SHARE * placed)
+
+
+def test_bridge_gaps_joins_the_smallest_gaps_within_budget():
+    pending = np.zeros(40, dtype=bool)
+    pending[[0, 1, 2, 3, 4, 8, 9, 20, 37]] = True  # runs; the tail starts at 40
+    joined = bridge_gaps(pending.copy(), 0, budget=100, max_gap=5)
+    assert joined.tolist() == [5, 6, 7, 38, 39]  # gaps of 3 and 2; 10 and 16 too long
+    assert bridge_gaps(pending.copy(), 0, budget=3, max_gap=16).tolist() == [38, 39]
+    # a gap right after the exactly matched prefix has no run before it
+    after = bridge_gaps(pending.copy(), 6, budget=100, max_gap=16)
+    assert after.tolist() == [*range(10, 20), *range(21, 37), 38, 39]
+    marked = pending.copy()
+    bridge_gaps(marked, 0, budget=100, max_gap=16)
+    assert marked[5:].all() and marked[:5].all()  # one run, joined to the tail
+    assert not len(bridge_gaps(np.zeros(10, dtype=bool), 0, budget=100, max_gap=16))
 
 
 def test_short_chunks_are_computed_not_kept(model, parts):
