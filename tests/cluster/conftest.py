@@ -34,7 +34,7 @@ from cluster.actors import ensure_cluster, kill_cluster, wait_ready
 from cluster.app import build_app
 from cluster.config import load_config
 from cluster.model_store import ensure_model
-from tests.chunkstore.testkit import RedisProcess, free_port
+from tests.chunkstore.testkit import RedisProcess, free_port, free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_CPUS = 4
@@ -62,14 +62,14 @@ class ServedApp:
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[RayCluster]:
     temp_dir = tempfile.mkdtemp(prefix="csray", dir="/tmp")  # short: socket paths
-    port, dashboard = free_port(), free_port()
+    port, dashboard, client_server, dashboard_agent = free_ports(4)
     args = [
         sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
         f"--temp-dir={temp_dir}", f"--port={port}",
         f"--num-cpus={NUM_CPUS}", "--num-gpus=0", "--include-dashboard=true",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-        f"--ray-client-server-port={free_port()}",
-        f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats",
+        f"--ray-client-server-port={client_server}",
+        f"--dashboard-agent-listen-port={dashboard_agent}", "--disable-usage-stats",
     ]  # fmt: skip
     log = open(Path(temp_dir) / "ray-start.log", "w")  # noqa: SIM115 - closed at teardown
     # Token auth off for this private cluster: the test process joins it by explicit
