@@ -109,6 +109,16 @@ def ttft_scenario(model, trials, rng, vocab, repair):
         runner.drain()
     times = {name: [] for name in runners}
     reused = {name: [] for name in runners}
+    steps = {name: [] for name in runners}
+    shapes = {name: [] for name in runners}  # (new tokens, rows) of each prefill step
+    for name, runner in runners.items():
+        model_runner = runner.engine.runner
+        if getattr(model_runner, "prefill_graphs", None) is not None:
+            graphs, log = model_runner.prefill_graphs, shapes[name]
+            bucket = graphs._bucket
+            graphs._bucket = lambda lay, b=bucket, log=log: (
+                log.append((lay.num_tokens, lay.batch_size)) or b(lay)
+            )
     for _ in range(trials):
         order = docs[:]
         rng.shuffle(order)
@@ -118,13 +128,15 @@ def ttft_scenario(model, trials, rng, vocab, repair):
             rid = runner.submit(prompt, spans, reuse, FIRST_TOKEN)
             sync()
             start = time.perf_counter()
-            info = None
+            info, count = None, 0
             while info is None:
+                count += 1
                 for out in runner.engine.step():
                     if out.request_id == rid:
                         info = out.reuse
             sync()
             times[name].append(time.perf_counter() - start)
+            steps[name].append(count)
             reused[name].append((info.reused_tokens, info.recomputed_tokens))
             runner.drain()
     del engines, runners
@@ -132,6 +144,9 @@ def ttft_scenario(model, trials, rng, vocab, repair):
     return {
         name: {
             "ttft_ms": 1e3 * statistics.median(t),
+            "ttft_ms_trials": [round(1e3 * x, 2) for x in t],
+            "steps_to_first_token": steps[name],
+            "graph_steps_tokens_rows": shapes[name],
             "reused_tokens": reused[name][-1][0],
             "recomputed_tokens": reused[name][-1][1],
         }
@@ -180,7 +195,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model")
     ap.add_argument("--trials", type=int, default=5)
-    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--requests", type=int, default=256, help="0: TTFT only")
     ap.add_argument("--warm-requests", type=int, default=128, help="unmeasured, first")
     ap.add_argument("--first-tokens", type=int, default=None, help="default: the engine's")
     ap.add_argument("--deviation-ratio", type=float, default=None)
@@ -200,11 +215,22 @@ def main() -> None:
     print_table(
         f"TTFT, {ttft['prompt_tokens']} prompt tokens, documents held position-free "
         f"(repair k={repair.first_tokens}, r={repair.deviation_ratio})",
-        ["mode", "TTFT ms", "x faster than exact", "x faster than cold", "reused", "recomputed"],
+        [
+            "mode",
+            "TTFT ms",
+            "min",
+            "max",
+            "x faster than exact",
+            "x faster than cold",
+            "reused",
+            "recomputed",
+        ],
         [
             [
                 name,
                 r["ttft_ms"],
+                min(r["ttft_ms_trials"]),
+                max(r["ttft_ms_trials"]),
                 exact / r["ttft_ms"],
                 cold / r["ttft_ms"],
                 r["reused_tokens"],
@@ -214,6 +240,10 @@ def main() -> None:
             if name != "prompt_tokens"
         ],
     )
+    if not args.requests:
+        if args.json:
+            Path(args.json).write_text(json.dumps({"ttft": ttft}, indent=2) + "\n")
+        return
     rag = rag_workload(model, args.requests, args.warm_requests, rng, vocab, repair)
     print_table(
         f"RAG workload: {args.requests} requests after {args.warm_requests} warm-up ones, "
