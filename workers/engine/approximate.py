@@ -20,8 +20,8 @@ Admission of an approximate request:
    one attention row walking the KV before it, so runs a few placed tokens apart are
    joined by recomputing those tokens as well (``bridge_gaps``: gaps of at most
    ``BRIDGE_MAX_GAP`` tokens, smallest first, within ``BRIDGE_SHARE`` of the placed
-   tokens). Recomputing in context only brings KV closer to a full prefill; the
-   joined tokens count as recomputed.
+   tokens). Those tokens get the KV this context gives them, as repaired ones do, and
+   count as recomputed.
 4. Taint: ``exact_until`` is the first placed token that is not recomputed; pages
    from there on are marked inexact and never keyed.
 
