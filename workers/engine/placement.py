@@ -29,6 +29,7 @@ entries into a request's pages takes one fused Triton kernel (``layers/placement
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -217,6 +218,12 @@ def _fused_placement(kv_stack: torch.Tensor) -> bool:
     heads, head_dim = kv_stack.shape[-2], kv_stack.shape[-1]
     if heads & (heads - 1) or head_dim & (head_dim - 1):
         return False
+    return _has_triton()
+
+
+@functools.cache
+def _has_triton() -> bool:
+    """Looked up once: placement runs on every approximate admission."""
     return importlib.util.find_spec("triton") is not None
 
 
