@@ -1,13 +1,25 @@
 """FlashInfer paged prefill attention alone, qwen3-0.6b head shapes (16 query heads,
-8 KV heads, dim 128, page 16): FA2 (split-KV) against the default kernels (FA3 on
-Hopper), for the shapes short prefills take. Checks the backend's short-prefill rule
-(``flashinfer_backend.is_short_prefill``) by measurement; outputs are compared too.
+8 KV heads, dim 128, page 16), for the shapes short prefills take: rows of a few
+queries over a long KV (a cache hit's tail, an approximate request's question and
+repair runs). The default kernel on Hopper (FA3) gives each (128-query tile, head)
+one CTA walking the row's whole KV, so such rows leave most SMs idle. Variants:
+
+- ``fa3``: the default, causal, one row per run (the engine today);
+- ``fa2``: FA2 with its own split-KV planning;
+- ``fa2/N``: FA2 with a fixed split of N pages;
+- ``fa3 split C``: each row's KV before its chunk-aligned own part cut into chunks
+  of C tokens, every chunk a non-causal row of that row's queries (queries copied),
+  the own part one causal row, partial outputs merged by their log-sum-exp;
+- ``batch attn``: FlashInfer's persistent ``BatchAttention`` (causal).
+
+Outputs are compared with ``fa3``'s (relative L2 difference).
 
     python bench/prefill_kernel.py
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -20,9 +32,10 @@ from bench.common import device_line, print_table  # noqa: E402
 HEADS, KV_HEADS, DIM, PAGE = 16, 8, 128, 16
 # (name, [(new tokens, KV length) per row])
 SHAPES = [
-    ("cache-hit tail: 40 over 3,000", [(40, 3040)]),
+    ("question: 32 over 4,384", [(32, 4384)]),
+    ("approx r=0 step: 256 + 32 over 4,384", [(256, 256), (32, 4384)]),
+    ("cache-hit tail: 64 over 5,184", [(64, 5184)]),
     ("cache-hit tails: 8 x 40 over 3,000", [(40, 3040)] * 8),
-    ("short prompt: 256", [(256, 256)]),
     ("prompt: 1,024", [(1024, 1024)]),
     (
         "repair: 700 in 5 runs over 4,400",
@@ -32,53 +45,185 @@ SHAPES = [
 ]
 
 
-def kernel_time(wrapper, q, cache, iters: int = 50) -> float:
-    """Seconds per run, from CUDA events around back-to-back runs (no host gaps)."""
+def timed(fn, iters: int = 50) -> tuple[float, float]:
+    """Seconds per call: wall (CUDA events around back-to-back calls; for small shapes
+    this is the host's launch cost) and GPU (the profiler's sum of kernel times, what
+    a CUDA graph replay costs)."""
+    from torch.profiler import ProfilerActivity, profile
+
     for _ in range(5):
-        wrapper.run(q, cache)
+        fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
-        wrapper.run(q, cache)
+        fn()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
+    wall = start.elapsed_time(end) / 1e3 / iters
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sum(e.self_device_time_total for e in prof.key_averages())
+    return wall, kernels / 1e6 / iters
+
+
+class Rows:
+    """A paged layout: rows of (queries, KV length), every row's pages its own."""
+
+    def __init__(self, spec, device="cuda") -> None:
+        self.spec = spec
+        self.pages = [-(-kv // PAGE) for _, kv in spec]
+        self.total_pages = sum(self.pages)
+        self.indices = torch.randperm(self.total_pages, dtype=torch.int32).to(device)
+        starts = [0]
+        for p in self.pages:
+            starts.append(starts[-1] + p)
+        self.page_start = starts
+
+    def layout(self, rows):
+        """Tensors for ``rows``: (row, queries, first KV token (page-aligned), KV end)."""
+        qo, kv_ptr, idx, last = [0], [0], [], []
+        for r, q, a, e in rows:
+            first, end = a // PAGE, -(-e // PAGE)
+            base = self.page_start[r]
+            idx.append(self.indices[base + first : base + end])
+            qo.append(qo[-1] + q)
+            kv_ptr.append(kv_ptr[-1] + end - first)
+            last.append(e - (end - 1) * PAGE)
+        i32 = torch.int32
+        return (
+            torch.tensor(qo, dtype=i32),
+            torch.tensor(kv_ptr, dtype=i32),
+            torch.cat(idx),
+            torch.tensor(last, dtype=i32),
+        )
+
+
+def plan(wrapper, tensors, causal, **kw) -> None:
+    qo, kv_ptr, idx, last = tensors
+    wrapper.plan(
+        qo, kv_ptr, idx, last, HEADS, KV_HEADS, DIM, PAGE,
+        causal=causal, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, **kw,
+    )  # fmt: skip
+
+
+def split_rows(spec, chunk: int):
+    """Causal own parts and non-causal prefix chunks; ``source[i]``: the query row of
+    each copied query, ``slot[i]``: where its partial output goes (query * states +
+    state), ``states``: 1 + the most chunks of a row."""
+    own, chunks, source, slot, q0 = [], [], [], [], 0
+    states = 1 + max(((kv - q) // chunk) for q, kv in spec)
+    for r, (q, kv) in enumerate(spec):
+        a = ((kv - q) // chunk) * chunk
+        own.append((r, q, a, kv))
+        for j, c in enumerate(range(0, a, chunk)):
+            chunks.append((r, q, c, c + chunk))
+            source.extend(range(q0, q0 + q))
+            slot.extend(i * states + 1 + j for i in range(q0, q0 + q))
+        q0 += q
+    cuda = dict(dtype=torch.long, device="cuda")
+    return own, chunks, torch.tensor(source, **cuda), torch.tensor(slot, **cuda), states
+
+
+def merge(out, lse, parts, part_lse, slot, states):
+    """Merge partial attention outputs by log-sum-exp: ``parts[i]`` is state
+    ``slot[i] % states`` of query ``slot[i] // states``; missing states have lse -inf."""
+    import flashinfer
+
+    n = out.shape[0]
+    v = torch.zeros(n, states, *out.shape[1:], dtype=out.dtype, device=out.device)
+    s = torch.full((n, states, lse.shape[1]), -math.inf, device=out.device)
+    v[:, 0], s[:, 0] = out, lse
+    v.view(n * states, *out.shape[1:])[slot] = parts
+    s.view(n * states, -1)[slot] = part_lse
+    return flashinfer.merge_states(v, s)[0]
+
+
+def build(variant, spec, layout, full, q, cache, workspaces):
+    """The call that computes one variant's attention output."""
+    import flashinfer
+
+    if variant.startswith("fa3 split"):
+        own, chunks, source, slot, states = split_rows(spec, int(variant.split()[-1]))
+        w_own = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspaces[0], "NHD")
+        plan(w_own, layout.layout(own), causal=True)
+        if chunks:
+            w_chunk = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspaces[1], "NHD")
+            plan(w_chunk, layout.layout(chunks), causal=False)
+
+        def fn():
+            out, lse = w_own.run(q, cache, return_lse=True)
+            if not chunks:
+                return out
+            parts, part_lse = w_chunk.run(q[source], cache, return_lse=True)
+            return merge(out, lse, parts, part_lse, slot, states)
+    elif variant == "batch attn":
+        w = flashinfer.BatchAttention("NHD")
+        qo, kv_ptr, idx, last = full
+        kv_len = torch.tensor([kv for _, kv in spec], dtype=torch.int32)
+        w.plan(
+            qo.cuda(), kv_ptr.cuda(), idx, kv_len.cuda(), HEADS, KV_HEADS, DIM, DIM,
+            PAGE, causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+        )  # fmt: skip
+
+        def fn():
+            return w.run(q, cache)[0]
+    else:
+        backend, _, split = variant.partition("/")
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            workspaces[0], "NHD", backend="auto" if backend == "fa3" else backend
+        )
+        plan(w, full, causal=True, fixed_split_size=int(split) if split else None)
+
+        def fn():
+            return w.run(q, cache)
+
+    return fn
 
 
 def main() -> None:
-    import flashinfer
 
-    workspace = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
+    workspaces = [torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    variants = [
+        "fa3",
+        "fa2",
+        "fa2/32",
+        "fa3 split 256",
+        "fa3 split 512",
+        "fa3 split 1024",
+        "batch attn",
+    ]
     rows = []
     for name, spec in SHAPES:
-        pages = [-(-kv // PAGE) for _, kv in spec]
-        cache = torch.randn(sum(pages), 2, PAGE, KV_HEADS, DIM, dtype=torch.bfloat16, device="cuda")
-        qo_indptr = torch.tensor([0] + [q for q, _ in spec], dtype=torch.int32).cumsum(
-            0, dtype=torch.int32
+        layout = Rows(spec)
+        cache = torch.randn(
+            layout.total_pages, 2, PAGE, KV_HEADS, DIM, dtype=torch.bfloat16, device="cuda"
         )
-        kv_indptr = torch.tensor([0, *pages], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        indices = torch.randperm(sum(pages), dtype=torch.int32).cuda()
-        last = torch.tensor(
-            [kv - (p - 1) * PAGE for (_, kv), p in zip(spec, pages, strict=True)], dtype=torch.int32
-        )
-        q = torch.randn(int(qo_indptr[-1]), HEADS, DIM, dtype=torch.bfloat16, device="cuda")
-        times, outs = [], []
-        for backend in ("auto", "fa2"):
-            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                workspace, "NHD", backend=backend
-            )
-            wrapper.plan(
-                qo_indptr, kv_indptr, indices, last, HEADS, KV_HEADS, DIM, PAGE,
-                causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
-            )  # fmt: skip
-            outs.append(wrapper.run(q, cache).float())
-            times.append(kernel_time(wrapper, q, cache))
-        diff = ((outs[0] - outs[1]).norm() / outs[0].norm()).item()
-        rows.append([name, 1e6 * times[0], 1e6 * times[1], times[0] / times[1], diff])
+        full = layout.layout([(r, q, 0, kv) for r, (q, kv) in enumerate(spec)])
+        q = torch.randn(int(full[0][-1]), HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+        times, outs = {}, {}
+        for variant in variants:
+            try:
+                fn = build(variant, spec, layout, full, q, cache, workspaces)
+                outs[variant] = fn().float()
+                times[variant] = timed(fn)
+            except Exception as e:  # a variant this FlashInfer does not take
+                print(f"{name} / {variant}: {type(e).__name__}: {str(e)[:200]}")
+        base = outs["fa3"]
+        row = [name]
+        for variant in variants:
+            if variant not in times:
+                row.append("-")
+                continue
+            diff = ((outs[variant] - base).norm() / base.norm()).item()
+            wall, gpu = times[variant]
+            row.append(f"{1e6 * gpu:.1f} / {1e6 * wall:.0f} ({diff:.0e})")
+        rows.append(row)
     print(device_line())
     print_table(
-        "Paged prefill attention, one layer (us)",
-        ["shape", "default (FA3 on Hopper)", "FA2", "FA2 speedup", "rel. diff"],
+        "Paged prefill attention, one layer: GPU us / wall us (relative difference to fa3)",
+        ["shape", *variants],
         rows,
     )
 

@@ -180,7 +180,8 @@ def test_cuda_graph_decode_matches_eager(qwen3_06b, engines):
 
 def test_prefill_graphs_match_eager(qwen3_06b, engines):
     """Prefills of up to 1,024 new tokens replay a CUDA graph: single prompts, a cache
-    hit's short tail over a long cached prefix, and several prompts in one step."""
+    hit's short tail over a long cached prefix (a split-KV graph), and several prompts
+    in one step."""
     reuse, plain = engines
     eager = LLM(
         qwen3_06b,
@@ -190,9 +191,11 @@ def test_prefill_graphs_match_eager(qwen3_06b, engines):
         enable_cuda_graphs=False,
     )
     runner = reuse.engine.runner
-    replays = []
-    original = runner.prefill_graphs.run
-    runner.prefill_graphs.run = lambda *a: replays.append(a[2].batch_size) or original(*a)
+    replays, graphs = [], runner.prefill_graphs
+    original = graphs.run
+    graphs.run = lambda *a: (
+        replays.append((a[2].batch_size, graphs._bucket(a[2])[2])) or original(*a)
+    )
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
     rng = random.Random(4)
     context = rng.choices(range(10, 1000), k=3000)
@@ -212,8 +215,10 @@ def test_prefill_graphs_match_eager(qwen3_06b, engines):
     finally:
         runner.prefill_graphs.run = original
     _record("prefill_graph_vs_eager", {"prompts": len(prompts) + 3, "mismatches": mismatches})
-    assert replays.count(1) >= len(prompts) - 1  # the first context request prefills 3K eagerly
-    assert 3 in replays  # the batch's prompts in one step, one row each
+    rows = [r for r, _ in replays]
+    assert rows.count(1) >= len(prompts) - 1  # the first context request prefills 3K eagerly
+    assert 3 in rows  # the batch's prompts in one step, one row each
+    assert (1, True) in replays  # a cached context's tail: the split-KV graph
     assert all(d["picked_runner_up"] and d["top2_gap"] < NEAR_TIE for d in mismatches)
 
 

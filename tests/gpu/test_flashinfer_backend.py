@@ -68,6 +68,18 @@ def test_prefill_with_cached_prefix():
     assert backend.last_plan_kind == "prefill"
 
 
+def test_short_rows_over_a_long_kv_take_the_split_kv_kernel():
+    """A question after long cached context, beside a short prompt: FA2 with the KV
+    split over CTAs, agreeing with the torch reference."""
+    from workers.engine.attention.flashinfer_backend import FlashInferBackend
+
+    rng = random.Random(5)
+    layout = _layout(_random_pages(rng, 2, 280), [256, 4384], [256, 32])
+    backend = FlashInferBackend(_shape())
+    assert _compare(layout, backend) <= 1e-2
+    assert backend.last_plan_kind == "prefill-split"
+
+
 def test_decode():
     from workers.engine.attention.flashinfer_backend import FlashInferBackend
 

@@ -4,7 +4,10 @@ not by the GPU: a cache hit's uncached tail, a short prompt, a few short prompts
 batched, and an approximate request's repair step (its scattered positions give one
 row per run of consecutive positions, often hundreds).
 
-One graph per (token bucket, row bucket). The step's real tokens fill the front of
+One graph per (token bucket, row bucket, kernel): steps that ``prefers_split_kv`` (a
+few short rows over a long KV, at most ``max_split_kv_tokens`` new tokens) replay
+graphs whose attention is FlashInfer's FA2 with the KV split over CTAs, the others
+graphs of the default kernel (FA3 on Hopper). The step's real tokens fill the front of
 the token bucket; padding tokens compute on token 0 at position 0, write their KV only
 to the scratch page, and are never attended to. Padding rows have no query tokens and
 one scratch page of KV, so the attention kernels do no work for them. Before each
@@ -20,7 +23,12 @@ from dataclasses import dataclass
 import flashinfer
 import torch
 
-from workers.engine.attention.base import BatchLayout, kv_write_rows
+from workers.engine.attention.base import (
+    QUERY_TILE,
+    BatchLayout,
+    kv_write_rows,
+    max_split_kv_tokens,
+)
 from workers.engine.attention.flashinfer_backend import (
     FlashInferBackend,
     FlashInferMetadata,
@@ -37,6 +45,7 @@ ROW_BUCKETS = (1, 32, 1024)
 class _PrefillGraph:
     tokens: int
     rows: int
+    split_kv: bool
     graph: torch.cuda.CUDAGraph
     wrapper: flashinfer.BatchPrefillWithPagedKVCacheWrapper
     input_ids: torch.Tensor
@@ -73,17 +82,29 @@ class PrefillGraphs:
         # a layout that needs row bucket r has more rows, so more tokens, than the bucket
         # below r: no graph for token buckets that cannot reach it
         keys = [
-            (t, r)
+            (t, r, False)
             for t in TOKEN_BUCKETS
             for below, r in zip((0, *ROW_BUCKETS), ROW_BUCKETS, strict=False)
             if below < t
         ]
+        # a split-KV step has at most one row per query tile
+        split_tokens = max_split_kv_tokens(backend.shape.num_heads, backend.num_sms)
+        split_rows = split_tokens // QUERY_TILE
+        keys += [
+            (t, r, True)
+            for t, r, _ in keys
+            if t <= split_tokens
+            and (r == ROW_BUCKETS[0] or ROW_BUCKETS[ROW_BUCKETS.index(r) - 1] < split_rows)
+        ]
         self.graphs = {key: self._capture(*key) for key in sorted(keys, reverse=True)}
         self.buckets = sorted(self.graphs)
 
-    def _bucket(self, layout: BatchLayout) -> tuple[int, int] | None:
+    def _bucket(self, layout: BatchLayout) -> tuple[int, int, bool] | None:
         n, rows = layout.num_tokens, layout.batch_size
-        return next(((t, r) for t, r in self.buckets if t >= n and r >= rows), None)
+        split = self.backend.prefers_split_kv(layout)
+        return next(
+            ((t, r, s) for t, r, s in self.buckets if t >= n and r >= rows and s == split), None
+        )
 
     def can_run(self, layout: BatchLayout) -> bool:
         return (
@@ -158,12 +179,13 @@ class PrefillGraphs:
         )
 
     @torch.inference_mode()
-    def _capture(self, tokens: int, rows: int) -> _PrefillGraph:
+    def _capture(self, tokens: int, rows: int, split_kv: bool) -> _PrefillGraph:
         device = self.backend.shape.device
         i32 = dict(dtype=torch.int32, device=device)
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.backend.workspace,
             "NHD",
+            backend="fa2" if split_kv else "auto",
             use_cuda_graph=True,
             qo_indptr_buf=torch.zeros(rows + 1, **i32),
             paged_kv_indptr_buf=torch.zeros(rows + 1, **i32),
@@ -181,4 +203,6 @@ class PrefillGraphs:
             return self.model(input_ids, positions, self.kv_caches, self.backend, metadata)
 
         graph, hidden = capture(forward, self.pool)
-        return _PrefillGraph(tokens, rows, graph, wrapper, input_ids, positions, kv_rows, hidden)
+        return _PrefillGraph(
+            tokens, rows, split_kv, graph, wrapper, input_ids, positions, kv_rows, hidden
+        )

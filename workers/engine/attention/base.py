@@ -136,3 +136,29 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: tor
     flat = kv_cache.view(-1, kv_cache.shape[-2] * kv_cache.shape[-1])
     new = torch.cat((k.reshape(tokens, -1), v.reshape(tokens, -1))).to(kv_cache.dtype)
     flat.index_copy_(0, rows, new)
+
+
+# A prefill kernel without KV splitting (FlashInfer's FA3, its default on Hopper) gives
+# each (128-query tile, query head) one CTA that walks its row's whole KV: a step of a
+# few short rows over a long KV (a cache hit's tail, an approximate request's question)
+# keeps a few dozen of the SMs busy for as long as the longest walk. Measured on an
+# H200, qwen3-0.6b heads, one layer (bench/prefill_kernel.py): 32 queries over 4,384
+# keys 63 us with FA3, 18 us with FA2 splitting the KV; 256 + 32 queries over 256 and
+# 4,384 keys 64 against 30 us; but 8 rows of 40 over 3,000 keys (8 tiles) 51 against
+# 62 us, and a 1,024-token prompt 22 against 74 us.
+QUERY_TILE = 128
+SPLIT_KV_MIN_KV_LEN = 1024
+
+
+def prefers_split_kv(layout: BatchLayout, num_heads: int, num_sms: int) -> bool:
+    """Whether a prefill step's attention should take the split-KV kernel: its query
+    tiles (``QUERY_TILE`` new tokens of one row, per query head) fill at most half the
+    SMs, and some row sees at least ``SPLIT_KV_MIN_KV_LEN`` tokens of KV."""
+    rows = layout.qo_indptr[1:] - layout.qo_indptr[:-1]
+    tiles = int(((rows + QUERY_TILE - 1) // QUERY_TILE).sum()) * num_heads
+    return tiles <= num_sms // 2 and int(layout.kv_lens.max()) >= SPLIT_KV_MIN_KV_LEN
+
+
+def max_split_kv_tokens(num_heads: int, num_sms: int) -> int:
+    """The most new tokens a step that ``prefers_split_kv`` can have."""
+    return (num_sms // 2 // num_heads) * QUERY_TILE

@@ -1,6 +1,8 @@
 """FlashInfer attention on CUDA: paged prefill (cached prefix + new tokens), paged
 decode, and cascade decode for requests that share leading pages. Scattered
 positions need nothing special: the layout gives each run its own causal row.
+Prefill steps of a few short rows over a long KV take FA2, which splits the KV over
+CTAs (``base.prefers_split_kv``); others FlashInfer's default (FA3 on Hopper).
 
 Plans are built once per step (``plan``) and reused by every layer (``forward``).
 """
@@ -16,6 +18,7 @@ from workers.engine.attention.base import (
     AttentionShape,
     BatchLayout,
     kv_write_rows,
+    prefers_split_kv,
     write_kv,
 )
 from workers.engine.attention.cascade_plan import (
@@ -55,17 +58,25 @@ class FlashInferBackend:
         )
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=shape.device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        # FA2 splits a row's KV over several CTAs (base.prefers_split_kv says when)
+        self.prefill_split = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2"
+        )
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
         self._level_wrappers: list[flashinfer.BatchPrefillWithPagedKVCacheWrapper] = []
-        self._num_sms = torch.cuda.get_device_properties(shape.device).multi_processor_count
-        self.last_plan_kind = ""  # "prefill" | "decode" | "cascade" (for tests, benchmarks)
+        self.num_sms = torch.cuda.get_device_properties(shape.device).multi_processor_count
+        # "prefill" | "prefill-split" | "decode" | "cascade" (for tests, benchmarks)
+        self.last_plan_kind = ""
         self._memo: tuple[BatchLayout, CascadePlan | None] | None = None
 
     @property
     def use_tensor_cores(self) -> bool:
         return self.shape.num_heads // self.shape.num_kv_heads >= 4
+
+    def prefers_split_kv(self, layout: BatchLayout) -> bool:
+        return prefers_split_kv(layout, self.shape.num_heads, self.num_sms)
 
     def wants_cascade(self, layout: BatchLayout) -> bool:
         return self._cascade_plan(layout) is not None
@@ -83,9 +94,11 @@ class FlashInferBackend:
             self.shape.device, non_blocking=True
         )
         if not layout.is_decode:
-            self.last_plan_kind = "prefill"
-            plan_prefill(self.prefill, layout, self.shape)
-            return FlashInferMetadata(slots, self.prefill)
+            split = self.prefers_split_kv(layout)
+            self.last_plan_kind = "prefill-split" if split else "prefill"
+            wrapper = self.prefill_split if split else self.prefill
+            plan_prefill(wrapper, layout, self.shape)
+            return FlashInferMetadata(slots, wrapper)
         cascade = self._cascade_plan(layout)
         if cascade is None:
             self._plan_decode(layout)
@@ -151,7 +164,7 @@ class FlashInferBackend:
         group = s.num_heads // s.num_kv_heads
         q_tiles = int(((rows * group + 127) // 128).sum()) * s.num_kv_heads
         pages = int(level.kv_page_indptr[-1])
-        chunks = max(1, -(-2 * self._num_sms // max(q_tiles, 1)))
+        chunks = max(1, -(-2 * self.num_sms // max(q_tiles, 1)))
         return max(16, -(-pages // chunks))
 
 

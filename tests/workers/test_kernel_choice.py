@@ -1,0 +1,54 @@
+"""Which prefill kernel a step takes (pure Python; tests/gpu checks the kernels agree)."""
+
+from __future__ import annotations
+
+import torch
+
+from workers.engine.attention.base import (
+    BatchLayout,
+    max_split_kv_tokens,
+    prefers_split_kv,
+)
+
+PAGE = 16
+HEADS, SMS = 16, 132  # qwen3-0.6b query heads, an H100 / H200
+
+
+def _layout(rows: list[tuple[int, int]]) -> BatchLayout:
+    """Rows of (new tokens, KV length), each on pages of its own."""
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    qo, indptr, last = [0], [0], []
+    for new, kv in rows:
+        pages = -(-kv // PAGE)
+        qo.append(qo[-1] + new)
+        indptr.append(indptr[-1] + pages)
+        last.append(kv - (pages - 1) * PAGE)
+    kv_lens = [kv for _, kv in rows]
+    return BatchLayout(
+        i32(qo), i32(indptr), i32(list(range(indptr[-1]))), i32(last), i32(kv_lens),
+        i32([0] * qo[-1]), PAGE,
+    )  # fmt: skip
+
+
+def test_a_few_short_rows_over_a_long_kv_split_it():
+    assert prefers_split_kv(_layout([(32, 4384)]), HEADS, SMS)  # a question after documents
+    assert prefers_split_kv(_layout([(256, 256), (32, 4384)]), HEADS, SMS)
+    assert prefers_split_kv(_layout([(64, 5184)]), HEADS, SMS)  # a cache hit's tail
+
+
+def test_short_kv_or_many_tiles_keep_the_default_kernel():
+    assert not prefers_split_kv(_layout([(256, 256)]), HEADS, SMS)  # nothing long to split
+    assert not prefers_split_kv(_layout([(1024, 1024)]), HEADS, SMS)  # a prompt fills the GPU
+    assert not prefers_split_kv(_layout([(40, 3040)] * 8), HEADS, SMS)  # 8 tiles: one wave
+    repair = [(256, 256), (216, 2000), (99, 3000), (95, 4000), (32, 4384)]
+    assert not prefers_split_kv(_layout(repair), HEADS, SMS)
+
+
+def test_the_split_token_bound_covers_every_split_step():
+    bound = max_split_kv_tokens(HEADS, SMS)
+    assert bound == 512
+    assert prefers_split_kv(_layout([(bound, 4096)]), HEADS, SMS)
+    assert not prefers_split_kv(_layout([(bound + 1, 4096)]), HEADS, SMS)
+    # more query heads: fewer tiles fit in half the SMs
+    assert max_split_kv_tokens(32, SMS) == 256
+    assert not prefers_split_kv(_layout([(32, 4384)]), 96, SMS)
