@@ -33,6 +33,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model")
     ap.add_argument("--trace", help="write the profiler's Chrome trace here")
+    ap.add_argument("--first-tokens", type=int, default=None, help="default: the engine's")
+    ap.add_argument("--deviation-ratio", type=float, default=None)
     args = ap.parse_args()
     model = bench_model(args.model)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
@@ -41,7 +43,15 @@ def main() -> None:
     docs = [draw(DOC) for _ in range(DOCS)]
     runner = Runner(Engine(EngineConfig(str(model), num_pages=PAGES)))
     runner.fill(docs)
-    reuse = ReuseRequest("approximate")
+    defaults = ReuseRequest("approximate")
+    reuse = ReuseRequest(
+        "approximate",
+        first_tokens=defaults.first_tokens if args.first_tokens is None else args.first_tokens,
+        deviation_ratio=(
+            defaults.deviation_ratio if args.deviation_ratio is None else args.deviation_ratio
+        ),
+    )
+    print(f"repair: first_tokens={reuse.first_tokens} deviation_ratio={reuse.deviation_ratio}")
 
     def first_token() -> float:
         order = docs[:]

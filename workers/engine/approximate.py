@@ -140,8 +140,9 @@ class ChunkReuse:
             extra = min(int(round(ratio * placed_total)), int(kept.sum()))
             if extra:
                 candidates = np.flatnonzero(kept)
-                run = np.arange(matched, placed_end, dtype=np.int64)
-                deviation = self.runner.kv_deviation(seq, run, candidates, DEVIATION_LAYER)
+                deviation = self.runner.kv_deviation(
+                    seq, matched, placed_end, candidates, DEVIATION_LAYER
+                )
                 worst = candidates[np.argsort(-deviation, kind="stable")[:extra]]
                 kept[worst] = False
                 pending[worst] = True

@@ -166,25 +166,25 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
-    def kv_deviation(self, seq, positions: np.ndarray, probe: np.ndarray, layer: int) -> np.ndarray:
-        """For each position in ``probe`` (a subset of ``positions``), the squared
+    def kv_deviation(self, seq, start: int, end: int, probe: np.ndarray, layer: int) -> np.ndarray:
+        """For each position in ``probe`` (within ``[start, end)``), the squared
         distance between the K/V that layer ``layer`` computes for it in ``seq``'s
         context and the K/V its cache rows hold now. Runs the layers before ``layer``
-        on ``positions`` (sorted; every lower position must hold KV or be among them),
+        on positions ``[start, end)`` (every position below ``start`` must hold KV),
         writing their KV."""
-        item = ScheduledSeq(seq, int(positions[-1]) + 1, 0, positions)
-        inputs = build_inputs([item], self.page_size)
+        inputs = build_inputs([ScheduledSeq(seq, start, end - start)], self.page_size)
         metadata = self.backend.plan(inputs.layout)
+        device = self.device
         k, v = self.model.kv_at_layer(
-            inputs.input_ids.to(self.device),
-            inputs.positions.to(self.device),
+            inputs.input_ids.to(device, non_blocking=True),
+            inputs.positions.to(device, non_blocking=True),
             self.kv_caches,
             self.backend,
             metadata,
             layer,
         )
-        rows = torch.from_numpy(np.searchsorted(positions, probe)).to(self.device)
-        slots = inputs.layout.slot_mapping.long().to(self.device)[rows]
+        rows = torch.from_numpy(probe - start).to(device, non_blocking=True)
+        slots = inputs.layout.slot_mapping.to(device, non_blocking=True).long()[rows]
         cache = self.kv_caches[layer]
         pages, offsets = slots // self.page_size, slots % self.page_size
         cached_k, cached_v = cache[pages, 0, offsets].float(), cache[pages, 1, offsets].float()

@@ -193,21 +193,29 @@ def place_spans(
     entry_pages)``, the entry's tokens ``[0, end - start)`` (held in ``entry_pages``)
     go to positions ``[start, end)`` of the sequence whose pages are ``page_table``,
     keys rotated by ``start``. One ``place_chunk`` call over the stacked cache; entry
-    pages are never the sequence's own, so sources and destinations are disjoint."""
-    src, dst, delta = [], [], []
-    for start, end, entry_pages in spans:
-        dst.append(sequence_slots(page_table, start, end, page_size))
-        src.append(sequence_slots(entry_pages, 0, end - start, page_size))
-        delta.append(torch.full((end - start,), start, dtype=torch.long))
-    place_chunk(
-        kv_stack,
-        torch.cat(src),
-        torch.cat(dst),
-        torch.cat(delta),
-        cos_sin_cache,
-        page_size,
-        disjoint=True,
-    )
+    pages are never the sequence's own, so sources and destinations are disjoint.
+    The slots are computed on the host in a few array operations (no loop over
+    tokens) and reach the device in one copy: this runs on every approximate
+    admission, before its first step."""
+    if not spans:
+        return
+    starts = np.fromiter((s for s, _, _ in spans), dtype=np.int64, count=len(spans))
+    lengths = np.fromiter((e - s for s, e, _ in spans), dtype=np.int64, count=len(spans))
+    first = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    offset = np.arange(int(lengths.sum()), dtype=np.int64) - first  # within its entry
+    table = np.asarray(page_table, dtype=np.int64)
+    position = np.repeat(starts, lengths) + offset
+    dst = table[position // page_size] * page_size + position % page_size
+    entry_pages = [
+        np.asarray(pages[: -(-n // page_size)], dtype=np.int64)
+        for (_, _, pages), n in zip(spans, lengths.tolist(), strict=True)
+    ]
+    page_base = np.cumsum([0] + [len(p) for p in entry_pages[:-1]])
+    src_page = np.concatenate(entry_pages)[np.repeat(page_base, lengths) + offset // page_size]
+    src = src_page * page_size + offset % page_size
+    moves = torch.from_numpy(np.stack((src, dst, np.repeat(starts, lengths))))
+    moves = moves.to(kv_stack.device, non_blocking=True)
+    place_chunk(kv_stack, moves[0], moves[1], moves[2], cos_sin_cache, page_size, disjoint=True)
 
 
 def _fused_placement(kv_stack: torch.Tensor) -> bool:
