@@ -72,7 +72,10 @@ def main() -> None:
     )
     graphs = runner.engine.runner.prefill_graphs
     if graphs is not None:  # which kernels each prefill graph bucket took
-        kernels = {f"{t}x{r}": g.wrapper._backend for (t, r), g in graphs.graphs.items()}
+        kernels = {
+            f"{t}x{r}{' split' if split else ''}": g.wrapper._backend
+            for (t, r, split), g in graphs.graphs.items()
+        }
         print("prefill graph kernels (tokens x rows):", kernels)
     plain = min(first_token() for _ in range(5))
     with profile(activities=activities, with_stack=True) as prof:
