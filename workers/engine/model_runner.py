@@ -44,7 +44,8 @@ def build_inputs(batch: list[ScheduledSeq], page_size: int) -> StepInputs:
             computed = np.concatenate(
                 (item.scattered, np.arange(item.start, item.end, dtype=np.int64))
             )
-            input_ids += np.asarray(seq.token_ids, dtype=np.int64)[computed].tolist()
+            tokens = seq.token_ids  # a list: index it, not a copy of the whole prompt
+            input_ids += [tokens[i] for i in computed.tolist()]
             positions.append(computed)
             for run in np.split(computed, np.flatnonzero(np.diff(computed) != 1) + 1):
                 end = int(run[-1]) + 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import flashinfer
+import numpy as np
 import torch
 
 from workers.engine.attention.base import (
@@ -98,13 +99,19 @@ class PrefillGraphs:
         ]
         self.graphs = {key: self._capture(*key) for key in sorted(keys, reverse=True)}
         self.buckets = sorted(self.graphs)
+        self._memo: tuple[BatchLayout, tuple[int, int, bool] | None] | None = None
 
     def _bucket(self, layout: BatchLayout) -> tuple[int, int, bool] | None:
+        """The graph for ``layout`` (asked by ``can_run``, then ``run``: worked out once)."""
+        if self._memo is not None and self._memo[0] is layout:
+            return self._memo[1]
         n, rows = layout.num_tokens, layout.batch_size
         split = self.backend.prefers_split_kv(layout)
-        return next(
+        key = next(
             ((t, r, s) for t, r, s in self.buckets if t >= n and r >= rows and s == split), None
         )
+        self._memo = (layout, key)
+        return key
 
     def can_run(self, layout: BatchLayout) -> bool:
         return (
@@ -135,22 +142,26 @@ class PrefillGraphs:
 
     def _padded(self, layout: BatchLayout, rows: int) -> BatchLayout:
         """``layout`` with empty rows appended up to ``rows``: no query tokens, one
-        scratch page of KV."""
+        scratch page of KV (host arrays: this runs before every replay)."""
         pad = rows - layout.batch_size
         if pad == 0:
             return layout
-        i32 = torch.int32
-        ones = torch.ones(pad, dtype=i32)
+        ones = np.ones(pad, dtype=np.int32)
+
+        def extend(t: torch.Tensor, tail: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.concatenate((t.numpy(), tail)))
+
+        qo, kv_indptr = layout.qo_indptr.numpy(), layout.kv_page_indptr.numpy()
         return BatchLayout(
-            qo_indptr=torch.cat((layout.qo_indptr, layout.qo_indptr[-1:].repeat(pad))),
-            kv_page_indptr=torch.cat(
-                (layout.kv_page_indptr, layout.kv_page_indptr[-1] + ones.cumsum(0, dtype=i32))
+            qo_indptr=extend(layout.qo_indptr, np.full(pad, qo[-1], dtype=np.int32)),
+            kv_page_indptr=extend(
+                layout.kv_page_indptr, kv_indptr[-1] + ones.cumsum(dtype=np.int32)
             ),
-            kv_page_indices=torch.cat(
-                (layout.kv_page_indices, torch.full((pad,), self.scratch_page, dtype=i32))
+            kv_page_indices=extend(
+                layout.kv_page_indices, np.full(pad, self.scratch_page, dtype=np.int32)
             ),
-            kv_last_page_len=torch.cat((layout.kv_last_page_len, ones)),
-            kv_lens=torch.cat((layout.kv_lens, ones)),
+            kv_last_page_len=extend(layout.kv_last_page_len, ones),
+            kv_lens=extend(layout.kv_lens, ones),
             slot_mapping=layout.slot_mapping,
             page_size=layout.page_size,
         )

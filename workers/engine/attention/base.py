@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -154,9 +155,9 @@ def prefers_split_kv(layout: BatchLayout, num_heads: int, num_sms: int) -> bool:
     """Whether a prefill step's attention should take the split-KV kernel: its query
     tiles (``QUERY_TILE`` new tokens of one row, per query head) fill at most half the
     SMs, and some row sees at least ``SPLIT_KV_MIN_KV_LEN`` tokens of KV."""
-    rows = layout.qo_indptr[1:] - layout.qo_indptr[:-1]
+    rows = np.diff(layout.qo_indptr.numpy())  # host arrays: this runs on every step
     tiles = int(((rows + QUERY_TILE - 1) // QUERY_TILE).sum()) * num_heads
-    return tiles <= num_sms // 2 and int(layout.kv_lens.max()) >= SPLIT_KV_MIN_KV_LEN
+    return tiles <= num_sms // 2 and int(layout.kv_lens.numpy().max()) >= SPLIT_KV_MIN_KV_LEN
 
 
 def max_split_kv_tokens(num_heads: int, num_sms: int) -> int:
