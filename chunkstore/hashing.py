@@ -46,18 +46,6 @@ def root_key(namespace: Namespace) -> PageKey:
     return hashlib.sha256(b"root" + namespace.digest).digest()
 
 
-def page_key(parent: PageKey, namespace_digest: bytes, page_tokens: Sequence[int]) -> PageKey:
-    """Key of one full page given its parent's key."""
-    try:
-        packed = struct.pack(f"<{len(page_tokens)}I", *page_tokens)
-    except struct.error as e:  # a negative id, one >= 2**32, or not an integer
-        raise ValueError(f"token ids must be integers in [0, 2**32): {e}") from e
-    h = hashlib.sha256(parent)
-    h.update(namespace_digest)
-    h.update(packed)
-    return h.digest()
-
-
 def page_keys(
     token_ids: Sequence[int],
     page_size: int,
@@ -68,11 +56,29 @@ def page_keys(
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     key = root_key(namespace) if parent is None else parent
-    digest = namespace.digest
+    return chain_page_keys(key, namespace.digest, token_ids, page_size)
+
+
+def chain_page_keys(
+    parent: PageKey, namespace_digest: bytes, token_ids: Sequence[int], page_size: int
+) -> list[PageKey]:
+    """Key of each full page of ``token_ids`` in turn: ``SHA-256(parent key ||
+    namespace digest || the page's token ids as little-endian uint32)``, the first
+    page's parent being ``parent``. The tokens are packed once for all pages (an exact
+    admission hashes every page of a long prompt)."""
+    full = len(token_ids) // page_size
+    try:
+        packed = struct.pack(f"<{full * page_size}I", *token_ids[: full * page_size])
+    except struct.error as e:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {e}") from e
+    width = 4 * page_size
     keys: list[PageKey] = []
-    for start in range(0, len(token_ids) - page_size + 1, page_size):
-        key = page_key(key, digest, token_ids[start : start + page_size])
-        keys.append(key)
+    for start in range(0, full * width, width):
+        h = hashlib.sha256(parent)
+        h.update(namespace_digest)
+        h.update(packed[start : start + width])
+        parent = h.digest()
+        keys.append(parent)
     return keys
 
 

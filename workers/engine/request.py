@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from chunkstore.hashing import Namespace, PageKey, page_key, root_key
+from chunkstore.hashing import Namespace, PageKey, chain_page_keys, root_key
 from workers.engine.reuse_info import ReuseInfo, ReuseRequest
 from workers.engine.sampling_params import SamplingParams
 
@@ -106,9 +106,9 @@ class Sequence:
         """Extend ``page_keys`` to cover every full page within the first
         ``upto_tokens`` tokens; returns ``page_keys`` itself (may cover more)."""
         full = min(upto_tokens, len(self.token_ids)) // page_size
-        digest = self.namespace.digest
-        while len(self.page_keys) < full:
+        done = len(self.page_keys)
+        if done < full:
             parent = self.page_keys[-1] if self.page_keys else root_key(self.namespace)
-            tokens = self.page_tokens(len(self.page_keys), page_size)
-            self.page_keys.append(page_key(parent, digest, tokens))
+            tokens = self.token_ids[done * page_size : full * page_size]
+            self.page_keys += chain_page_keys(parent, self.namespace.digest, tokens, page_size)
         return self.page_keys

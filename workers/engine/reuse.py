@@ -32,6 +32,8 @@ from workers.engine.kv_pool import KVPool
 from workers.engine.request import ALL_EXACT, Sequence
 from workers.engine.reuse_info import ReuseInfo
 
+FIRST_HASH_BATCH = 8  # pages
+
 
 class Reuse(Protocol):
     mode: str
@@ -84,12 +86,20 @@ class ExactPrefixReuse:
         # Keep at least one token to compute: its logits produce the next token.
         usable_pages = (len(seq.token_ids) - 1) // page_size
         matched: list[int] = []
-        for index in range(usable_pages):  # hash a page only while its parent matched
-            key = seq.extend_page_keys(page_size, (index + 1) * page_size)[index]
-            page = self.pool.lookup(key, seq.page_tokens(index, page_size))
-            if page is None:
+        # Hash pages only while their parents matched, in batches that double (one
+        # packing of the tokens per batch): a miss wastes at most one batch's hashing.
+        batch = FIRST_HASH_BATCH
+        while len(matched) < usable_pages:
+            upto = min(usable_pages, len(matched) + batch)
+            keys = seq.extend_page_keys(page_size, upto * page_size)
+            for index in range(len(matched), upto):
+                page = self.pool.lookup(keys[index], seq.page_tokens(index, page_size))
+                if page is None:
+                    break
+                matched.append(page)
+            if len(matched) < upto:
                 break
-            matched.append(page)
+            batch *= 2
         self.pool.acquire(matched)
         start_from(seq, self.mode, matched, len(matched) * page_size)
         return True
