@@ -197,8 +197,10 @@ def drop_cached_pages(engine: Engine) -> None:
 
 
 def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
-    """KL(reference || other) of two log-probability vectors, in nats."""
-    return float((reference.exp() * (reference - other)).sum())
+    """KL(reference || other) of two log-probability vectors, in nats. KL is never
+    negative; a sum of float terms for two equal distributions can come out a few
+    ulps below zero, which is reported as 0."""
+    return max(0.0, float((reference.exp() * (reference - other)).sum()))
 
 
 def evaluate(
