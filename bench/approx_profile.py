@@ -70,7 +70,7 @@ def main() -> None:
     activities = [ProfilerActivity.CPU] + (
         [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
     )
-    graphs = runner.engine.runner.prefill_graphs
+    graphs = runner.engine.runner.graphs and runner.engine.runner.graphs.prefill
     if graphs is not None:  # which kernels each prefill graph bucket took
         kernels = {
             f"{t}x{r}{' split' if split else ''}": g.wrapper._backend

@@ -113,8 +113,8 @@ def ttft_scenario(model, trials, rng, vocab, repair):
     shapes = {name: [] for name in runners}  # (new tokens, rows) of each prefill step
     for name, runner in runners.items():
         model_runner = runner.engine.runner
-        if getattr(model_runner, "prefill_graphs", None) is not None:
-            graphs, log = model_runner.prefill_graphs, shapes[name]
+        if model_runner.graphs is not None:
+            graphs, log = model_runner.graphs.prefill, shapes[name]
             bucket = graphs._bucket
             graphs._bucket = lambda lay, b=bucket, log=log: (
                 log.append((lay.num_tokens, lay.batch_size)) or b(lay)

@@ -59,7 +59,9 @@ def main() -> None:
     def step_ms(items, cascade: bool) -> tuple[float, str]:
         backend.enable_cascade = cascade
         ms = 1000 * median_time(lambda: runner.run(items), args.iters)
-        kind = "graph" if runner._use_graph(_layout(items)) else backend.last_plan_kind
+        graphs = runner.graphs
+        in_graph = graphs is not None and graphs.decode_fits(_layout(items))
+        kind = "graph" if in_graph else backend.last_plan_kind
         return ms, kind
 
     def _layout(items):

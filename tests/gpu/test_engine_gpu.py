@@ -191,7 +191,7 @@ def test_prefill_graphs_match_eager(qwen3_06b, engines):
         enable_cuda_graphs=False,
     )
     runner = reuse.engine.runner
-    replays, graphs = [], runner.prefill_graphs
+    replays, graphs = [], runner.graphs.prefill
     original = graphs.run
     graphs.run = lambda *a: (
         replays.append((a[2].batch_size, graphs._bucket(a[2])[2])) or original(*a)
@@ -213,7 +213,7 @@ def test_prefill_graphs_match_eager(qwen3_06b, engines):
             if a.token_ids != b.token_ids:
                 mismatches.append(_divergence(a, b))
     finally:
-        runner.prefill_graphs.run = original
+        graphs.run = original
     _record("prefill_graph_vs_eager", {"prompts": len(prompts) + 3, "mismatches": mismatches})
     rows = [r for r, _ in replays]
     assert rows.count(1) >= len(prompts) - 1  # the first context request prefills 3K eagerly
@@ -249,7 +249,7 @@ def test_scattered_recompute_over_cached_kv_matches_one_pass(engines):
     tail = len(tokens) - 4
     subset = np.sort(rng.choice(tail, size=120, replace=False)).astype(np.int64)
     noisy = torch.from_numpy(np.concatenate((subset, np.arange(tail, len(tokens))))).cuda()
-    runner, graphs = engine.runner, engine.runner.prefill_graphs
+    runner, graphs = engine.runner, engine.runner.graphs.prefill
     results = {}
     for path in ("graph", "eager"):  # 124 tokens in 111 rows: a graph fits
         for cache in runner.kv_caches:
@@ -258,8 +258,9 @@ def test_scattered_recompute_over_cached_kv_matches_one_pass(engines):
             )
         step = ScheduledSeq(seq, tail, 4, subset)
         replays = []
-        runner.prefill_graphs = graphs if path == "graph" else None
-        original = graphs.run
+        original, fits = graphs.run, graphs.can_run
+        if path == "eager":
+            graphs.can_run = lambda layout: False
 
         def counted(*args, replays=replays, original=original):
             replays.append(args[2].batch_size)
@@ -269,7 +270,7 @@ def test_scattered_recompute_over_cached_kv_matches_one_pass(engines):
         try:
             logits = runner.run([step])[0].float()
         finally:
-            runner.prefill_graphs, graphs.run = graphs, original
+            graphs.run, graphs.can_run = original, fits
         assert bool(replays) == (path == "graph") and all(r > 32 for r in replays)
         kv_rel = ((kv() - plain_kv).norm() / plain_kv.norm()).item()
         results[path] = {"kv_rel": kv_rel, "logit_rel": _rel_full(logits, plain_logits)}

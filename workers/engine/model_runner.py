@@ -125,24 +125,19 @@ class ModelRunner:
             (config.num_layers, *shape), dtype=self.dtype, device=self.device
         )
         self.kv_caches = list(self.kv_stack.unbind(0))
-        self.graphs = None
-        self.prefill_graphs = None
-        if enable_cuda_graphs and self.device.type == "cuda" and backend.name == "flashinfer":
-            from workers.engine.cuda_graphs import DecodeGraphs
-            from workers.engine.prefill_graphs import PrefillGraphs
-
-            max_pages_per_seq = -(-max_model_len // page_size)
-            self.graphs = DecodeGraphs(
+        model.use_fused_ops(backend.fused_ops)
+        # CUDA graphs are the backend's (None: it has none, or they are off)
+        self.graphs = (
+            backend.capture_graphs(
                 model,
-                backend,
                 self.kv_caches,
                 scratch_page=num_pages,
                 max_batch_size=max_num_seqs,
-                max_pages_per_seq=max_pages_per_seq,
+                max_pages_per_seq=-(-max_model_len // page_size),
             )
-            self.prefill_graphs = PrefillGraphs(
-                model, backend, self.kv_caches, num_pages, max_pages_per_seq, self.graphs.pool
-            )
+            if enable_cuda_graphs
+            else None
+        )
 
     @staticmethod
     def bytes_per_page(config, page_size: int, dtype: torch.dtype) -> int:
@@ -157,13 +152,12 @@ class ModelRunner:
         input_ids = inputs.input_ids.to(self.device, non_blocking=True)
         positions = inputs.positions.to(self.device, non_blocking=True)
         rows = inputs.logits_indices.to(self.device, non_blocking=True)
-        if self._use_graph(layout):
-            return self.graphs.run(input_ids, positions, layout)[rows]
-        if self.prefill_graphs is not None and self.prefill_graphs.can_run(layout):
-            hidden = self.prefill_graphs.run(input_ids, positions, layout)
-        else:
-            metadata = self.backend.plan(layout)
-            hidden = self.model(input_ids, positions, self.kv_caches, self.backend, metadata)
+        if self.graphs is not None:
+            logits = self.graphs.replay(input_ids, positions, layout, rows)
+            if logits is not None:
+                return logits
+        metadata = self.backend.plan(layout)
+        hidden = self.model(input_ids, positions, self.kv_caches, self.backend, metadata)
         return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
@@ -192,11 +186,3 @@ class ModelRunner:
         deviation = (k[rows].float() - cached_k).square().sum((1, 2))
         deviation += (v[rows].float() - cached_v).square().sum((1, 2))
         return deviation.cpu().numpy()
-
-    def _use_graph(self, layout: BatchLayout) -> bool:
-        return (
-            self.graphs is not None
-            and layout.is_decode
-            and layout.batch_size <= self.graphs.max_batch_size()
-            and not self.backend.wants_cascade(layout)
-        )

@@ -96,6 +96,21 @@ class AttentionMetadata(Protocol):
     """Backend-specific, built once per step by ``plan``; read-only afterwards."""
 
 
+class StepGraphs(Protocol):
+    """CUDA graphs an attention backend captured (``AttentionBackend.capture_graphs``)."""
+
+    def replay(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        layout: BatchLayout,
+        rows: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Logits [S, vocab] of the new tokens at ``rows`` if a graph fits this step;
+        None: the step runs eagerly (``plan``, then the model)."""
+        ...
+
+
 class AttentionBackend(Protocol):
     """Paged attention over a flattened batch.
 
@@ -106,12 +121,26 @@ class AttentionBackend(Protocol):
     """
 
     name: str
+    fused_ops: bool  # whether models run fused elementwise kernels (layers/ops)
 
     def wants_cascade(self, layout: BatchLayout) -> bool:
         """Whether ``plan`` would run this decode batch as cascade attention."""
         ...
 
     def plan(self, layout: BatchLayout) -> AttentionMetadata: ...
+
+    def capture_graphs(
+        self,
+        model,
+        kv_caches: list[torch.Tensor],
+        scratch_page: int,
+        max_batch_size: int,
+        max_pages_per_seq: int,
+    ) -> StepGraphs | None:
+        """CUDA graphs of the model's steps with this backend's kernels, or None where it
+        has none (every step then runs eagerly). ``scratch_page`` is a KV page the pool
+        never hands out, for padding rows to read and write."""
+        ...
 
     def forward(
         self,

@@ -41,6 +41,7 @@ class FlashInferMetadata:
 
 class FlashInferBackend:
     name = "flashinfer"
+    fused_ops = True  # models run FlashInfer's fused norms, RoPE and gate (layers/ops)
 
     def __init__(
         self,
@@ -106,6 +107,28 @@ class FlashInferBackend:
             return FlashInferMetadata(slots, self.decode)
         self.last_plan_kind = "cascade"
         return self._plan_cascade(layout, cascade, slots)
+
+    def capture_graphs(
+        self,
+        model,
+        kv_caches: list[torch.Tensor],
+        scratch_page: int,
+        max_batch_size: int,
+        max_pages_per_seq: int,
+    ):
+        """Decode graphs (plain decode steps of up to ``max_batch_size`` sequences) and
+        prefill graphs (steps of up to 1,024 new tokens), ``flashinfer_graphs``."""
+        from workers.engine.cuda_graphs import DecodeGraphs
+        from workers.engine.flashinfer_graphs import FlashInferGraphs
+        from workers.engine.prefill_graphs import PrefillGraphs
+
+        decode = DecodeGraphs(
+            model, self, kv_caches, scratch_page, max_batch_size, max_pages_per_seq
+        )
+        prefill = PrefillGraphs(
+            model, self, kv_caches, scratch_page, max_pages_per_seq, decode.pool
+        )
+        return FlashInferGraphs(model, self, decode, prefill)
 
     def forward(self, q, k, v, kv_cache, metadata: FlashInferMetadata) -> torch.Tensor:
         write_kv(kv_cache, k, v, metadata.kv_rows)

@@ -37,12 +37,17 @@ class TorchMetadata:
 
 class TorchAttentionBackend:
     name = "torch"
+    fused_ops = False  # the reference: plain torch throughout
 
     def __init__(self, shape: AttentionShape) -> None:
         self.shape = shape
 
     def wants_cascade(self, layout: BatchLayout) -> bool:
         return False
+
+    def capture_graphs(self, *args, **kwargs) -> None:
+        """The reference backend runs every step eagerly."""
+        return None
 
     def plan(self, layout: BatchLayout) -> TorchMetadata:
         device = self.shape.device

@@ -12,6 +12,8 @@ from workers.engine.layers.ops import apply_rope
 
 
 class SelfAttention(nn.Module):
+    fused_ops = False  # set by DecoderModel.use_fused_ops
+
     def __init__(
         self,
         *,
@@ -60,5 +62,5 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = apply_rope(q, k, positions, cos_sin_cache)
+        q, k = apply_rope(q, k, positions, cos_sin_cache, self.fused_ops)
         return q, k, v

@@ -9,6 +9,8 @@ from workers.engine.layers.ops import silu_and_mul
 
 
 class GatedMLP(nn.Module):
+    fused_ops = False  # set by DecoderModel.use_fused_ops
+
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
@@ -16,4 +18,4 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused_ops))

@@ -1,5 +1,8 @@
-"""Elementwise ops fused into single kernels on CUDA (FlashInfer), with the same math
-in plain torch elsewhere (the CPU reference path, compared against transformers).
+"""Elementwise ops, each either one fused FlashInfer kernel (``fused=True``: CUDA
+tensors, flashinfer installed) or the same math in plain torch (the reference path,
+compared against transformers). Which one a model runs follows its attention backend
+(``AttentionBackend.fused_ops``, set by ``DecoderModel.use_fused_ops``), not whether
+flashinfer happens to be importable.
 
 Decode is launch-bound for small models: a layer of unfused torch ops issues ~35
 kernels, these bring it to ~13.
@@ -7,21 +10,13 @@ kernels, these bring it to ~13.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 
-_HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 
-
-def _fused(x: torch.Tensor) -> bool:
-    return x.is_cuda and _HAS_FLASHINFER
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool) -> torch.Tensor:
     """x [..., dim] -> normalized in float32, scaled by ``weight``, in x's dtype."""
-    if _fused(x):
+    if fused:
         import flashinfer
 
         return flashinfer.norm.rmsnorm(x.contiguous(), weight, eps)
@@ -32,21 +27,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(residual + x), residual + x). On CUDA both inputs are overwritten."""
-    if _fused(x):
+    """(norm(residual + x), residual + x). Fused, both inputs are overwritten."""
+    if fused:
         import flashinfer
 
         flashinfer.norm.fused_add_rmsnorm(x, residual, weight, eps)
         return x, residual
     residual = residual + x
-    return rms_norm(residual, weight, eps), residual
+    return rms_norm(residual, weight, eps, fused=False), residual
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, fused: bool) -> torch.Tensor:
     """silu(x[..., :d]) * x[..., d:]"""
-    if _fused(x):
+    if fused:
         import flashinfer
 
         return flashinfer.activation.silu_and_mul(x)
@@ -59,9 +54,10 @@ def apply_rope(
     k: torch.Tensor,  # [T, kv_heads, head_dim]
     positions: torch.Tensor,  # [T]
     cos_sin_cache: torch.Tensor,  # [max_pos, head_dim] float32: cos half, then sin half
+    fused: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NeoX-style rotary embedding (rotate halves)."""
-    if _fused(q):
+    if fused:
         import flashinfer
 
         q, k = q.contiguous(), k.contiguous()

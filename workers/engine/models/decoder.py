@@ -15,6 +15,8 @@ from workers.engine.models.config import ModelConfig
 
 
 class DecoderLayer(nn.Module):
+    fused_ops = False  # set by DecoderModel.use_fused_ops
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.self_attn = SelfAttention(
@@ -41,15 +43,21 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = add_rms_norm(
-                hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps
+                hidden,
+                residual,
+                self.input_layernorm.weight,
+                self.input_layernorm.eps,
+                self.fused_ops,
             )
         hidden = self.self_attn(hidden, positions, rope_cache, kv_cache, backend, metadata)
         norm = self.post_attention_layernorm
-        hidden, residual = add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        hidden, residual = add_rms_norm(hidden, residual, norm.weight, norm.eps, self.fused_ops)
         return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
+    fused_ops = False  # set by use_fused_ops
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         config.validate()
@@ -64,6 +72,14 @@ class DecoderModel(nn.Module):
     def build_rope_cache(self) -> torch.Tensor:
         c = self.config
         return cos_sin_cache(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+
+    def use_fused_ops(self, fused: bool) -> None:
+        """Run the elementwise ops (norms, RoPE, the MLP's gate) as fused FlashInfer
+        kernels or as plain torch (``layers/ops``), in every layer: what the attention
+        backend says (``AttentionBackend.fused_ops``). Plain torch until called."""
+        for module in self.modules():
+            if hasattr(module, "fused_ops"):
+                module.fused_ops = fused
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so (moving the
@@ -86,7 +102,7 @@ class DecoderModel(nn.Module):
             hidden, residual = layer(
                 hidden, residual, positions, self.rope_cache, kv_cache, backend, metadata
             )
-        hidden, _ = add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)
+        hidden, _ = add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps, self.fused_ops)
         return hidden
 
     def kv_at_layer(
@@ -112,7 +128,7 @@ class DecoderModel(nn.Module):
         if residual is None:
             hidden = norm(hidden)
         else:
-            hidden, _ = add_rms_norm(hidden, residual, norm.weight, norm.eps)
+            hidden, _ = add_rms_norm(hidden, residual, norm.weight, norm.eps, self.fused_ops)
         _, k, v = target.self_attn.project(hidden, positions, self.rope_cache)
         return k, v
 

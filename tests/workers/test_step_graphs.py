@@ -1,0 +1,111 @@
+"""The model runner's seam with its attention backend's CUDA graphs and fused ops:
+the backend captures the graphs (or has none) and says whether the model runs fused
+elementwise kernels; the runner replays whatever fits and never asks which backend
+it has. On the CPU, with a backend that wraps the torch reference."""
+
+from __future__ import annotations
+
+from array import array
+
+import torch
+
+from chunkstore.hashing import Namespace
+from workers.engine.attention.base import AttentionShape
+from workers.engine.attention.torch_backend import TorchAttentionBackend
+from workers.engine.model_runner import ModelRunner
+from workers.engine.models.config import ModelConfig
+from workers.engine.models.loader import load_model
+from workers.engine.request import Sequence
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.scheduler import ScheduledSeq
+
+PAGE = 16
+
+
+class ReplayOneTokenSteps:
+    """Stands in for captured graphs: 'replays' steps of one new token per row (with
+    logits no model gives), leaves the rest to the eager path."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.asked: list[int] = []
+
+    def replay(self, input_ids, positions, layout, rows):
+        self.asked.append(layout.num_tokens)
+        if not layout.is_decode:
+            return None
+        return torch.full((len(rows), self.vocab), 7.0)
+
+
+class CapturingBackend(TorchAttentionBackend):
+    name = "not-one-the-runner-knows"
+    fused_ops = False
+
+    def __init__(self, shape: AttentionShape, vocab: int) -> None:
+        super().__init__(shape)
+        self.graphs = ReplayOneTokenSteps(vocab)
+        self.captured_with: dict | None = None
+
+    def capture_graphs(self, model, kv_caches, scratch_page, max_batch_size, max_pages_per_seq):
+        self.captured_with = {
+            "layers": len(kv_caches),
+            "scratch_page": scratch_page,
+            "max_batch_size": max_batch_size,
+            "max_pages_per_seq": max_pages_per_seq,
+        }
+        return self.graphs
+
+
+def _runner(model_dir, backend_for, enable_cuda_graphs: bool):
+    config = ModelConfig.from_dir(model_dir)
+    model = load_model(model_dir, config, torch.float32, torch.device("cpu"))
+    shape = AttentionShape(
+        config.num_heads, config.num_kv_heads, config.head_dim, PAGE, torch.float32,
+        torch.device("cpu"),
+    )  # fmt: skip
+    backend = backend_for(shape, config.vocab_size)
+    runner = ModelRunner(model, backend, 64, PAGE, 320, 4, enable_cuda_graphs)
+    return runner, backend, config
+
+
+def _steps(runner, tokens):
+    """Logits of a 20-token prefill, then of one decode step."""
+    seq = Sequence("s", 0, tokens, SamplingParams(), Namespace("graphs"))
+    seq.page_ids = array("i", range(2))
+    prefill = runner.run([ScheduledSeq(seq, 0, 20)])
+    decode = runner.run([ScheduledSeq(seq, 20, 1)])
+    return prefill, decode
+
+
+def test_the_runner_replays_the_graphs_its_backend_captured(tiny_qwen3):
+    runner, backend, config = _runner(tiny_qwen3, CapturingBackend, enable_cuda_graphs=True)
+    assert runner.graphs is backend.graphs
+    assert backend.captured_with == {
+        "layers": config.num_layers,
+        "scratch_page": 64,  # the page after the pool's
+        "max_batch_size": 4,
+        "max_pages_per_seq": 20,
+    }
+    tokens = list(range(5, 26))
+    prefill, decode = _steps(runner, tokens)
+    assert backend.graphs.asked == [20, 1]
+    assert torch.equal(decode, torch.full_like(decode, 7.0))  # what the graph gave
+    eager, _ = _steps(_runner(tiny_qwen3, CapturingBackend, False)[0], tokens)
+    assert torch.equal(prefill, eager)  # the graph declined: the eager path ran
+
+
+def test_graphs_off_or_absent_means_every_step_runs_eagerly(tiny_qwen3):
+    runner, backend, _ = _runner(tiny_qwen3, CapturingBackend, enable_cuda_graphs=False)
+    assert runner.graphs is None and backend.captured_with is None
+    plain, _, _ = _runner(tiny_qwen3, lambda s, v: TorchAttentionBackend(s), True)
+    assert plain.graphs is None  # the reference backend has none
+
+
+def test_elementwise_ops_follow_the_backend(tiny_qwen3):
+    class Fused(CapturingBackend):
+        fused_ops = True
+
+    for backend_for, fused in ((CapturingBackend, False), (Fused, True)):
+        runner, _, _ = _runner(tiny_qwen3, backend_for, enable_cuda_graphs=False)
+        flags = {m.fused_ops for m in runner.model.modules() if hasattr(m, "fused_ops")}
+        assert flags == {fused}
