@@ -204,7 +204,8 @@ def place_spans(
     first = np.repeat(np.cumsum(lengths) - lengths, lengths)
     offset = np.arange(int(lengths.sum()), dtype=np.int64) - first  # within its entry
     table = np.asarray(page_table, dtype=np.int64)
-    position = np.repeat(starts, lengths) + offset
+    delta = np.repeat(starts, lengths)  # each token's entry lands at its span's start
+    position = delta + offset
     dst = table[position // page_size] * page_size + position % page_size
     entry_pages = [
         np.asarray(pages[: -(-n // page_size)], dtype=np.int64)
@@ -213,7 +214,7 @@ def place_spans(
     page_base = np.cumsum([0] + [len(p) for p in entry_pages[:-1]])
     src_page = np.concatenate(entry_pages)[np.repeat(page_base, lengths) + offset // page_size]
     src = src_page * page_size + offset % page_size
-    moves = torch.from_numpy(np.stack((src, dst, np.repeat(starts, lengths))))
+    moves = torch.from_numpy(np.stack((src, dst, delta)))
     moves = moves.to(kv_stack.device, non_blocking=True)
     place_chunk(kv_stack, moves[0], moves[1], moves[2], cos_sin_cache, page_size, disjoint=True)
 
