@@ -117,10 +117,14 @@ def make_engine(
     device: str | None,
     num_pages: int,
     entry_system_prompt: str | None = DEFAULT_ENTRY_SYSTEM_PROMPT,
+    dtype: str | None = None,
+    deviation_layer: int | None = None,
 ) -> Engine:
     config = EngineConfig(
         model,
         device=device,
+        dtype=dtype,
+        deviation_layer=deviation_layer,
         num_pages=num_pages,
         enable_reuse=mode != "full",
         page_size=16,
@@ -215,6 +219,8 @@ def evaluate(
     repairs: tuple[str, ...] = DEFAULT_REPAIRS,
     progress: Callable[[str], None] = print,
     entry_system_prompt: str | None = DEFAULT_ENTRY_SYSTEM_PROMPT,
+    dtype: str | None = None,
+    deviation_layer: int | None = None,
 ) -> dict:
     """Every (mode, hops, docs) row, plus exact-vs-full token mismatches."""
     settings = {text: parse_repair(text) for text in repairs}
@@ -222,8 +228,14 @@ def evaluate(
     for k in docs:
         # room for one batch twice over (exact mode keeps a warm copy) plus entries
         num_pages = 3 * batch * (k * 64 + 256) // 16
-        engines = {mode: make_engine(model, mode, device, num_pages) for mode in MODES}
-        engines["approximate"] = make_engine(model, "exact", device, num_pages, entry_system_prompt)
+        engines = {mode: make_engine(model, mode, device, num_pages, dtype=dtype) for mode in MODES}
+        engines["approximate"] = make_engine(
+            model, "exact", device, num_pages, entry_system_prompt, dtype, deviation_layer
+        )
+        selection = (
+            engines["approximate"].deviation_layer,
+            engines["full"].model_config.num_layers,
+        )
         tokenizer = engines["full"].tokenizer
         for h in hops:
             base = generate(seed, examples, k, "heldout", h)
@@ -264,7 +276,7 @@ def evaluate(
                         }
                     )
                 )
-    return {"rows": rows, "exact_token_mismatches": mismatches}
+    return {"rows": rows, "exact_token_mismatches": mismatches, "selection_layer": selection}
 
 
 def _row(mode, hops, docs, outs, prompts, results) -> dict:
@@ -321,6 +333,13 @@ def main(argv: list[str] | None = None) -> int:
         help="where the first gold document is moved",
     )
     parser.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on cuda)")
+    parser.add_argument(
+        "--deviation-layer",
+        type=int,
+        help="approximate rows: the layer whose K/V deviation selects the tokens to "
+        "recompute (default: the engine's, layer 3 or the model's last)",
+    )
     parser.add_argument("--batch", type=int, default=32, help="prompts per engine batch")
     parser.add_argument(
         "--repairs",
@@ -359,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         tuple(args.repairs),
         progress=lambda line: print(line, file=sys.stderr, flush=True),
         entry_system_prompt=args.entry_system_prompt,
+        dtype=args.dtype,
+        deviation_layer=args.deviation_layer,
     )
     result["meta"] = {
         "model": str(args.model),
@@ -367,10 +388,16 @@ def main(argv: list[str] | None = None) -> int:
         "positions": args.positions,
         "entry_system_prompt": args.entry_system_prompt,
         "device": args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+        "dtype": args.dtype,
         "seconds": round(time.perf_counter() - started, 1),
     }
     print(format_table(result["rows"]))
     print(f"exact reuse vs full prefill: {result['exact_token_mismatches']} token mismatches")
+    layer, layers = result["selection_layer"]
+    print(
+        f"deviating tokens selected at layer {layer} of {layers}: layers 0-{layer - 1} of "
+        "every placed token run once more (not counted as recomputed)"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0 if math.isfinite(sum(r["kl"] for r in result["rows"])) else 1

@@ -89,6 +89,14 @@ class EngineSection(_Section):
         "of your traffic has); null: each chunk alone from position 0, which on models "
         "that read their context answers far worse",
     )
+    deviation_layer: int | None = Field(
+        None,
+        ge=1,
+        description="approximate reuse: the layer whose K/V deviation selects the placed "
+        "tokens to recompute (the layers before it run over every placed token); null: "
+        "layer 3, or the last layer of a shallower model. Measure your model with "
+        "bench/reuse_quality.py --deviation-layer",
+    )
     attention_backend: Literal["torch", "flashinfer"] | None = Field(
         None, description="null: flashinfer on cuda, torch elsewhere"
     )

@@ -16,7 +16,7 @@ from chunkstore.hashing import position_free_key
 from workers import LLM
 from workers.engine.approximate import BRIDGE_SHARE, bridge_gaps
 from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
+from workers.engine.engine import Engine, resolve_deviation_layer
 from workers.engine.reuse_info import ReuseRequest
 from workers.engine.sampling_params import SamplingParams
 
@@ -187,6 +187,78 @@ def test_deviation_ratio_recomputes_the_most_deviating_share(model, parts):
     selected = 2 * len(DOCS) + round(0.25 * placed)
     # plus the placed tokens that join nearby repair runs, within their budget
     assert selected <= info.recomputed_tokens <= selected + int(BRIDGE_SHARE * placed)
+
+
+def test_deviation_layer_defaults_to_layer_3_within_the_model():
+    assert resolve_deviation_layer(None, 28) == 3
+    assert resolve_deviation_layer(None, 2) == 1  # a shallower model: its last layer
+    assert resolve_deviation_layer(5, 8) == 5
+    with pytest.raises(ValueError, match=r"deviation_layer 8 is not a layer .*1 to 7"):
+        resolve_deviation_layer(8, 8)
+    with pytest.raises(ValueError, match="deviation_layer must be >= 1"):
+        EngineConfig("unused", deviation_layer=0)
+
+
+def _kv(engine, seq, layer, positions) -> np.ndarray:
+    """The K and V rows a sequence's pages hold at ``positions`` of ``layer``."""
+    pages = np.asarray(seq.page_ids)[positions // PAGE]
+    return engine.runner.kv_caches[layer][pages, :, positions % PAGE].numpy()
+
+
+def test_selecting_at_a_deeper_layer_keeps_in_context_kv_below_it(model_factory):
+    """With ``deviation_layer`` L, the layers below L of every placed token hold the KV
+    this context gives (what plain prefill computes there); layer L and above of the
+    tokens not selected hold the placed KV. And the limiting case (ratio 1) is still
+    plain generation."""
+    model = model_factory("qwen3", num_hidden_layers=4)
+    engine = _engine(model, deviation_layer=2)
+    plain = _engine(model, enable_reuse=False)
+    assert engine.reuse.deviation_layer == 2
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(3)
+    draw = lambda n: rng.integers(10, vocab - 1, size=n).tolist()  # noqa: E731
+    docs, question = [draw(n) for n in DOCS], draw(9)
+    for doc in docs:
+        engine.fill_entry(doc)
+    while engine.has_unfinished():
+        engine.step()
+    prompt, spans = _layout(draw(29), docs, question)
+    two_steps = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    admit, selected = engine.reuse.admit, {}
+
+    def recording_admit(seq):  # what admission leaves pending: recomputed in context
+        admitted = admit(seq)
+        selected[seq.request_id] = seq.pending.copy()
+        return admitted
+
+    engine.reuse.admit = recording_admit
+    engine.add_request(
+        "approx",
+        prompt,
+        two_steps,
+        placeable=tuple(spans),
+        reuse=ReuseRequest("approximate", 0, 0.1),
+    )
+    plain.add_request("plain", prompt, two_steps)
+    # admitted and prefilled, not yet finished: the pages are still the sequence's
+    approx_seq, plain_seq = engine._sequences["approx"], plain._sequences["plain"]
+    engine.step(), plain.step()
+    assert approx_seq.num_output_tokens == plain_seq.num_output_tokens == 1
+    placed = np.concatenate([np.arange(s, e) for s, e in spans])
+    kept = np.setdiff1d(placed, selected["approx"])
+    assert 0 < len(selected["approx"]) < len(placed)
+    for layer, same in ((0, True), (1, True), (2, False), (3, False)):
+        ours, theirs = _kv(engine, approx_seq, layer, kept), _kv(plain, plain_seq, layer, kept)
+        assert np.allclose(ours, theirs, atol=1e-4) == same, f"layer {layer}"
+    while engine.has_unfinished() or plain.has_unfinished():
+        engine.step(), plain.step()
+    # the limiting case: every placed token recomputed gives plain generation
+    order = [docs[i] for i in (2, 0, 1)]
+    prompt, spans = _layout(draw(31), order, question)
+    want, want_lp, _ = _run(plain, prompt)
+    got, got_lp, info = _run(engine, prompt, spans, ReuseRequest("approximate", 0, 1.0))
+    assert got == want and info.recomputed_tokens == sum(DOCS)
+    np.testing.assert_allclose(got_lp, want_lp, atol=1e-4)
 
 
 def test_bridge_gaps_joins_the_smallest_gaps_within_budget():

@@ -13,9 +13,11 @@ Admission of an approximate request:
    turn, ``EngineConfig.entry_system_prompt``) and moves it to start at 0, queued behind
    the requests already waiting, and stored as an entry when done.
 3. Repair: the first ``first_tokens`` tokens of every placed chunk, and the
-   ``deviation_ratio`` share of placed tokens whose layer-1 K/V in this context
-   deviates most from the placed K/V (one extra layer of compute selects them),
-   are pending: computed again, in context, in the request's first step(s).
+   ``deviation_ratio`` share of placed tokens whose K/V at layer ``deviation_layer``
+   (``EngineConfig.deviation_layer``) in this context deviates most from the placed
+   K/V, are pending: computed again, in context, in the request's first step(s).
+   Selecting runs the layers before ``deviation_layer`` over every placed token and
+   keeps the KV they write: those layers of the placed tokens are in-context KV.
    Deviating tokens come scattered, and every run of consecutive pending positions is
    one attention row walking the KV before it, so runs a few placed tokens apart are
    joined by recomputing those tokens as well (``bridge_gaps``: gaps of at most
@@ -44,7 +46,6 @@ from workers.engine.request import Sequence
 from workers.engine.reuse import ExactPrefixReuse, publish_exact_pages, start_from
 from workers.engine.reuse_info import ReuseInfo
 
-DEVIATION_LAYER = 1  # layer 0's KV depends on token and position only: placed exactly
 # Joining repair runs: on an H200 (qwen3-0.6b shapes, 8 x 512 placed tokens, r = 0.1)
 # TTFT grew from 13 ms with 7 runs to 24-32 ms with 60-79 (bench/approx_speed.py).
 BRIDGE_MAX_GAP = 16
@@ -63,11 +64,13 @@ class ChunkReuse:
         runner,
         fill: Callable[[PageKey, list[int], Namespace], None],
         min_entry_tokens: int,
+        deviation_layer: int,
     ) -> None:
         self.pool = pool
         self.runner = runner
         self.fill = fill
         self.min_entry_tokens = min_entry_tokens
+        self.deviation_layer = deviation_layer
         self._exact = ExactPrefixReuse(pool)
 
     def admit(self, seq: Sequence) -> bool:
@@ -141,7 +144,7 @@ class ChunkReuse:
             if extra:
                 candidates = np.flatnonzero(kept)
                 deviation = self.runner.kv_deviation(
-                    seq, matched, placed_end, candidates, DEVIATION_LAYER
+                    seq, matched, placed_end, candidates, self.deviation_layer
                 )
                 worst = candidates[np.argsort(-deviation, kind="stable")[:extra]]
                 kept[worst] = False

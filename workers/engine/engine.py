@@ -24,7 +24,7 @@ from workers.engine.approximate import ChunkReuse
 from workers.engine.attention import make_backend
 from workers.engine.attention.base import AttentionShape
 from workers.engine.checkpoint import checkpoint_fingerprint, load_tokenizer
-from workers.engine.config import EngineConfig
+from workers.engine.config import DEFAULT_DEVIATION_LAYER, EngineConfig
 from workers.engine.detokenizer import detokenize_step
 from workers.engine.kv_pool import KVPool
 from workers.engine.model_runner import ModelRunner
@@ -78,12 +78,29 @@ def _validate_spans(spans: tuple[tuple[int, int], ...], prompt_len: int) -> None
         previous_end = end
 
 
+def resolve_deviation_layer(configured: int | None, num_layers: int) -> int:
+    """The layer approximate repair selects at: the configured one (it must exist), or
+    the default capped at the model's last layer."""
+    if configured is None:
+        return max(0, min(DEFAULT_DEVIATION_LAYER, num_layers - 1))
+    if configured >= num_layers:
+        raise ValueError(
+            f"deviation_layer {configured} is not a layer of this model "
+            f"({num_layers} layers: 1 to {num_layers - 1})"
+        )
+    return configured
+
+
 def default_reuse(engine: Engine) -> Reuse:
     """Exact and (on request) approximate reuse, or none when reuse is off."""
     if not engine.config.enable_reuse:
         return NoReuse(engine.pool)
     return ChunkReuse(
-        engine.pool, engine.runner, engine._queue_fill, engine.config.min_entry_tokens
+        engine.pool,
+        engine.runner,
+        engine._queue_fill,
+        engine.config.min_entry_tokens,
+        engine.deviation_layer,
     )
 
 
@@ -114,6 +131,9 @@ class Engine:
                 f"max_model_len {config.max_model_len} exceeds the model's "
                 f"max_position_embeddings {self.model_config.max_position_embeddings}"
             )
+        self.deviation_layer = resolve_deviation_layer(
+            config.deviation_layer, self.model_config.num_layers
+        )
         self.tokenizer = load_tokenizer(config.model_dir)
         model = load_model(config.model_dir, self.model_config, self.dtype, self.device)
         num_pages = config.num_pages or self._auto_num_pages()

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 REUSE_MODES = ("off", "exact", "approximate", "naive_placement")
 REQUEST_MODES = ("exact", "approximate")  # what a request may ask for
 # Repair defaults of the approximate mode, chosen from bench/reuse_quality.py on the
-# doc-QA model with entries computed after the entry context (bench/RESULTS.md,
-# 2026-11-26 night session): recomputing first tokens changed nothing measurable
-# (k = 0, 1, 4 alike), while the 10% most deviating tokens brought 4 documents to full
-# prefill's accuracy and lowered the KL at 8 documents, for one extra layer of compute.
+# doc-QA model with entries computed after the entry context (bench/RESULTS.md): first
+# tokens changed nothing measurable (k = 0, 1, 4 alike; 2026-11-26 night session); with
+# selection at layer 3 (EngineConfig.deviation_layer) the 5% most deviating tokens kept
+# 4, 8 and 16 documents within 0.3 points of full prefill, where 3% lost a point at 4
+# documents (session 22).
 DEFAULT_FIRST_TOKENS = 0
-DEFAULT_DEVIATION_RATIO = 0.1
+DEFAULT_DEVIATION_RATIO = 0.05
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,8 @@ class ReuseRequest:
     to plain generation). ``approximate``: additionally, each chunk whose position-free
     entry is held is placed wherever it appears; then ``first_tokens`` tokens at the
     start of every placed chunk, and the ``deviation_ratio`` share of its tokens whose
-    KV deviates most at layer 1 in this context, are recomputed (the rest is reused
-    as placed)."""
+    KV deviates most in this context (at the engine's ``deviation_layer``), are
+    recomputed (the rest is reused as placed)."""
 
     mode: str = "exact"
     first_tokens: int = DEFAULT_FIRST_TOKENS
