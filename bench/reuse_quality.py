@@ -15,7 +15,8 @@ Modes (one engine each, same device and dtype):
   ``k=2,r=0.1``): every document's position-free entry is held (filled before the
   batch, after the entry context ``--entry-system-prompt``), placed, and repaired:
   the first k tokens of each document and the share r
-  of placed tokens deviating most at layer 1 are recomputed. Cached system-prompt
+  of placed tokens deviating most at the engine's deviation layer (``--deviation-layer``;
+  layer 3 by default) are recomputed. Cached system-prompt
   pages are dropped before each setting, so settings do not feed each other.
 
 Per row (mode, hops, docs): exact-match accuracy of the greedy answer, mean KL
@@ -52,7 +53,8 @@ from workers.engine.sampling_params import SamplingParams  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "modeltools" / "docqa_model"
 MODES = ("full", "exact", "naive")
-DEFAULT_REPAIRS = ("k=0", "k=1", "k=2", "k=4", "k=8", "k=16", "k=0,r=0.1", "k=2,r=0.1", "k=4,r=0.1")
+# first tokens alone (EPIC-style), then the curve of accuracy against recompute share
+DEFAULT_REPAIRS = ("k=0", "k=1", "k=4", "k=0,r=0.02", "k=0,r=0.05", "k=0,r=0.1")
 POSITIONS = {"first": lambda k: 0, "middle": lambda k: k // 2, "last": lambda k: k - 1}
 ANSWER = SamplingParams(max_tokens=16, temperature=0)
 

@@ -24,7 +24,7 @@ def alone(tmp_path_factory):
     """Entries computed alone from position 0 (no entry context)."""
     out = tmp_path_factory.mktemp("quality") / "alone.json"
     argv = ["--examples", "4", "--docs", "4", "--hops", "1", "--device", "cpu"]
-    argv += ["--repairs", "k=0", "--entry-system-prompt", "none"]
+    argv += ["--repairs", "k=0", "--entry-system-prompt", "none", "--deviation-layer", "5"]
     assert reuse_quality.main([*argv, "--json", str(out)]) == 0
     return json.loads(out.read_text())
 
@@ -46,6 +46,7 @@ def test_approximate_limits_naive_placement_and_full_prefill(result, alone):
     token is full prefill."""
     solo = {(r["mode"], r.get("first_tokens")): r for r in alone["rows"]}
     assert alone["meta"]["entry_system_prompt"] is None
+    assert alone["selection_layer"] == [5, 8] and result["selection_layer"] == [3, 8]
     assert abs(solo[("approximate", 0)]["kl"] - solo[("naive", None)]["kl"]) < 1e-6
     assert solo[("approximate", 0)]["placed_recomputed_share"] == 0
     rows = {
