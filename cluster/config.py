@@ -102,6 +102,11 @@ class EngineSection(_Section):
     )
     enable_cascade: bool = Field(True, description="cascade attention for shared prefixes")
     enable_cuda_graphs: bool = Field(True, description="CUDA graphs for decode (flashinfer)")
+    overlap_scheduling: bool | None = Field(
+        None,
+        description="schedule and prepare each step while the GPU runs the one before "
+        "(outputs unchanged, one step later); null: on with CUDA, off on CPU workers",
+    )
 
 
 class WorkersSection(_Section):

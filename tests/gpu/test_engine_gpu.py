@@ -278,3 +278,28 @@ def test_scattered_recompute_over_cached_kv_matches_one_pass(engines):
     _record("scattered_recompute", results)
     for r in results.values():
         assert r["kv_rel"] <= 2e-2 and r["logit_rel"] <= 2e-2, results
+
+
+def test_overlapped_steps_match_plain_steps(qwen3_06b, engines):
+    """Overlapped steps (on by default with CUDA) against plain ones: the same greedy
+    tokens, up to near ties. Every request ends on the same step, so both runs
+    compute the same batches."""
+    _, overlapped = engines
+    assert overlapped.engine.overlap
+    plain = LLM(
+        qwen3_06b,
+        page_size=16,
+        num_pages=4096,
+        enable_reuse=False,
+        enable_cascade=False,
+        overlap_scheduling=False,
+    )
+    prompts = _prompts(24, 300, seed=4)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2)
+    got, want = overlapped.generate(prompts, params), plain.generate(prompts, params)
+    divergences = [
+        _divergence(a, b) for a, b in zip(got, want, strict=True) if a.token_ids != b.token_ids
+    ]
+    _record("overlap_vs_plain", {"prompts": len(prompts), "divergences": divergences})
+    assert all(len(a.token_ids) == 40 for a in got)
+    assert all(d["picked_runner_up"] and d["top2_gap"] < NEAR_TIE for d in divergences), divergences

@@ -112,7 +112,7 @@ def test_entry_fills_and_scattered_repairs_count_as_prefill(tiny_qwen3):
         backlog = now
     assert backlog == 0
     prompt = list(range(500, 520)) + docs[1] + docs[0] + list(range(400, 410))
-    approximate = ReuseRequest("approximate")
+    approximate = ReuseRequest("approximate", first_tokens=0, deviation_ratio=0.1)
     engine.add_request(
         "b",
         prompt,

@@ -49,6 +49,9 @@ class EngineConfig:
     attention_backend: str | None = None  # None: flashinfer on cuda, torch elsewhere
     enable_cascade: bool = True  # cascade decode where the cost model says it pays
     enable_cuda_graphs: bool = True  # CUDA graphs for plain decode steps (flashinfer only)
+    # queue step N+1 on the device before reading step N's tokens back (Engine); None:
+    # on with CUDA, off on the CPU (where nothing runs asynchronously to overlap)
+    overlap_scheduling: bool | None = None
     model_id: str | None = None  # name in the key namespace; None: the directory's name
     tenant_salt: str = ""
 
@@ -74,6 +77,11 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+
+    def resolved_overlap_scheduling(self, device: torch.device) -> bool:
+        if self.overlap_scheduling is None:
+            return device.type == "cuda"
+        return self.overlap_scheduling
 
     def resolved_device(self) -> torch.device:
         if self.device is not None:

@@ -5,7 +5,16 @@ Load (what a router needs to estimate the wait for a new request's first token):
 ``load_shape()`` gives the prefill backlog (prompt tokens still to compute, waiting
 sequences estimated from their ``expected_cached_tokens`` hint, admitted ones
 exact) and the number of decoding sequences; ``last_step_prompt_tokens`` says how
-many prompt positions the last ``step()`` computed (its prefill work)."""
+many prompt positions the last ``step()`` computed (its prefill work).
+
+Overlapped steps (``EngineConfig.overlap_scheduling``, on with CUDA): ``step()``
+schedules and queues step N+1 on the device before it reads back step N's tokens,
+so the host's scheduling, input building and output processing run while the GPU
+computes. A sequence sampling in step N carries a placeholder as its last token
+until N is read back; step N+1 takes that token from the device
+(``CarriedTokens``). A sequence that N's token finishes was computed once more in
+N+1, for nothing: that result is dropped. Outputs are the same token for token; each
+comes one ``step()`` call later."""
 
 from __future__ import annotations
 
@@ -27,14 +36,14 @@ from workers.engine.checkpoint import checkpoint_fingerprint, load_tokenizer
 from workers.engine.config import DEFAULT_DEVIATION_LAYER, EngineConfig
 from workers.engine.detokenizer import detokenize_step
 from workers.engine.kv_pool import KVPool
-from workers.engine.model_runner import ModelRunner
+from workers.engine.model_runner import CarriedTokens, ModelRunner
 from workers.engine.models.config import ModelConfig
 from workers.engine.models.loader import load_model
 from workers.engine.placement import place_chunk, rope_supports_placement, sequence_slots
 from workers.engine.request import Sequence
 from workers.engine.reuse import NoReuse, Reuse
 from workers.engine.reuse_info import ReuseInfo, ReuseRequest
-from workers.engine.sampler import sample, top_logprobs
+from workers.engine.sampler import sample_on_device, top_logprobs
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 
@@ -49,6 +58,28 @@ class LoadShape:
     # entry fills (position-free chunks, after the entry context) count like prompts
     prefill_backlog_tokens: int
     decode_seqs: int  # running sequences past their prompt
+
+
+# a sampled token not read back yet (overlapped steps); never a vocabulary id
+PLACEHOLDER = -1
+
+
+@dataclass
+class _Launched:
+    """A step whose model work is queued on the device; ``Engine._resolve`` reads its
+    tokens back and finishes it."""
+
+    batch: list[ScheduledSeq]
+    sampling: list[ScheduledSeq]  # the items that sample, in the logits' row order
+    # per batch item: its page table at launch (a preempted sequence gets a new one),
+    # and the positions [first, ready) whose KV is final once this step has run
+    page_tables: list
+    published: list[tuple[int, int]]
+    tokens: torch.Tensor  # [S] sampled, on the device
+    host_tokens: torch.Tensor  # [S] their copy on the host, once ``copied`` has passed
+    copied: torch.cuda.Event | None
+    logits: torch.Tensor | None  # kept only when some row asks for logprobs
+    held: bool = False  # placeholders stand for the tokens in the sampling sequences
 
 
 @dataclass(frozen=True)
@@ -160,8 +191,10 @@ class Engine:
         self.scheduler = Scheduler(
             self.pool,
             self.reuse,
-            SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens),
+            SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
         )
+        self.overlap = config.resolved_overlap_scheduling(self.device)
+        self._in_flight: _Launched | None = None
         self.model_id = config.model_id or Path(config.model_dir).resolve().name
         self.namespace_model = f"{self.model_id}@{checkpoint_fingerprint(config.model_dir)}"
         eos = set(self.model_config.eos_token_ids)
@@ -237,7 +270,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def load_shape(self) -> LoadShape:
         """Prefill backlog and decoding sequences (see ``LoadShape``).
@@ -262,45 +295,120 @@ class Engine:
 
     # -- stepping --------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """Schedule and run one step; returns the tokens it produced or, with
+        overlapped steps, those of the step before (this one's come next call)."""
+        previous, self._in_flight = self._in_flight, None
         batch = self.scheduler.schedule()
         self.last_step_seqs = len(batch)
-        if not batch:
-            self.last_step_prompt_tokens = 0
-            return []
-        logits = self.runner.run(batch)
+        self.last_step_prompt_tokens = 0
+        launched = self._launch(batch, previous) if batch else None
+        outputs = self._resolve(previous) if previous is not None else []
+        if launched is not None:
+            if self.overlap:
+                self._hold(launched)
+                self._in_flight = launched
+            else:
+                outputs += self._resolve(launched)
+        return outputs
+
+    def _launch(self, batch: list[ScheduledSeq], previous: _Launched | None) -> _Launched:
+        """Queue ``batch``'s model work and sampling on the device and advance its
+        sequences past what it computes; nothing waits for the device."""
         sampling = [item for item in batch if item.samples]
-        tokens = sample(
-            logits,
-            [item.seq.params for item in sampling],
-            [item.seq.generator for item in sampling],
-        )
-        logprobs = top_logprobs(logits, tokens, [item.seq.params for item in sampling])
+        carried = None
+        if previous is not None and previous.held:
+            source = {id(item.seq): row for row, item in enumerate(previous.sampling)}
+            pairs = [
+                (row, source[id(item.seq)])
+                for row, item in enumerate(sampling)
+                if item.seq.token_ids[-1] == PLACEHOLDER
+            ]
+            if pairs:
+                rows, source_rows = zip(*pairs, strict=True)
+                carried = CarriedTokens(
+                    torch.tensor(rows), torch.tensor(source_rows), previous.tokens
+                )
+        logits = self.runner.run(batch, carried) if carried else self.runner.run(batch)
+        params = [item.seq.params for item in sampling]
+        tokens = sample_on_device(logits, params, [item.seq.generator for item in sampling])
+        copied = None
+        if tokens.is_cuda:
+            host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host_tokens.copy_(tokens, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host_tokens = tokens
         prompt_tokens = 0  # prompt positions computed: a few integer ops per item
+        published = []
         for item in batch:
-            prompt_len = len(item.seq.prompt_token_ids)
+            seq = item.seq
+            prompt_len = len(seq.prompt_token_ids)
             if item.start < prompt_len:
                 prompt_tokens += min(item.end, prompt_len) - item.start
             if item.scattered is not None:  # (placed chunks lie within the prompt)
                 prompt_tokens += int(np.searchsorted(item.scattered, prompt_len))
-            self._record_computed(item)
-            if item.seq.fill_key is not None and item.end == len(item.seq.token_ids):
-                self._store_fill(item.seq)
+                seq.pending = seq.pending[len(item.scattered) :]
+            seq.num_computed = item.end
+            # final KV once this step has run: up to the first pending position
+            published.append(
+                (item.first_position, int(seq.pending[0]) if len(seq.pending) else item.end)
+            )
         self.last_step_prompt_tokens = prompt_tokens
-        return [
-            self._append_token(item.seq, token, lp)
-            for item, token, lp in zip(sampling, tokens, logprobs, strict=True)
-        ]
+        wants_logprobs = any(p.logprobs for p in params)
+        return _Launched(
+            batch,
+            sampling,
+            [item.seq.page_ids for item in batch],
+            published,
+            tokens,
+            host_tokens,
+            copied,
+            logits if wants_logprobs else None,
+        )
 
-    def _record_computed(self, item: ScheduledSeq) -> None:
-        """Advance ``item.seq`` past what this step computed and offer the pages that
-        now hold final KV to the reuse component (none past a pending position)."""
-        seq = item.seq
-        if item.scattered is not None:
-            seq.pending = seq.pending[len(item.scattered) :]
-        seq.num_computed = item.end
-        ready = int(seq.pending[0]) if len(seq.pending) else item.end
-        if ready > item.first_position:
-            self.reuse.publish(seq, item.first_position, ready)
+    def _hold(self, launched: _Launched) -> None:
+        """Let the scheduler see ``launched``'s tokens before they are read back: a
+        placeholder for each, in every sequence still running."""
+        for item in launched.sampling:
+            if not item.seq.is_finished:
+                item.seq.token_ids.append(PLACEHOLDER)
+        launched.held = True
+
+    def _resolve(self, launched: _Launched) -> list[StepOutput]:
+        """Read ``launched``'s tokens back (waiting for the device), offer the pages it
+        completed to the reuse component, store finished entry fills, and emit the
+        tokens of the sequences still running."""
+        if launched.copied is not None:
+            launched.copied.synchronize()
+        tokens = launched.host_tokens.tolist()
+        for item, table, (first, ready) in zip(
+            launched.batch, launched.page_tables, launched.published, strict=True
+        ):
+            seq = item.seq
+            if seq.is_finished or seq.page_ids is not table:  # finished or preempted since
+                continue
+            if ready > first:
+                self.reuse.publish(seq, first, ready)
+            if seq.fill_key is not None and item.end == len(seq.token_ids):
+                self._store_fill(seq)
+        params = [item.seq.params for item in launched.sampling]
+        if launched.logits is not None:
+            logprobs = top_logprobs(launched.logits, tokens, params)
+        else:
+            logprobs = [None] * len(tokens)
+        outputs = []
+        for item, token, lp in zip(launched.sampling, tokens, logprobs, strict=True):
+            seq = item.seq
+            if seq.is_finished:  # the token before finished it (or it was aborted)
+                continue
+            if launched.held:
+                assert seq.token_ids[-1] == PLACEHOLDER, "a held token is the last one"
+                seq.token_ids[-1] = token
+            else:
+                seq.token_ids.append(token)
+            outputs.append(self._emit_token(seq, token, lp))
+        return outputs
 
     def fill_entry(self, tokens: list[int], tenant_salt: str | None = None) -> PageKey:
         """Queue the computation of ``tokens``' position-free entry (unless it is held
@@ -374,11 +482,12 @@ class Engine:
         stored = self.pool.store_entry(fill.fill_key, fill.page_ids, length)
         self.scheduler.finish(fill, "entry", release=not stored)
 
-    def _append_token(
+    def _emit_token(
         self, seq: Sequence, token: int, logprobs: tuple[tuple[int, float], ...] | None
     ) -> StepOutput:
+        """``token`` is ``seq``'s new last token: finish the sequence if it ends it,
+        and say what it produced."""
         params = seq.params
-        seq.token_ids.append(token)
         incremental = self.stream_text or bool(params.stop)
         reason = self._token_finish_reason(seq, token)
         if incremental:

@@ -22,6 +22,17 @@ class StepInputs:
     logits_indices: torch.Tensor  # [S] rows of the last token of each sampling sequence
 
 
+@dataclass(frozen=True)
+class CarriedTokens:
+    """Input tokens that exist only on the device: for sampling row ``rows[i]`` of a
+    step (its index among the batch's sampling items), the last input token is
+    ``tokens[source_rows[i]]``, sampled by the step before and not yet read back."""
+
+    rows: torch.Tensor  # int64 [K], CPU
+    source_rows: torch.Tensor  # int64 [K], CPU
+    tokens: torch.Tensor  # int64 [S'], on the device
+
+
 def build_inputs(batch: list[ScheduledSeq], page_size: int) -> StepInputs:
     """Flatten a batch (CPU tensors). Pure function of the batch; no device work.
     Page tables are copied as int32 buffers (this runs every step, for every request).
@@ -145,11 +156,17 @@ class ModelRunner:
         return config.num_layers * 2 * page_size * config.num_kv_heads * config.head_dim * element
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Logits [S, vocab] (float32) for the sequences in ``batch`` that sample."""
+    def run(self, batch: list[ScheduledSeq], carried: CarriedTokens | None = None) -> torch.Tensor:
+        """Logits [S, vocab] (float32) for the sequences in ``batch`` that sample.
+        ``carried``: sampling rows whose last input token is still on the device (the
+        previous step's, not yet read back); it is copied in there."""
         inputs = build_inputs(batch, self.page_size)
         layout = inputs.layout
         input_ids = inputs.input_ids.to(self.device, non_blocking=True)
+        if carried is not None:
+            into = inputs.logits_indices[carried.rows].to(self.device, non_blocking=True)
+            source = carried.source_rows.to(self.device, non_blocking=True)
+            input_ids[into] = carried.tokens[source]
         positions = inputs.positions.to(self.device, non_blocking=True)
         rows = inputs.logits_indices.to(self.device, non_blocking=True)
         if self.graphs is not None:

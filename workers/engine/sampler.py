@@ -14,7 +14,16 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
 ) -> list[int]:
-    """One token per row. Greedy rows take the argmax; others sample from the
+    """``sample_on_device``, read back."""
+    return sample_on_device(logits, params, generators).tolist()
+
+
+def sample_on_device(
+    logits: torch.Tensor,  # [S, vocab], float32
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """One token per row (int64, on the logits' device; nothing waits for it). Greedy rows take the argmax; others sample from the
     temperature-scaled distribution restricted by top-k and top-p. A row with a
     generator draws only from it, so a seeded request is reproducible whatever it is
     batched with."""
@@ -30,7 +39,7 @@ def sample(
             if generators[i] is not None:
                 noise[j].exponential_(generator=generators[i])
         tokens[rows] = (probs / noise).argmax(dim=-1)
-    return tokens.tolist()
+    return tokens
 
 
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -65,6 +65,7 @@ class ScheduledSeq:
 class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
+    max_model_len: int | None = None  # a sequence this long computes nothing more
 
 
 class Scheduler:
@@ -90,7 +91,11 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
+            if self._last_token_in_flight(seq):
+                continue
             item = self._take(seq, budget)
+            if not item.num_computed_tokens:  # its last positions are still being computed
+                continue
             if self._reserve_pages(seq, item.num_tokens):
                 batch.append(item)
                 budget -= item.num_computed_tokens
@@ -117,6 +122,16 @@ class Scheduler:
         seq.finish_reason = reason
 
     # -- internals -------------------------------------------------------------
+    def _last_token_in_flight(self, seq: Sequence) -> bool:
+        """With overlapped steps (``Engine``), a sequence whose last token is being
+        sampled may already have all it may have: it finishes when that token is read
+        back, so computing past it would be wasted (and past the context length, out
+        of bounds). Never true without overlap: such a sequence has finished."""
+        max_len = self.limits.max_model_len
+        return seq.num_output_tokens >= seq.params.max_tokens or (
+            max_len is not None and len(seq.token_ids) >= max_len
+        )
+
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         if not self.reuse.admit(seq):
             return None
