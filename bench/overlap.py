@@ -12,6 +12,7 @@ synchronize per step would undo the overlap)."""
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import sys
 import time
@@ -78,7 +79,13 @@ def main() -> None:
     rows, outputs = [], {}
     for round_ in range(args.rounds):
         for overlap in (False, True):
-            llm = LLM(model_dir, max_num_seqs=256, overlap_scheduling=overlap)
+            # half the memory each: the engine before may not be collected yet
+            llm = LLM(
+                model_dir,
+                max_num_seqs=256,
+                overlap_scheduling=overlap,
+                gpu_memory_utilization=0.45,
+            )
             assert llm.engine.overlap == overlap
             llm.generate_tokens([[1, 2, 3]], SamplingParams(max_tokens=4))  # warm up
             outputs[overlap] = greedy_tokens(llm)
@@ -87,6 +94,7 @@ def main() -> None:
             rows.append([round_ + 1, "on" if overlap else "off", tps, *steps])
             print(rows[-1], flush=True)
             del llm
+            gc.collect()
             torch.cuda.empty_cache()
     agree = sum(a == b for a, b in zip(outputs[False], outputs[True], strict=True))
     print(f"device: {device_line()}")

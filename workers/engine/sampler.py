@@ -30,7 +30,7 @@ def sample_on_device(
     tokens = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=logits.device)
+        rows = _on_device(sampled_rows, torch.long, logits.device)
         probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws a token with
         # probability p, for all rows at once on the logits' device.
@@ -43,16 +43,18 @@ def sample_on_device(
 
 
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    """Every decision here is made from ``params`` on the host: nothing waits for the
+    device (overlapped steps queue the next step meanwhile)."""
+    temps = _on_device([p.temperature for p in params], torch.float32, logits.device)
     logits = logits / temps[:, None]
     top_ks = [p.top_k for p in params]
     if any(top_ks):
         vocab = logits.shape[-1]
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+        ks = _on_device([k if 0 < k < vocab else vocab for k in top_ks], torch.long, logits.device)
         kth = logits.sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    top_ps = torch.tensor([p.top_p for p in params], device=logits.device)
-    if bool((top_ps < 1).any()):
+    if any(p.top_p < 1 for p in params):
+        top_ps = _on_device([p.top_p for p in params], torch.float32, logits.device)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(dim=-1)
         # keep a token while the mass before it is below top_p (the top token always)
@@ -61,6 +63,16 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(dim=-1)
+
+
+def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without waiting for the device's queued work
+    (``torch.tensor(..., device="cuda")`` synchronizes the stream): staged through
+    pinned memory, copied asynchronously."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def top_logprobs(
