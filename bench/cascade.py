@@ -3,6 +3,7 @@ shared prefix, cascade vs flat, plus a small shape where the cost model should d
 cascade and cost nothing.
 
     python bench/cascade.py [--model DIR]
+    python bench/cascade.py --profile 256,16384   # kernel table of one shape's steps
 """
 
 from __future__ import annotations
@@ -43,10 +44,42 @@ def decode_batch(batch: int, prefix: int, rng: random.Random) -> list[ScheduledS
     return items
 
 
+def profile_steps(step, title: str, steps: int = 5) -> None:
+    """Print the CUDA kernels of ``steps`` calls of ``step`` (after a warm-up), with
+    the host's wall time per step beside the device's."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    device = sum(e.self_device_time_total for e in kernels) / steps / 1000
+    print(f"\n### {title}: wall {1000 * wall:.2f} ms a step (profiled), kernels {device:.2f} ms")
+    print(
+        prof.key_averages().table(
+            sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=70
+        )
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument(
+        "--profile",
+        metavar="BATCH,PREFIX",
+        help="instead of the table: the profiler's kernel table for 5 steps of this shape, "
+        "flat and cascade",
+    )
     args = ap.parse_args()
     llm = LLM(bench_model(args.model), num_pages=10240, max_num_seqs=256)
     runner = llm.engine.runner
@@ -69,6 +102,13 @@ def main() -> None:
 
         return build_inputs(items, PAGE).layout
 
+    if args.profile:
+        batch, prefix = map(int, args.profile.split(","))
+        items = decode_batch(batch, prefix, rng)
+        for cascade in (False, True):
+            backend.enable_cascade = cascade
+            profile_steps(lambda: runner.run(items), f"cascade={cascade}")
+        return
     for batch, prefix in SHAPES:
         items = decode_batch(batch, prefix, rng)
         flat_ms, _ = step_ms(items, cascade=False)

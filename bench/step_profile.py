@@ -1,12 +1,12 @@
-"""Wall-clock split of engine steps (schedule, model, sampling, bookkeeping), for
-benchmarks: wraps the engine's parts, adds a synchronize after the model run."""
+"""Wall-clock split of engine steps, for benchmarks: wraps the engine's parts without
+adding any synchronization (overlapped steps keep overlapping). "launch" is the
+host's time to build a step and queue it; "read back" includes waiting for the
+device, so with overlap it is the time the host had nothing left to do."""
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-
-import torch
 
 
 class StepProfile:
@@ -14,19 +14,17 @@ class StepProfile:
         self.totals: dict[str, float] = defaultdict(float)
         self.steps = 0
         self._wrap(engine.scheduler, "schedule", "schedule")
-        self._wrap(engine.runner, "run", "model (GPU, synced)", sync=True)
-        self._wrap(engine, "_publish_pages", "publish pages")
-        self._wrap(engine, "_append_token", "append/detokenize")
+        self._wrap(engine, "_launch", "launch (inputs, model, sampling queued)")
+        self._wrap(engine, "_resolve", "read back (waits for the device)")
+        self._wrap(engine, "_emit_token", "finish checks, detokenize")
         self._wrap(engine, "step", "step total", count=True)
 
-    def _wrap(self, obj, name: str, label: str, sync: bool = False, count: bool = False):
+    def _wrap(self, obj, name: str, label: str, count: bool = False):
         original = getattr(obj, name)
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
             result = original(*args, **kwargs)
-            if sync:
-                torch.cuda.synchronize()
             self.totals[label] += time.perf_counter() - start
             if count:
                 self.steps += 1
@@ -39,4 +37,4 @@ class StepProfile:
         print(f"\nstep profile over {self.steps} steps (ms per step, share of step time):")
         for label, seconds in sorted(self.totals.items(), key=lambda kv: -kv[1]):
             per = 1000 * seconds / max(self.steps, 1)
-            print(f"  {label:24s} {per:8.3f} ms  {seconds / total:6.1%}")
+            print(f"  {label:42s} {per:8.3f} ms  {seconds / total:6.1%}")
