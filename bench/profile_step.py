@@ -1,5 +1,7 @@
 """Where a step's time goes: torch profiler tables (CPU and CUDA) for a warm RAG
-request's time to first token and for a batch-8 decode step.
+request's time to first token and for decode steps at batch 1 and 256 (8 consecutive
+steps, so overlapped steps overlap as they do in service), with the wall time per
+call beside the device's kernel time.
 
     python bench/profile_step.py [--model DIR]
 """
@@ -11,6 +13,7 @@ import cProfile
 import pstats
 import random
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,13 +25,21 @@ from bench.common import bench_model  # noqa: E402
 from workers import LLM, SamplingParams  # noqa: E402
 
 
-def show(title: str, fn) -> None:
+def show(title: str, fn, calls: int = 1) -> None:
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
-    print(f"\n===== {title}: by CUDA time")
+        wall = (time.perf_counter() - start) / calls
+    kernels = sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1000
+    print(
+        f"\n===== {title}: {1000 * wall:.2f} ms a call under the profiler, "
+        f"device kernels {kernels:.2f} ms a call"
+    )
+    print(f"===== {title}: by CUDA time")
     print(
         prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60)
     )
@@ -38,7 +49,8 @@ def show(title: str, fn) -> None:
     )
     pr = cProfile.Profile()
     pr.enable()
-    fn()
+    for _ in range(calls):
+        fn()
     torch.cuda.synchronize()
     pr.disable()
     print(f"===== {title}: Python cumulative")
@@ -50,7 +62,7 @@ def main() -> None:
     ap.add_argument("--model")
     args = ap.parse_args()
     rng = random.Random(0)
-    llm = LLM(bench_model(args.model), num_pages=16384, max_num_seqs=64)
+    llm = LLM(bench_model(args.model), num_pages=16384, max_num_seqs=256)
     context = rng.choices(range(10, 1000), k=5120)
     one = SamplingParams(max_tokens=1, temperature=0)
     llm.generate_tokens([context + [5] * 64], one)
@@ -60,11 +72,16 @@ def main() -> None:
     )
     engine = llm.engine
     params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
-    for i in range(8):
-        engine.add_request(f"d{i}", rng.choices(range(10, 1000), k=300), params)
-    for _ in range(5):
-        engine.step()
-    show("decode step, batch 8", engine.step)
+    for batch in (1, 256):
+        for i in range(batch):
+            engine.add_request(f"d{batch}-{i}", rng.choices(range(10, 1000), k=512), params)
+        for _ in range(5):
+            engine.step()
+        show(f"decode steps, batch {batch}", engine.step, calls=8)
+        for i in range(batch):
+            engine.abort(f"d{batch}-{i}")
+        while engine.has_unfinished():
+            engine.step()
 
 
 if __name__ == "__main__":
