@@ -15,7 +15,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import bench_model, device_line, median_time, print_table  # noqa: E402
+from bench.common import (  # noqa: E402
+    bench_model,
+    device_line,
+    median_time,
+    print_table,
+    profiled_calls,
+)
 from chunkstore.hashing import Namespace  # noqa: E402
 from workers import LLM, SamplingParams  # noqa: E402
 from workers.engine.request import Sequence  # noqa: E402
@@ -47,21 +53,7 @@ def decode_batch(batch: int, prefix: int, rng: random.Random) -> list[ScheduledS
 def profile_steps(step, title: str, steps: int = 5) -> None:
     """Print the CUDA kernels of ``steps`` calls of ``step`` (after a warm-up), with
     the host's wall time per step beside the device's."""
-    import time
-
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - start) / steps
-    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
-    device = sum(e.self_device_time_total for e in kernels) / steps / 1000
+    prof, wall, device = profiled_calls(step, steps)
     print(f"\n### {title}: wall {1000 * wall:.2f} ms a step (profiled), kernels {device:.2f} ms")
     print(
         prof.key_averages().table(

@@ -107,3 +107,21 @@ def load_transformers_model(path: Path | str, dtype: torch.dtype = torch.bfloat1
     except TypeError:
         model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype)
     return model.cuda().eval()
+
+
+def profiled_calls(fn: Callable[[], object], calls: int):
+    """Run ``fn`` once to warm up, then ``calls`` times under the torch profiler (CPU and
+    CUDA). Returns the profile, the wall seconds per call (profiler overhead included)
+    and the device kernels' milliseconds per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / calls
+    kernels_ms = sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1000
+    return prof, wall, kernels_ms

@@ -5,9 +5,9 @@ Also checks that greedy outputs agree between the two.
 
     python bench/overlap.py [--model DIR] [--requests 256] [--rounds 2]
 
-Decode step time is the wall time of 64 consecutive ``step()`` calls once every
-request decodes, divided by 64, with the device synchronized only at both ends (a
-synchronize per step would undo the overlap)."""
+Decode step time is ``bench/latency.py``'s: consecutive ``step()`` calls once every
+request decodes, the device synchronized only at both ends (a synchronize per step
+would undo the overlap)."""
 
 from __future__ import annotations
 
@@ -23,11 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import bench_model, device_line, print_table  # noqa: E402
+from bench.latency import CONTEXT, decode_step_ms  # noqa: E402
 from bench.throughput import workload  # noqa: E402
 from workers import LLM, SamplingParams  # noqa: E402
 
-CONTEXT = 512
-DECODE_STEPS = 64
 BATCHES = (1, 64, 256)
 
 
@@ -40,25 +39,6 @@ def throughput(llm: LLM, requests) -> float:
     produced = sum(len(o.token_ids) for o in outs)
     assert produced == sum(o for _, o in requests)
     return produced / (time.perf_counter() - start)
-
-
-def decode_step_ms(llm: LLM, batch: int) -> float:
-    engine = llm.engine
-    rng = random.Random(batch)
-    params = SamplingParams(max_tokens=2 * DECODE_STEPS + 8, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"d{batch}-{i}", rng.choices(range(10, 1000), k=CONTEXT), params)
-    for _ in range(DECODE_STEPS // 4):  # prefill, then a few decode steps
-        engine.step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(DECODE_STEPS):
-        engine.step()
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    while engine.has_unfinished():
-        engine.step()
-    return 1000 * elapsed / DECODE_STEPS
 
 
 def greedy_tokens(llm: LLM) -> list[list[int]]:

@@ -13,28 +13,18 @@ import cProfile
 import pstats
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import bench_model  # noqa: E402
+from bench.common import bench_model, profiled_calls  # noqa: E402
 from workers import LLM, SamplingParams  # noqa: E402
 
 
 def show(title: str, fn, calls: int = 1) -> None:
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - start) / calls
-    kernels = sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1000
+    prof, wall, kernels = profiled_calls(fn, calls)
     print(
         f"\n===== {title}: {1000 * wall:.2f} ms a call under the profiler, "
         f"device kernels {kernels:.2f} ms a call"
