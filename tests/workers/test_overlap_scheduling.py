@@ -196,3 +196,21 @@ def test_an_abort_while_a_token_is_in_flight_loses_nothing_else(model):
     plain = _compare(model, requests, abort_after={"r1": 4})
     assert plain["r1"]["reason"] is None and 0 < len(plain["r1"]["tokens"]) < 10
     assert plain["r0"]["reason"] == plain["r2"]["reason"] == "length"
+
+
+def test_the_first_token_is_not_held_back_later_ones_come_a_call_late(model):
+    """A step that yields a request's first token is read back at once (time to first
+    token unchanged); from then on each token comes one ``step()`` call later."""
+    probe = _engine(model, False)
+    (prompt,) = _prompts(probe, 6, [40])
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    per_call = {}
+    for overlap in (False, True):
+        engine = _engine(model, overlap)
+        engine.add_request("r", prompt, params)
+        counts = []
+        while engine.has_unfinished():
+            counts.append(sum(len(out.new_token_ids) for out in engine.step()))
+        per_call[overlap] = counts
+    assert per_call[False] == [1, 1, 1, 1]
+    assert per_call[True] == [1, 0, 1, 1, 1]

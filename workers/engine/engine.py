@@ -14,7 +14,9 @@ computes. A sequence sampling in step N carries a placeholder as its last token
 until N is read back; step N+1 takes that token from the device
 (``CarriedTokens``). A sequence that N's token finishes was computed once more in
 N+1, for nothing: that result is dropped. Outputs are the same token for token; each
-comes one ``step()`` call later."""
+comes one ``step()`` call later, except a request's first token: a step that yields
+one is read back at once, so time to first token does not wait for the next step's
+launch."""
 
 from __future__ import annotations
 
@@ -79,6 +81,7 @@ class _Launched:
     host_tokens: torch.Tensor  # [S] their copy on the host, once ``copied`` has passed
     copied: torch.cuda.Event | None
     logits: torch.Tensor | None  # kept only when some row asks for logprobs
+    yields_first_token: bool  # some sequence samples its first output token
     held: bool = False  # placeholders stand for the tokens in the sampling sequences
 
 
@@ -304,7 +307,7 @@ class Engine:
         launched = self._launch(batch, previous) if batch else None
         outputs = self._resolve(previous) if previous is not None else []
         if launched is not None:
-            if self.overlap:
+            if self.overlap and not launched.yields_first_token:
                 self._hold(launched)
                 self._in_flight = launched
             else:
@@ -365,6 +368,7 @@ class Engine:
             host_tokens,
             copied,
             logits if wants_logprobs else None,
+            any(item.seq.num_output_tokens == 0 for item in sampling),
         )
 
     def _hold(self, launched: _Launched) -> None:
