@@ -145,8 +145,8 @@ def run_prompts(
     first: dict[str, torch.Tensor] = {}
     run = engine.runner.run
 
-    def recording(batch):
-        logits = run(batch)
+    def recording(batch, *carried):  # (overlapped steps pass carried tokens)
+        logits = run(batch, *carried)
         rows = [item for item in batch if item.samples]
         for row, item in zip(logits, rows, strict=True):
             if item.seq.num_output_tokens == 0:
