@@ -91,11 +91,13 @@ class Runner:
         self.drain()
 
 
-def ttft_scenario(model, trials, rng, vocab, repair):
+def ttft_scenario(model, trials, rng, vocab, repair, deviation_layer=None):
     draw = lambda n: rng.choices(range(10, vocab - 1), k=n)  # noqa: E731
     docs = [draw(DOC) for _ in range(DOCS)]
     engines = {
-        "approximate": Engine(EngineConfig(str(model), num_pages=PAGES)),
+        "approximate": Engine(
+            EngineConfig(str(model), num_pages=PAGES, deviation_layer=deviation_layer)
+        ),
         "exact": Engine(EngineConfig(str(model), num_pages=PAGES)),
         "cold": Engine(EngineConfig(str(model), num_pages=PAGES, enable_reuse=False)),
     }
@@ -154,7 +156,18 @@ def ttft_scenario(model, trials, rng, vocab, repair):
     } | {"prompt_tokens": len(prompt)}
 
 
-def rag_workload(model, requests, warm, rng, vocab, repair, pool_docs=64, systems=8, zipf=1.0):
+def rag_workload(
+    model,
+    requests,
+    warm,
+    rng,
+    vocab,
+    repair,
+    pool_docs=64,
+    systems=8,
+    zipf=1.0,
+    deviation_layer=None,
+):
     draw = lambda n: rng.choices(range(10, vocab - 1), k=n)  # noqa: E731
     docs = [draw(DOC) for _ in range(pool_docs)]
     system_prompts = [draw(SYSTEM) for _ in range(systems)]
@@ -172,7 +185,8 @@ def rag_workload(model, requests, warm, rng, vocab, repair, pool_docs=64, system
         )
     out = {}
     for name, reuse in (("approximate", repair), ("exact", None)):
-        runner = Runner(Engine(EngineConfig(str(model), num_pages=PAGES)))
+        layer = deviation_layer if reuse is not None else None
+        runner = Runner(Engine(EngineConfig(str(model), num_pages=PAGES, deviation_layer=layer)))
         for prompt, spans in stream[:warm]:  # kernels, graphs, and a warm cache
             runner.submit(prompt, spans, reuse, ANSWER)
         runner.drain()
@@ -199,6 +213,9 @@ def main() -> None:
     ap.add_argument("--warm-requests", type=int, default=128, help="unmeasured, first")
     ap.add_argument("--first-tokens", type=int, default=None, help="default: the engine's")
     ap.add_argument("--deviation-ratio", type=float, default=None)
+    ap.add_argument(
+        "--deviation-layer", type=int, default=None, help="default: the engine's (layer 3)"
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     model = bench_model(args.model)
@@ -210,11 +227,12 @@ def main() -> None:
     )
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
-    ttft = ttft_scenario(model, args.trials, rng, vocab, repair)
+    ttft = ttft_scenario(model, args.trials, rng, vocab, repair, args.deviation_layer)
     exact, cold = ttft["exact"]["ttft_ms"], ttft["cold"]["ttft_ms"]
     print_table(
         f"TTFT, {ttft['prompt_tokens']} prompt tokens, documents held position-free "
-        f"(repair k={repair.first_tokens}, r={repair.deviation_ratio})",
+        f"(repair k={repair.first_tokens}, r={repair.deviation_ratio}, selected at layer "
+        f"{args.deviation_layer or 'default'})",
         [
             "mode",
             "TTFT ms",
@@ -244,7 +262,15 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps({"ttft": ttft}, indent=2) + "\n")
         return
-    rag = rag_workload(model, args.requests, args.warm_requests, rng, vocab, repair)
+    rag = rag_workload(
+        model,
+        args.requests,
+        args.warm_requests,
+        rng,
+        vocab,
+        repair,
+        deviation_layer=args.deviation_layer,
+    )
     print_table(
         f"RAG workload: {args.requests} requests after {args.warm_requests} warm-up ones, "
         "8 of 64 documents (Zipf 1), 8 system prompts",
