@@ -18,9 +18,15 @@ whether its prefix is cached. Policies:
 
 Requests come from a closed loop of ``--concurrency`` clients, in workload order, and
 are routed in the loop; the workers then advance in lockstep rounds of one engine step
-each. A round lasts as long as its slowest step (thread CPU time, torch on one thread),
-as if each worker had its own device, so load imbalance costs time. Throughput is
-requests (and prompt tokens) over the summed rounds.
+each. A round lasts as long as its slowest step, as if each worker had its own device,
+so load imbalance costs time. A step's time is either its thread CPU time (torch on one
+thread; ``--step-cost cpu``, where prefill dominates as on a CPU worker) or a cost
+model of a GPU (``--step-cost h200``: a decode step's fixed cost plus a cost per
+sequence and per prompt token, fitted to Qwen3-0.6B on an H200, ``H200_QWEN3_06B``;
+the routers then see each worker's modeled prefill rate and step time, as real
+workers report theirs). Throughput is requests (and prompt tokens) over the summed
+rounds; time to first token is the simulated time from a request's routing to the end
+of the round that gave its first token.
 
 Run from the repository root: ``python -m bench.routing [--requests 400]``.
 """
@@ -61,6 +67,27 @@ WEIGHTS = RoutingWeights(
     max_requests_per_worker=DEFAULTS.max_requests_per_worker,
     default_prefill_tokens_per_s=DEFAULTS.default_prefill_tokens_per_s,
 )
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds an engine step takes on a modeled device: ``base_s`` + ``per_seq_s`` per
+    sequence in the step + ``per_prompt_token_s`` per prompt token it computes."""
+
+    base_s: float
+    per_seq_s: float
+    per_prompt_token_s: float
+
+    def __call__(self, seqs: int, prompt_tokens: int) -> float:
+        if not seqs:
+            return 0.0
+        return self.base_s + self.per_seq_s * seqs + self.per_prompt_token_s * prompt_tokens
+
+
+# Qwen3-0.6B shapes on one H200 (bench/RESULTS.md, 2026-11-27 session 22): decode steps
+# of 1.84 / 3.02 / 6.22 ms at batch 1 / 64 / 256 (context 512), prefill 205K tokens/s.
+H200_QWEN3_06B = StepCost(base_s=1.82e-3, per_seq_s=1.72e-5, per_prompt_token_s=4.9e-6)
+STEP_COSTS = {"h200": H200_QWEN3_06B}
 
 
 @dataclass(frozen=True)
@@ -107,6 +134,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-pages", type=int, default=160, help="KV pages per worker")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="runs per policy (median time)")
+    parser.add_argument(
+        "--step-cost",
+        choices=["cpu", *STEP_COSTS],
+        default="cpu",
+        help="a step's time: its thread CPU time, or a GPU's modeled cost (deterministic: "
+        "one run per policy is enough)",
+    )
     return parser.parse_args(argv)
 
 
@@ -151,9 +185,16 @@ class Worker:
     load a router tracks for it. Invariant: ``requests``/``tokens`` count exactly the
     requests added and not yet finished."""
 
-    def __init__(self, worker_id: str, config: EngineConfig, directory: EmbeddedChunkDirectory):
+    def __init__(
+        self,
+        worker_id: str,
+        config: EngineConfig,
+        directory: EmbeddedChunkDirectory,
+        cost: StepCost | None = None,
+    ):
         self.worker_id = worker_id
         self.engine = Engine(config)
+        self.cost = cost  # None: steps take their thread CPU time
         self._mirror = CacheMirror()
         self._publisher = EventPublisher(
             directory, worker_id, 1, self._mirror.drain, self._mirror.snapshot
@@ -161,13 +202,20 @@ class Worker:
         self.requests = 0
         self.tokens = 0
         self.served = 0
+        self.last_step_s = 0.0
 
     def view(self) -> WorkerView:
-        """What the router sees: its own counts and the worker's queued prefill. No
-        measured rates: the workers are alike, and decisions stay deterministic (the
-        router then assumes one rate for all)."""
+        """What the router sees: its own counts and the worker's queued prefill. With
+        CPU time, no measured rates (the workers are alike, and decisions stay
+        deterministic: the router assumes one rate for all); with a cost model, the
+        modeled prefill rate and the last step's modeled time, as a worker reports."""
         backlog = self.engine.load_shape().prefill_backlog_tokens
-        return WorkerView(self.worker_id, self.requests, self.tokens, backlog)
+        if self.cost is None:
+            return WorkerView(self.worker_id, self.requests, self.tokens, backlog)
+        rate = 1 / self.cost.per_prompt_token_s
+        return WorkerView(
+            self.worker_id, self.requests, self.tokens, backlog, rate, self.last_step_s
+        )
 
     def add(self, request_id: str, request: Request, params: SamplingParams, cached: int) -> None:
         self.engine.add_request(
@@ -177,10 +225,19 @@ class Worker:
         self.tokens += len(request.prompt.token_ids) + params.max_tokens
 
     def step(self) -> tuple[list[StepOutput], float]:
-        """One engine step (and its thread CPU seconds), then publish its KV events."""
+        """One engine step (and its seconds: thread CPU time, or the cost model's),
+        then publish its KV events."""
+        engine = self.engine
+        stepped = engine.has_unfinished()
         start = time.thread_time()
-        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        outputs = engine.step() if stepped else []
         elapsed = time.thread_time() - start
+        if self.cost is not None:
+            elapsed = 0.0
+            if stepped:
+                elapsed = self.cost(engine.last_step_seqs, engine.last_step_prompt_tokens)
+            if elapsed:
+                self.last_step_s = elapsed
         self._mirror.absorb(self.engine.pool.drain_events())
         self._publisher.flush()
         return outputs, elapsed
@@ -263,6 +320,10 @@ class Result:
     route_s: float  # wall time spent deciding
     served: tuple[int, ...]  # requests per worker
     affinity: int  # decisions for a worker's cache
+    ttfts: tuple[float, ...]  # simulated seconds from routing to the first token, sorted
+
+    def ttft_ms(self, quantile: float) -> float:
+        return 1000 * self.ttfts[min(len(self.ttfts) - 1, int(quantile * len(self.ttfts)))]
 
     @property
     def hit_rate(self) -> float:
@@ -275,7 +336,8 @@ def simulate(
     """Serve every request with fresh workers (cold caches) under one policy."""
     directory = EmbeddedChunkDirectory()
     config = engine_config(args)
-    workers = [Worker(f"worker-{i}", config, directory) for i in range(args.workers)]
+    cost = STEP_COSTS.get(args.step_cost)
+    workers = [Worker(f"worker-{i}", config, directory, cost) for i in range(args.workers)]
     by_id = {w.worker_id: w for w in workers}
     route = factory(workers, directory)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
@@ -283,6 +345,8 @@ def simulate(
     in_flight: dict[str, Worker] = {}
     prompt_tokens = cached_tokens = affinity = 0
     time_s = route_s = 0.0
+    routed_at: dict[str, float] = {}  # simulated time; dropped at the first token
+    ttfts = []
     while waiting or in_flight:
         while waiting and len(in_flight) < args.concurrency:
             index, request = waiting.popleft()
@@ -294,18 +358,25 @@ def simulate(
             worker = by_id[decision.worker_id]
             worker.add(f"req-{index}", request, params, decision.expected_cached_tokens)
             in_flight[f"req-{index}"] = worker
+            routed_at[f"req-{index}"] = time_s
         round_s = 0.0
+        finished_round = []
         for worker in workers:
             outputs, elapsed = worker.step()
             round_s = max(round_s, elapsed)
-            for output in outputs:
-                if output.finished:
-                    in_flight.pop(output.request_id).finish(output, params)
-                    prompt_tokens += output.num_prompt_tokens
-                    cached_tokens += output.num_cached_tokens
+            finished_round += outputs
         time_s += round_s
+        for output in finished_round:  # every output of the round comes at its end
+            if output.request_id in routed_at:
+                ttfts.append(time_s - routed_at.pop(output.request_id))
+            if output.finished:
+                in_flight.pop(output.request_id).finish(output, params)
+                prompt_tokens += output.num_prompt_tokens
+                cached_tokens += output.num_cached_tokens
     served = tuple(w.served for w in workers)
-    return Result(name, prompt_tokens, cached_tokens, time_s, route_s, served, affinity)
+    return Result(
+        name, prompt_tokens, cached_tokens, time_s, route_s, served, affinity, tuple(sorted(ttfts))
+    )
 
 
 def median_run(runs: list[Result]) -> Result:
@@ -335,6 +406,8 @@ def report(args: argparse.Namespace, requests: list[Request], results: list[Resu
                 f"{rr.time_s / r.time_s:.2f}",
                 f"{r.hit_rate / best.hit_rate:.2f}",
                 f"{best.time_s / r.time_s:.2f}",
+                f"{r.ttft_ms(0.5):.1f}",
+                f"{r.ttft_ms(0.9):.1f}",
                 f"{max(r.served) / (len(requests) / args.workers):.2f}",
                 f"{r.affinity / len(requests):.0%}",
                 f"{r.route_s / len(requests) * 1e6:.0f}",
@@ -342,8 +415,8 @@ def report(args: argparse.Namespace, requests: list[Request], results: list[Resu
         )
     headers = [
         "policy", "hit rate", "prefill tokens", "time s", "req/s", "prompt tok/s",
-        "hit ×RR", "req/s ×RR", "hit ×oracle", "req/s ×oracle", "max load", "affinity",
-        "route µs",
+        "hit ×RR", "req/s ×RR", "hit ×oracle", "req/s ×oracle", "TTFT p50 ms", "p90",
+        "max load", "affinity", "route µs",
     ]  # fmt: skip
     print_table(
         f"Routing: {len(requests)} requests, {args.sets} chunk sets (Zipf s={args.zipf}), "
@@ -352,6 +425,11 @@ def report(args: argparse.Namespace, requests: list[Request], results: list[Resu
         rows,
     )
     prompt = sum(len(r.prompt.token_ids) for r in requests)
+    timing = (
+        "thread CPU time"
+        if args.step_cost == "cpu"
+        else f"the {args.step_cost} cost model ({STEP_COSTS[args.step_cost]})"
+    )
     print(
         f"\n- Workers: {args.workers} in-process engines (workers.engine.engine.Engine), not Ray; "
         f"tiny random-weight model, CPU float32, torch 1 thread; {args.num_pages} KV pages "
@@ -361,8 +439,8 @@ def report(args: argparse.Namespace, requests: list[Request], results: list[Resu
         f"tokens) + unique query ({args.query_tokens[0]}-{args.query_tokens[1]}); "
         f"{args.max_tokens} generated tokens each; {args.concurrency} in flight; seed {args.seed}.\n"
         "- hit rate: cached prompt tokens / prompt tokens. prefill tokens: prompt tokens "
-        "computed. time: sum over lockstep rounds of the slowest engine step (thread CPU "
-        f"time), median of {args.repeats} runs. max load: busiest worker's requests / the mean. affinity: decisions made "
+        f"computed. time: sum over lockstep rounds of the slowest engine step ({timing}), "
+        f"median of {args.repeats} runs; TTFT in the same simulated time. max load: busiest worker's requests / the mean. affinity: decisions made "
         "for a worker's cache. route µs: per request (directory lookup + policy).\n"
         f"- Host: {platform.machine()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}, torch {torch.__version__}."

@@ -27,3 +27,24 @@ def test_chunk_aware_routing_reuses_more_than_round_robin(tiny_qwen3):
     first = results["chunk-aware"]
     again = routing.simulate("chunk-aware", routing.chunk_aware, requests, args)
     assert (again.cached_tokens, again.served) == (first.cached_tokens, first.served)
+
+
+def test_the_gpu_cost_model_times_steps_deterministically(tiny_qwen3):
+    """With ``--step-cost h200`` a step's time comes from the cost model, not the host:
+    two runs take the same simulated time, and every request has a time to first token
+    of at least one modeled step."""
+    args = routing.parse_args(
+        ["--model-dir", str(tiny_qwen3), "--workers", "2", "--requests", "24", "--sets", "4",
+         "--doc-tokens", "96", "160", "--num-pages", "40", "--concurrency", "4",
+         "--max-tokens", "3", "--step-cost", "h200"]
+    )  # fmt: skip
+    engine = routing.Engine(routing.engine_config(args))
+    requests = routing.make_workload(args, engine.namespace(), engine.model_config.vocab_size)
+    runs = [routing.simulate("rr", routing.round_robin, requests, args) for _ in range(2)]
+    assert runs[0].time_s == runs[1].time_s > 0
+    assert len(runs[0].ttfts) == len(requests)
+    assert min(runs[0].ttfts) >= routing.H200_QWEN3_06B.base_s
+    # the cost model: a step of 3 sequences computing 100 prompt tokens
+    cost = routing.H200_QWEN3_06B
+    assert cost(3, 100) == cost.base_s + 3 * cost.per_seq_s + 100 * cost.per_prompt_token_s
+    assert cost(0, 0) == 0
