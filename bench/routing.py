@@ -34,6 +34,7 @@ Run from the repository root: ``python -m bench.routing [--requests 400]``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import platform
@@ -134,6 +135,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-pages", type=int, default=160, help="KV pages per worker")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="runs per policy (median time)")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="router replicas, taking requests in turn; with more than one, each sees a "
+        "worker's load as of its last poll plus what it sent since (as cluster routers do)",
+    )
+    parser.add_argument(
+        "--poll-s",
+        type=float,
+        default=DEFAULTS.poll_interval_s,
+        help="with --replicas > 1: simulated seconds between a replica's load polls",
+    )
     parser.add_argument(
         "--step-cost",
         choices=["cpu", *STEP_COSTS],
@@ -347,12 +361,23 @@ def simulate(
     time_s = route_s = 0.0
     routed_at: dict[str, float] = {}  # simulated time; dropped at the first token
     ttfts = []
+    replicas = [ReplicaViews(i, args.replicas, args.poll_s) for i in range(args.replicas)]
     while waiting or in_flight:
         while waiting and len(in_flight) < args.concurrency:
             index, request = waiting.popleft()
+            replica = replicas[index % len(replicas)]
+            views = (
+                [w.view() for w in workers]
+                if len(replicas) == 1
+                else replica.views(workers, time_s)
+            )
             start = time.perf_counter()
-            decision = route(request, [w.view() for w in workers])
+            decision = route(request, views)
             route_s += time.perf_counter() - start
+            prompt_len = len(request.prompt.token_ids)
+            if len(replicas) > 1:
+                uncached = prompt_len - decision.expected_cached_tokens
+                replica.sent(decision.worker_id, prompt_len + params.max_tokens, uncached)
             # for a cache: one the directory lists, or one this router just filled
             affinity += decision.reason in (Reason.AFFINITY, Reason.RECENT)
             worker = by_id[decision.worker_id]
@@ -377,6 +402,46 @@ def simulate(
     return Result(
         name, prompt_tokens, cached_tokens, time_s, route_s, served, affinity, tuple(sorted(ttfts))
     )
+
+
+class ReplicaViews:
+    """Worker loads as one router replica sees them: each worker's view as of the
+    replica's last poll, plus the requests this replica sent there since (their tokens,
+    and their uncached prompt tokens as prefill not yet reported); what other replicas
+    sent since, and what finished, is unseen until the next poll. Replica ``index`` of
+    ``count`` polls every ``poll_s``, offset by ``index / count`` of the interval."""
+
+    def __init__(self, index: int, count: int, poll_s: float) -> None:
+        self._offset = poll_s * index / count
+        self._poll_s = poll_s
+        self._polled_at = -1
+        self._snapshot: dict[str, WorkerView] = {}
+        self._sent: dict[str, list[int]] = {}  # requests, tokens, prefill since the poll
+
+    def views(self, workers: list[Worker], now: float) -> list[WorkerView]:
+        poll = int((now + self._offset) // self._poll_s)
+        if poll != self._polled_at:
+            self._polled_at = poll
+            self._snapshot = {w.worker_id: w.view() for w in workers}
+            self._sent = {w.worker_id: [0, 0, 0] for w in workers}
+        out = []
+        for w in workers:
+            seen, (requests, tokens, prefill) = self._snapshot[w.worker_id], self._sent[w.worker_id]
+            out.append(
+                dataclasses.replace(
+                    seen,
+                    requests=seen.requests + requests,
+                    tokens=seen.tokens + tokens,
+                    prefill_backlog=seen.prefill_backlog + prefill,
+                )
+            )
+        return out
+
+    def sent(self, worker_id: str, tokens: int, uncached: int) -> None:
+        counts = self._sent[worker_id]
+        counts[0] += 1
+        counts[1] += tokens
+        counts[2] += uncached
 
 
 def median_run(runs: list[Result]) -> Result:
@@ -437,7 +502,9 @@ def report(args: argparse.Namespace, requests: list[Request], results: list[Resu
         f"- Workload: {prompt:,} prompt tokens; system prompt ({args.system_tokens} tokens, "
         f"{args.system_prompts} kinds) + document ({args.doc_tokens[0]}-{args.doc_tokens[1]} "
         f"tokens) + unique query ({args.query_tokens[0]}-{args.query_tokens[1]}); "
-        f"{args.max_tokens} generated tokens each; {args.concurrency} in flight; seed {args.seed}.\n"
+        f"{args.max_tokens} generated tokens each; {args.concurrency} in flight; seed {args.seed}; "
+        f"{args.replicas} router replica(s)"
+        f"{f', polling loads every {args.poll_s} s' if args.replicas > 1 else ''}.\n"
         "- hit rate: cached prompt tokens / prompt tokens. prefill tokens: prompt tokens "
         f"computed. time: sum over lockstep rounds of the slowest engine step ({timing}), "
         f"median of {args.repeats} runs; TTFT in the same simulated time. max load: busiest worker's requests / the mean. affinity: decisions made "

@@ -48,3 +48,22 @@ def test_the_gpu_cost_model_times_steps_deterministically(tiny_qwen3):
     cost = routing.H200_QWEN3_06B
     assert cost(3, 100) == cost.base_s + 3 * cost.per_seq_s + 100 * cost.per_prompt_token_s
     assert cost(0, 0) == 0
+
+
+def test_a_replica_sees_loads_as_of_its_last_poll_plus_what_it_sent():
+    class Stub:  # a worker whose reported load the test sets
+        def __init__(self, worker_id):
+            self.worker_id, self.load = worker_id, 0
+
+        def view(self):
+            return routing.WorkerView(self.worker_id, self.load, 10 * self.load, 100 * self.load)
+
+    workers = [Stub("a"), Stub("b")]
+    replica = routing.ReplicaViews(index=1, count=2, poll_s=1.0)  # polls at 0.5, 1.5, ...
+    assert [v.requests for v in replica.views(workers, 0.0)] == [0, 0]
+    replica.sent("a", tokens=7, uncached=5)
+    workers[1].load = 3  # another replica's requests: unseen until the next poll
+    (a, b) = replica.views(workers, 0.4)
+    assert (a.requests, a.tokens, a.prefill_backlog, b.requests) == (1, 7, 5, 0)
+    (a, b) = replica.views(workers, 0.6)  # polled: the workers' own reports
+    assert (a.requests, a.prefill_backlog, b.requests, b.prefill_backlog) == (0, 0, 3, 300)
