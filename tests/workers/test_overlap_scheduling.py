@@ -214,3 +214,25 @@ def test_the_first_token_is_not_held_back_later_ones_come_a_call_late(model):
         per_call[overlap] = counts
     assert per_call[False] == [1, 1, 1, 1]
     assert per_call[True] == [1, 0, 1, 1, 1]
+
+
+def test_prompt_tokens_read_back_follow_those_launched(model):
+    """``last_read_back_prompt_tokens`` (what a call's wall time waited for, the engine
+    loop's prefill-rate sample) equals ``last_step_prompt_tokens`` without overlap and
+    lags it by a call with overlap, summing to the same."""
+    probe = _engine(model, False)
+    (prompt,) = _prompts(probe, 8, [50])
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    for overlap in (False, True):
+        engine = _engine(model, overlap, max_num_batched_tokens=16)  # 4 prompt chunks
+        engine.add_request("r", prompt, params)
+        launched, read_back = [], []
+        while engine.has_unfinished():
+            engine.step()
+            launched.append(engine.last_step_prompt_tokens)
+            read_back.append(engine.last_read_back_prompt_tokens)
+        assert sum(launched) == sum(read_back) == 50
+        if overlap:  # chunks without a token are held; the last chunk's token is not
+            assert launched[:4] == [16, 16, 16, 2] and read_back[:4] == [0, 16, 16, 18]
+        else:
+            assert read_back == launched

@@ -5,7 +5,10 @@ Load (what a router needs to estimate the wait for a new request's first token):
 ``load_shape()`` gives the prefill backlog (prompt tokens still to compute, waiting
 sequences estimated from their ``expected_cached_tokens`` hint, admitted ones
 exact) and the number of decoding sequences; ``last_step_prompt_tokens`` says how
-many prompt positions the last ``step()`` computed (its prefill work).
+many prompt positions the last ``step()`` computed (its prefill work), and
+``last_read_back_prompt_tokens`` how many the steps it read back had computed (with
+overlapped steps, the call's wall time is mostly waiting for those: the pair gives a
+prefill rate).
 
 Overlapped steps (``EngineConfig.overlap_scheduling``, on with CUDA): ``step()``
 schedules and queues step N+1 on the device before it reads back step N's tokens,
@@ -82,6 +85,7 @@ class _Launched:
     copied: torch.cuda.Event | None
     logits: torch.Tensor | None  # kept only when some row asks for logprobs
     yields_first_token: bool  # some sequence samples its first output token
+    prompt_tokens: int  # prompt positions it computes (``last_step_prompt_tokens``)
     held: bool = False  # placeholders stand for the tokens in the sampling sequences
 
 
@@ -220,6 +224,7 @@ class Engine:
         # entry fills' tokens count as prompt) and sequences scheduled (0: it did nothing)
         self.last_step_prompt_tokens = 0
         self.last_step_seqs = 0
+        self.last_read_back_prompt_tokens = 0
 
     # -- requests --------------------------------------------------------------
     def namespace(self, tenant_salt: str | None = None) -> Namespace:
@@ -305,13 +310,17 @@ class Engine:
         self.last_step_seqs = len(batch)
         self.last_step_prompt_tokens = 0
         launched = self._launch(batch, previous) if batch else None
-        outputs = self._resolve(previous) if previous is not None else []
+        outputs, read_back = [], 0
+        if previous is not None:
+            outputs, read_back = self._resolve(previous), previous.prompt_tokens
         if launched is not None:
             if self.overlap and not launched.yields_first_token:
                 self._hold(launched)
                 self._in_flight = launched
             else:
                 outputs += self._resolve(launched)
+                read_back += launched.prompt_tokens
+        self.last_read_back_prompt_tokens = read_back
         return outputs
 
     def _launch(self, batch: list[ScheduledSeq], previous: _Launched | None) -> _Launched:
@@ -369,6 +378,7 @@ class Engine:
             copied,
             logits if wants_logprobs else None,
             any(item.seq.num_output_tokens == 0 for item in sampling),
+            prompt_tokens,
         )
 
     def _hold(self, launched: _Launched) -> None:

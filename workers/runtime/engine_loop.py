@@ -270,7 +270,8 @@ class EngineLoop:
         engine = self._engine
         shape = engine.load_shape()
         timed = step_s is not None and step_s > 0 and engine.last_step_seqs > 0
-        prompt_tokens = engine.last_step_prompt_tokens if timed else 0
+        # the steps this call read back are what its wall time waited for
+        prompt_tokens = engine.last_read_back_prompt_tokens if timed else 0
         with self._lock:
             c = self._counters
             if timed:
