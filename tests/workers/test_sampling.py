@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from workers import LLM, SamplingParams
-from workers.engine.sampler import sample
+from workers.engine.sampler import sample_on_device
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
 
@@ -36,12 +36,16 @@ def test_top_k_one_and_tiny_top_p_are_greedy(llm):
 def test_top_k_and_top_p_restrict_support():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
     gen = torch.Generator().manual_seed(0)
-    seen_k = {sample(logits, [SamplingParams(top_k=2)], [gen])[0] for _ in range(200)}
+    seen_k = {
+        sample_on_device(logits, [SamplingParams(top_k=2)], [gen]).tolist()[0] for _ in range(200)
+    }
     assert seen_k == {0, 1}
     # probs ~ [.64, .24, .09, .03, .01]: top_p 0.8 keeps the first two only
-    seen_p = {sample(logits, [SamplingParams(top_p=0.8)], [gen])[0] for _ in range(200)}
+    seen_p = {
+        sample_on_device(logits, [SamplingParams(top_p=0.8)], [gen]).tolist()[0] for _ in range(200)
+    }
     assert seen_p == {0, 1}
-    assert sample(logits, [SamplingParams(temperature=0)], [None]) == [0]
+    assert sample_on_device(logits, [SamplingParams(temperature=0)], [None]).tolist() == [0]
 
 
 def test_max_tokens_and_stop_token_ids(llm):

@@ -9,24 +9,15 @@ import torch
 from workers.engine.sampling_params import SamplingParams
 
 
-def sample(
-    logits: torch.Tensor,  # [S, vocab], float32
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-) -> list[int]:
-    """``sample_on_device``, read back."""
-    return sample_on_device(logits, params, generators).tolist()
-
-
 def sample_on_device(
     logits: torch.Tensor,  # [S, vocab], float32
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
 ) -> torch.Tensor:
-    """One token per row (int64, on the logits' device; nothing waits for it). Greedy rows take the argmax; others sample from the
-    temperature-scaled distribution restricted by top-k and top-p. A row with a
-    generator draws only from it, so a seeded request is reproducible whatever it is
-    batched with."""
+    """One token per row (int64, on the logits' device; nothing waits for it). Greedy
+    rows take the argmax; others sample from the temperature-scaled distribution
+    restricted by top-k and top-p. A row with a generator draws only from it, so a
+    seeded request is reproducible whatever it is batched with."""
     tokens = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
