@@ -536,7 +536,7 @@ class Engine:
             return "stop"
         if not params.ignore_eos and token in self._eos_token_ids:
             return "stop"
-        if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if seq.reached_length(self.max_model_len):
             return "length"
         return None
 

@@ -85,6 +85,13 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    def reached_length(self, max_model_len: int | None) -> bool:
+        """It has all the tokens it may have: ``max_tokens`` outputs, or the context
+        length (None: no context limit checked)."""
+        return self.num_output_tokens >= self.params.max_tokens or (
+            max_model_len is not None and len(self.token_ids) >= max_model_len
+        )
+
     @property
     def num_uncomputed(self) -> int:
         """Tokens of the contiguous tail still to compute (``pending`` aside)."""

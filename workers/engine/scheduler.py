@@ -91,7 +91,11 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            if self._last_token_in_flight(seq):
+            # With overlapped steps (``Engine``) a sequence whose last token is still
+            # being sampled may have all it may have: it finishes when that token is
+            # read back, so computing past it would be wasted (and past the context
+            # length, out of bounds). Without overlap such a sequence has finished.
+            if seq.reached_length(self.limits.max_model_len):
                 continue
             item = self._take(seq, budget)
             if not item.num_computed_tokens:  # its last positions are still being computed
@@ -122,16 +126,6 @@ class Scheduler:
         seq.finish_reason = reason
 
     # -- internals -------------------------------------------------------------
-    def _last_token_in_flight(self, seq: Sequence) -> bool:
-        """With overlapped steps (``Engine``), a sequence whose last token is being
-        sampled may already have all it may have: it finishes when that token is read
-        back, so computing past it would be wasted (and past the context length, out
-        of bounds). Never true without overlap: such a sequence has finished."""
-        max_len = self.limits.max_model_len
-        return seq.num_output_tokens >= seq.params.max_tokens or (
-            max_len is not None and len(seq.token_ids) >= max_len
-        )
-
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         if not self.reuse.admit(seq):
             return None
