@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+from array import array
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -44,7 +45,7 @@ def decode_batch(batch: int, prefix: int, rng: random.Random) -> list[ScheduledS
         next_page += len(own_pages)
         kv_len = prefix + own
         seq = Sequence(f"c{i}", i, [1] * kv_len, SamplingParams(), Namespace("bench"))
-        seq.page_ids = prefix_pages + own_pages
+        seq.page_ids = array("i", prefix_pages + own_pages)  # as the engine keeps them
         seq.num_computed = kv_len - 1
         items.append(ScheduledSeq(seq, kv_len - 1, 1))
     return items
@@ -81,13 +82,19 @@ def main() -> None:
     rng = random.Random(0)
     rows = []
 
-    def step_ms(items, cascade: bool) -> tuple[float, str]:
+    def step_ms(items, cascade: bool, forced: bool = False) -> tuple[float, str]:
+        """Median step time; ``forced``: cascade whenever anything is shared (the cost
+        model's threshold off), to see where it would pay."""
         backend.enable_cascade = cascade
-        ms = 1000 * median_time(lambda: runner.run(items), args.iters)
+        threshold = backend.min_saved_tokens
+        backend.min_saved_tokens = 0 if forced else threshold
+        try:
+            ms = 1000 * median_time(lambda: runner.run(items), args.iters)
+        finally:
+            backend.min_saved_tokens = threshold
         graphs = runner.graphs
-        in_graph = graphs is not None and graphs.decode_fits(_layout(items))
-        kind = "graph" if in_graph else backend.last_plan_kind
-        return ms, kind
+        graph = graphs is not None and graphs.graph_for(_layout(items)) is not None
+        return ms, f"{backend.last_plan_kind}{' graph' if graph else ''}"
 
     def _layout(items):
         from workers.engine.model_runner import build_inputs
@@ -101,20 +108,27 @@ def main() -> None:
             backend.enable_cascade = cascade
             profile_steps(lambda: runner.run(items), f"cascade={cascade}")
         return
-    for batch, prefix in SHAPES:
+    for batch, prefix in SHAPES + [DECLINED]:
         items = decode_batch(batch, prefix, rng)
         flat_ms, _ = step_ms(items, cascade=False)
-        cascade_ms, kind = step_ms(items, cascade=True)
-        rows.append([batch, prefix, flat_ms, cascade_ms, kind, flat_ms / cascade_ms])
-    batch, prefix = DECLINED
-    items = decode_batch(batch, prefix, rng)
-    flat_ms, _ = step_ms(items, cascade=False)
-    auto_ms, kind = step_ms(items, cascade=True)
-    rows.append([batch, prefix, flat_ms, auto_ms, f"{kind} (declined)", flat_ms / auto_ms])
+        auto_ms, kind = step_ms(items, cascade=True)
+        forced_ms, forced_kind = step_ms(items, cascade=True, forced=True)
+        rows.append(
+            [batch, prefix, flat_ms, auto_ms, kind, flat_ms / auto_ms, forced_ms, forced_kind]
+        )
     print(f"device: {device_line()}")
     print_table(
         "Decode step with a shared prefix (own tokens 128-512): flat vs cascade",
-        ["batch", "shared prefix", "flat ms", "cascade-enabled ms", "path taken", "speed-up"],
+        [
+            "batch",
+            "shared prefix",
+            "flat ms",
+            "cascade-enabled ms",
+            "path taken",
+            "speed-up",
+            "cascade forced ms",
+            "forced path",
+        ],
         rows,
     )
 

@@ -106,21 +106,22 @@ def test_greedy_agreement_reuse_cascade_vs_plain(engines):
     prompts = _prompts(64, 1024, seed=2)
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2)
     reuse.generate([prompts[0]], params)  # cache the shared system prompt
-    backend = reuse.engine.runner.backend
+    runner = reuse.engine.runner
+    backend = runner.backend
     backend.min_saved_tokens = 0  # exercise the cascade path on every shared decode step
     kinds = []
-    original_plan = backend.plan
+    original_run = runner.run
 
-    def spy(layout):
-        meta = original_plan(layout)
-        kinds.append(backend.last_plan_kind)
-        return meta
+    def spy(batch, carried=None):
+        logits = original_run(batch, carried)
+        kinds.append(backend.last_plan_kind)  # eager or graph
+        return logits
 
-    backend.plan = spy
+    runner.run = spy
     try:
         got = reuse.generate(prompts, params)
     finally:
-        backend.plan = original_plan
+        runner.run = original_run
     want = plain.generate(prompts, params)
     same = sum(a.token_ids == b.token_ids for a, b in zip(got, want, strict=True))
     divergences = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from workers.engine.attention.base import BatchLayout
-from workers.engine.attention.cascade_plan import plan_cascade
+from workers.engine.attention.cascade_plan import pad_cascade, plan_cascade
 
 PAGE = 16
 
@@ -136,3 +136,66 @@ def test_randomized_against_brute_force():
             assert reassembled[r] == page_lists[r]
         assert sorted(rows + plan.flat_rows.tolist()) == list(range(len(page_lists)))
         assert len(plan.levels) == (3 if saved1 else 2)
+
+
+def _padded_pages(padded, size):
+    """Each padded row's pages (by its index in the padded batch) and, per level, the
+    entry that holds it."""
+    order = padded.order.tolist()
+    out = {r: [] for r in order}
+    for level in padded.levels:
+        qo = level.qo_indptr.tolist()
+        indptr = level.kv_page_indptr.tolist()
+        indices = level.kv_page_indices.tolist()
+        assert len(qo) == size + 1 and qo[0] == 0 and qo[-1] == size  # every row, once
+        assert len(level.kv_last_page_len) == size
+        for entry in range(size):
+            for pos in range(qo[entry], qo[entry + 1]):
+                out[order[pos]] += indices[indptr[entry] : indptr[entry + 1]]
+    return out
+
+
+def test_padded_cascade_keeps_every_row_and_fills_the_graph_size():
+    import random
+
+    rng = random.Random(7)
+    scratch = 9999
+    for _ in range(100):
+        prefixes = [[rng.randrange(1000) for _ in range(rng.randint(1, 6))] for _ in range(3)]
+        docs = [[rng.randrange(1000, 2000) for _ in range(rng.randint(0, 4))] for _ in range(3)]
+        page_lists, next_page = [], 5000
+        for _ in range(rng.randint(2, 12)):
+            own = list(range(next_page, next_page + rng.randint(1, 4)))
+            next_page += len(own)
+            shared = rng.random() < 0.8
+            page_lists.append((rng.choice(prefixes) + rng.choice(docs) if shared else []) + own)
+        last_lens = [rng.randint(1, PAGE) for _ in page_lists]
+        layout = _decode_layout(page_lists, last_lens)
+        plan = plan_cascade(layout, max_levels=3, min_saved_tokens=0)
+        if plan is None:
+            continue
+        batch = len(page_lists)
+        for size in (batch, batch + rng.randint(1, 20)):
+            padded = pad_cascade(plan, layout, size, scratch)
+            assert sorted(padded.order.tolist()) == list(range(size))
+            assert len(padded.levels) == len(plan.levels)
+            pages = _padded_pages(padded, size)
+            for row in range(batch):  # shared levels, then its own pages: all, in order
+                assert pages[row] == page_lists[row]
+            for row in range(batch, size):
+                assert pages[row] == [scratch]
+            own = padded.levels[-1]
+            position = {r: i for i, r in enumerate(padded.order.tolist())}
+            for row in range(batch):
+                assert own.kv_last_page_len[position[row]] == last_lens[row]
+            # in a shared level, an entry with KV is full pages; the rows outside any
+            # group share one entry with no KV
+            for level in padded.levels[:-1]:
+                counts = level.kv_page_indptr.diff()
+                assert ((counts == 0) == (level.kv_last_page_len == 0)).all()
+    try:
+        pad_cascade(plan, layout, batch - 1, scratch)
+    except ValueError as e:
+        assert "cannot hold" in str(e)
+    else:
+        raise AssertionError("a size below the batch must be refused")

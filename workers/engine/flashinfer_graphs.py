@@ -1,32 +1,43 @@
 """The CUDA graphs a FlashInfer backend captures (``FlashInferBackend.capture_graphs``):
-decode graphs (``cuda_graphs.DecodeGraphs``) and prefill graphs
-(``prefill_graphs.PrefillGraphs``) behind one ``replay``, so the model runner asks
-whether a graph fits a step without knowing which backend it has."""
+decode graphs (``cuda_graphs.DecodeGraphs``), cascade decode graphs
+(``cascade_graphs.CascadeGraphs``) and prefill graphs (``prefill_graphs.PrefillGraphs``)
+behind one ``replay``, so the model runner asks whether a graph fits a step without
+knowing which backend it has."""
 
 from __future__ import annotations
 
 import torch
 
 from workers.engine.attention.base import BatchLayout
+from workers.engine.cascade_graphs import CascadeGraphs
 from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.prefill_graphs import PrefillGraphs
 
 
 class FlashInferGraphs:
-    def __init__(self, model, backend, decode: DecodeGraphs, prefill: PrefillGraphs) -> None:
+    def __init__(
+        self,
+        model,
+        backend,
+        decode: DecodeGraphs,
+        prefill: PrefillGraphs,
+        cascade: CascadeGraphs | None,
+    ) -> None:
         self.model = model
         self.backend = backend
         self.decode = decode
         self.prefill = prefill
+        self.cascade = cascade
 
-    def decode_fits(self, layout: BatchLayout) -> bool:
-        """A plain decode step (cascade steps run eagerly) of at most the largest
-        captured batch."""
-        return (
-            layout.is_decode
-            and layout.batch_size <= self.decode.max_batch_size()
-            and not self.backend.wants_cascade(layout)
-        )
+    def graph_for(self, layout: BatchLayout) -> str | None:
+        """Which graph a step replays: "decode", "cascade" or "prefill"; None: the step
+        runs eagerly (a cascade step larger than the captured sizes, a prefill step
+        beyond the prefill buckets)."""
+        if layout.is_decode:
+            if self.backend.wants_cascade(layout):
+                return "cascade" if self.cascade is not None and self.cascade.fits(layout) else None
+            return "decode" if layout.batch_size <= self.decode.max_batch_size() else None
+        return "prefill" if self.prefill.can_run(layout) else None
 
     def replay(
         self,
@@ -37,9 +48,14 @@ class FlashInferGraphs:
     ) -> torch.Tensor | None:
         """Logits [S, vocab] of the new tokens at ``rows`` if a graph fits this step;
         None: the step runs eagerly."""
-        if self.decode_fits(layout):
+        kind = self.graph_for(layout)
+        if kind == "decode":
+            self.backend.last_plan_kind = "decode"
             return self.decode.run(input_ids, positions, layout)[rows]
-        if self.prefill.can_run(layout):
+        if kind == "cascade":
+            hidden = self.cascade.run(input_ids, positions, layout)
+        elif kind == "prefill":
             hidden = self.prefill.run(input_ids, positions, layout)
-            return self.model.compute_logits(hidden[rows])
-        return None
+        else:
+            return None
+        return self.model.compute_logits(hidden[rows])

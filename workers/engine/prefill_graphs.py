@@ -138,6 +138,7 @@ class PrefillGraphs:
         g.kv_rows.copy_(kv_write_rows(slots, self.page_size), non_blocking=True)
         plan_prefill(g.wrapper, self._padded(layout, g.rows), self.backend.shape)
         g.graph.replay()
+        self.backend.last_plan_kind = "prefill-split" if g.split_kv else "prefill"
         return g.hidden[:n]
 
     def _padded(self, layout: BatchLayout, rows: int) -> BatchLayout:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from workers.engine.attention.base import BatchLayout
@@ -105,12 +106,13 @@ def plan_cascade(
 
 def _page_table(layout: BatchLayout, counts: torch.Tensor) -> torch.Tensor:
     """[B, max pages] page ids padded with -1."""
-    indptr = layout.kv_page_indptr.long()
-    rows = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    cols = torch.arange(int(indptr[-1])) - indptr[rows]
-    table = torch.full((len(counts), max(int(counts.max()), 1)), -1, dtype=torch.long)
-    table[rows, cols] = layout.kv_page_indices.long()
-    return table
+    width = max(int(counts.max()), 1)
+    counts = counts.numpy()
+    table = np.full((len(counts), width), -1, dtype=np.int32)
+    # row-major order of the filled cells is the order of kv_page_indices (numpy: this
+    # masked assignment is several times faster than torch's on the CPU)
+    table[np.arange(width)[None, :] < counts[:, None]] = layout.kv_page_indices.numpy()
+    return torch.from_numpy(table)
 
 
 def _group(table, shareable, rows, key, start) -> _Grouping | None:
@@ -149,7 +151,10 @@ def _common_prefix(table, shareable, rows, group, start) -> torch.Tensor:
     cols = torch.arange(table.shape[1])[None, :]
     equal = (table[rows] == reference) | (cols < start[:, None])
     equal &= cols < shareable[rows][:, None]
-    run = (torch.cumprod(equal.long(), dim=1).sum(dim=1) - start).clamp(min=0)
+    differ = ~equal
+    # leading equal columns: the first that differs, or all of them
+    ends = torch.where(differ.any(dim=1), differ.byte().argmax(dim=1), table.shape[1])
+    run = (ends - start).clamp(min=0)
     per_group = torch.full((num_groups,), table.shape[1], dtype=torch.long)
     per_group.scatter_reduce_(0, group, run, reduce="amin")
     return per_group[group]
@@ -204,3 +209,89 @@ def _indptr(sizes: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(len(sizes) + 1, dtype=torch.int32)
     out[1:] = sizes.cumsum(0)
     return out
+
+
+@dataclass(frozen=True)
+class PaddedCascade:
+    """A cascade plan laid out for a CUDA graph of ``size`` rows: every level has
+    exactly ``size`` entries and covers all ``size`` query rows in ``order``, so the
+    graph's gathers, kernels and merges keep their shapes from step to step.
+
+    ``order`` [size] int64 is a permutation of the padded batch: the cascaded rows (in
+    level order), then the plan's flat rows, then padding rows ``batch..size-1``. In a
+    shared level, the flat and padding rows form one entry with no KV (log-sum-exp
+    -inf: it adds nothing when merged); its unused entries have no query rows and one
+    scratch page. The last level gives every row its own pages (a flat row all of
+    them; a padding row one scratch-page token)."""
+
+    order: torch.Tensor
+    levels: tuple[CascadeLevel, ...]
+
+
+def pad_cascade(
+    plan: CascadePlan, layout: BatchLayout, size: int, scratch_page: int
+) -> PaddedCascade:
+    batch = layout.batch_size
+    if size < batch:
+        raise ValueError(f"a padded cascade of {size} rows cannot hold a batch of {batch}")
+    cascaded = len(plan.rows)
+    rest = size - cascaded  # flat and padding rows
+    order = torch.cat(
+        (plan.rows.long(), plan.flat_rows.long(), torch.arange(batch, size, dtype=torch.long))
+    )
+    i32 = torch.int32
+    levels = []
+    for level in plan.levels[:-1]:
+        entries = len(level.qo_indptr) - 1
+        qo = [level.qo_indptr]
+        pages = [level.kv_page_indptr]
+        last = [level.kv_last_page_len]
+        unused = size - entries
+        if rest:  # the flat and padding rows: one entry, no KV
+            qo.append(torch.tensor([cascaded + rest], dtype=i32))
+            pages.append(level.kv_page_indptr[-1:].clone())
+            last.append(torch.zeros(1, dtype=i32))
+            unused -= 1
+        top = int(pages[-1][-1])
+        qo.append(torch.full((unused,), size, dtype=i32))
+        pages.append(torch.arange(top + 1, top + unused + 1, dtype=i32))
+        last.append(torch.ones(unused, dtype=i32))
+        indices = torch.cat((level.kv_page_indices, torch.full((unused,), scratch_page, dtype=i32)))
+        levels.append(CascadeLevel(torch.cat(qo), torch.cat(pages), indices, torch.cat(last)))
+    own = plan.levels[-1]
+    indptr = layout.kv_page_indptr.long()
+    flat = plan.flat_rows.long()
+    counts = indptr[flat + 1] - indptr[flat]
+    starts = torch.repeat_interleave(indptr[flat], counts)
+    offsets = torch.arange(int(counts.sum())) - torch.repeat_interleave(
+        torch.cumsum(counts, 0) - counts, counts
+    )
+    padding = size - batch
+    top = own.kv_page_indptr[-1]
+    levels.append(
+        CascadeLevel(
+            torch.arange(size + 1, dtype=i32),
+            torch.cat(
+                (
+                    own.kv_page_indptr,
+                    top + torch.cumsum(counts, 0).to(i32),
+                    top + int(counts.sum()) + torch.arange(1, padding + 1, dtype=i32),
+                )
+            ),
+            torch.cat(
+                (
+                    own.kv_page_indices,
+                    layout.kv_page_indices[starts + offsets],
+                    torch.full((padding,), scratch_page, dtype=i32),
+                )
+            ),
+            torch.cat(
+                (
+                    own.kv_last_page_len,
+                    layout.kv_last_page_len[flat],
+                    torch.ones(padding, dtype=i32),
+                )
+            ),
+        )
+    )
+    return PaddedCascade(order, tuple(levels))

@@ -68,7 +68,8 @@ class FlashInferBackend:
         )
         self._level_wrappers: list[flashinfer.BatchPrefillWithPagedKVCacheWrapper] = []
         self.num_sms = torch.cuda.get_device_properties(shape.device).multi_processor_count
-        # "prefill" | "prefill-split" | "decode" | "cascade" (for tests, benchmarks)
+        # the last step's attention, planned here or by a graph (for tests, benchmarks):
+        # "prefill" | "prefill-split" | "decode" | "cascade"
         self.last_plan_kind = ""
         self._memo: tuple[BatchLayout, CascadePlan | None] | None = None
 
@@ -80,9 +81,9 @@ class FlashInferBackend:
         return prefers_split_kv(layout, self.shape.num_heads, self.num_sms)
 
     def wants_cascade(self, layout: BatchLayout) -> bool:
-        return self._cascade_plan(layout) is not None
+        return self.cascade_plan(layout) is not None
 
-    def _cascade_plan(self, layout: BatchLayout) -> CascadePlan | None:
+    def cascade_plan(self, layout: BatchLayout) -> CascadePlan | None:
         """Planned once per step: ``wants_cascade`` and ``plan`` see the same layout."""
         if not self.enable_cascade:
             return None
@@ -100,7 +101,7 @@ class FlashInferBackend:
             wrapper = self.prefill_split if split else self.prefill
             plan_prefill(wrapper, layout, self.shape)
             return FlashInferMetadata(slots, wrapper)
-        cascade = self._cascade_plan(layout)
+        cascade = self.cascade_plan(layout)
         if cascade is None:
             self._plan_decode(layout)
             self.last_plan_kind = "decode"
@@ -116,8 +117,10 @@ class FlashInferBackend:
         max_batch_size: int,
         max_pages_per_seq: int,
     ):
-        """Decode graphs (plain decode steps of up to ``max_batch_size`` sequences) and
-        prefill graphs (steps of up to 1,024 new tokens), ``flashinfer_graphs``."""
+        """Decode graphs (plain decode steps of up to ``max_batch_size`` sequences),
+        cascade decode graphs (the same sizes, when cascade is on) and prefill graphs
+        (steps of up to 1,024 new tokens), ``flashinfer_graphs``."""
+        from workers.engine.cascade_graphs import CascadeGraphs
         from workers.engine.cuda_graphs import DecodeGraphs
         from workers.engine.flashinfer_graphs import FlashInferGraphs
         from workers.engine.prefill_graphs import PrefillGraphs
@@ -125,10 +128,23 @@ class FlashInferBackend:
         decode = DecodeGraphs(
             model, self, kv_caches, scratch_page, max_batch_size, max_pages_per_seq
         )
+        cascade = (
+            CascadeGraphs(
+                model,
+                self,
+                kv_caches,
+                scratch_page,
+                decode.max_batch_size(),
+                max_pages_per_seq,
+                decode.pool,
+            )
+            if self.enable_cascade
+            else None
+        )
         prefill = PrefillGraphs(
             model, self, kv_caches, scratch_page, max_pages_per_seq, decode.pool
         )
-        return FlashInferGraphs(model, self, decode, prefill)
+        return FlashInferGraphs(model, self, decode, prefill, cascade)
 
     def forward(self, q, k, v, kv_cache, metadata: FlashInferMetadata) -> torch.Tensor:
         write_kv(kv_cache, k, v, metadata.kv_rows)
@@ -166,7 +182,7 @@ class FlashInferBackend:
                 level,
                 s,
                 causal=i == last,
-                fixed_split_size=None if i == last else self._split_pages(level),
+                fixed_split_size=None if i == last else self.split_pages(level),
             )
         flat_rows = cascade.flat_rows
         if flat_rows.numel():
@@ -180,7 +196,7 @@ class FlashInferBackend:
             flat_rows=flat_rows.to(device).long(),
         )
 
-    def _split_pages(self, level) -> int:
+    def split_pages(self, level) -> int:
         """Pages per kv chunk so a shared level launches about two waves of CTAs."""
         s = self.shape
         rows = level.qo_indptr[1:] - level.qo_indptr[:-1]
