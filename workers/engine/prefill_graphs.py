@@ -38,7 +38,10 @@ from workers.engine.attention.flashinfer_backend import (
 from workers.engine.cuda_graphs import capture
 from workers.engine.models.decoder import DecoderModel
 
-TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+# 384, 640 and 768: an approximate request's repair step (prompt tail plus repaired
+# tokens, e.g. 288 + 227 at the default repair in bench/approx_speed.py) padded to
+# 512 or 1,024 ran its matmuls on up to twice its rows.
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 1024)
 ROW_BUCKETS = (1, 32, 1024)
 
 
