@@ -95,6 +95,8 @@ class AttentionShape:
 class AttentionMetadata(Protocol):
     """Backend-specific, built once per step by ``plan``; read-only afterwards."""
 
+    kv_rows: torch.Tensor  # [2T] int64 on the cache's device, see kv_write_rows
+
 
 class StepGraphs(Protocol):
     """CUDA graphs an attention backend captured (``AttentionBackend.capture_graphs``)."""
@@ -117,7 +119,9 @@ class AttentionBackend(Protocol):
     ``plan`` is called once per step; ``forward`` once per layer with the same
     metadata. ``forward`` first writes the new tokens' K/V into ``kv_cache`` at
     ``slot_mapping`` (the only mutation), then returns attention outputs of the new
-    tokens' queries over each sequence's full KV, causally.
+    tokens' queries over each sequence's full KV, causally. ``attend`` is the second
+    half alone, for a layer that wrote the K/V itself (at ``metadata.kv_rows``, fused
+    with producing them: ``layers/qkv_kernel``).
     """
 
     name: str
@@ -150,6 +154,10 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [num_pages, 2, page_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
     ) -> torch.Tensor: ...  # [T, num_heads, head_dim]
+
+    def attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor: ...  # [T, num_heads, head_dim]; the new K/V already written
 
 
 def kv_write_rows(slot_mapping: torch.Tensor, page_size: int) -> torch.Tensor:

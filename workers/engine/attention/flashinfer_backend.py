@@ -148,6 +148,9 @@ class FlashInferBackend:
 
     def forward(self, q, k, v, kv_cache, metadata: FlashInferMetadata) -> torch.Tensor:
         write_kv(kv_cache, k, v, metadata.kv_rows)
+        return self.attend(q, kv_cache, metadata)
+
+    def attend(self, q, kv_cache, metadata: FlashInferMetadata) -> torch.Tensor:
         if metadata.cascade is None:
             return metadata.wrapper.run(q, kv_cache)
         out = torch.empty_like(q)

@@ -80,6 +80,9 @@ class TorchAttentionBackend:
         metadata: TorchMetadata,
     ) -> torch.Tensor:
         write_kv(kv_cache, k, v, metadata.kv_rows)
+        return self.attend(q, kv_cache, metadata)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: TorchMetadata):
         out = torch.empty_like(q)
         group = self.shape.num_heads // self.shape.num_kv_heads
         for seq in metadata.sequences:

@@ -1,5 +1,6 @@
 """Self-attention layer: fused QKV projection, optional per-head QK norm, RoPE, paged
-attention through the step's backend."""
+attention through the step's backend. With fused ops on CUDA, norm, RoPE and the KV
+write are one kernel (``layers/qkv_kernel``) and the backend only attends."""
 
 from __future__ import annotations
 
@@ -45,8 +46,25 @@ class SelfAttention(nn.Module):
         backend: AttentionBackend,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        q, k, v = self.project(x, positions, cos_sin_cache)
-        out = backend.forward(q, k, v, kv_cache, metadata)
+        if self.fused_ops and kv_cache.is_cuda and _fused_qkv_supported(self.head_dim):
+            from workers.engine.layers import qkv_kernel  # Triton: CUDA only
+
+            q = qkv_kernel.qk_norm_rope_write_kv(
+                self.qkv_proj(x),
+                self.num_heads,
+                self.num_kv_heads,
+                positions,
+                cos_sin_cache,
+                kv_cache,
+                metadata.kv_rows,
+                None if self.q_norm is None else self.q_norm.weight,
+                None if self.k_norm is None else self.k_norm.weight,
+                self.q_norm.eps if self.q_norm is not None else 0.0,
+            )
+            out = backend.attend(q, kv_cache, metadata)
+        else:
+            q, k, v = self.project(x, positions, cos_sin_cache)
+            out = backend.forward(q, k, v, kv_cache, metadata)
         return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
     def project(
@@ -64,3 +82,9 @@ class SelfAttention(nn.Module):
             k = self.k_norm(k)
         q, k = apply_rope(q, k, positions, cos_sin_cache, self.fused_ops)
         return q, k, v
+
+
+def _fused_qkv_supported(head_dim: int) -> bool:
+    """``tl.arange`` in the fused kernel needs a power-of-two half head."""
+    half = head_dim // 2
+    return head_dim % 2 == 0 and half & (half - 1) == 0
