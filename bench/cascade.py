@@ -1,6 +1,8 @@
 """Cascade decode: full decode-step time (model runner: inputs, plan, forward) with a
 shared prefix, cascade vs flat, plus a small shape where the cost model should decline
-cascade and cost nothing.
+cascade and cost nothing. Steps are timed back to back (the host prepares the next
+while the device runs one, as in the engine's overlapped steps) and, beside, one at a
+time with the device synchronized after each.
 
     python bench/cascade.py [--model DIR]
     python bench/cascade.py --profile 256,16384   # kernel table of one shape's steps
@@ -31,6 +33,7 @@ from workers.engine.scheduler import ScheduledSeq  # noqa: E402
 PAGE = 16
 SHAPES = [(64, 4096), (64, 16384), (256, 4096), (256, 16384)]
 DECLINED = (8, 256)
+CONSECUTIVE = 8
 
 
 def decode_batch(batch: int, prefix: int, rng: random.Random) -> list[ScheduledSeq]:
@@ -82,19 +85,31 @@ def main() -> None:
     rng = random.Random(0)
     rows = []
 
-    def step_ms(items, cascade: bool, forced: bool = False) -> tuple[float, str]:
-        """Median step time; ``forced``: cascade whenever anything is shared (the cost
-        model's threshold off), to see where it would pay."""
+    def consecutive_ms(items) -> float:
+        """Median over ``iters`` samples of CONSECUTIVE back-to-back steps, the device
+        synchronized only before and after: the host plans step i + 1 while the
+        device runs step i, as the engine's overlapped steps do."""
+
+        def steps() -> None:
+            for _ in range(CONSECUTIVE):
+                runner.run(items)
+
+        return 1000 * median_time(steps, max(3, args.iters // 4)) / CONSECUTIVE
+
+    def step_ms(items, cascade: bool, forced: bool = False) -> tuple[float, float, str]:
+        """(consecutive, synchronized) step times; ``forced``: cascade whenever
+        anything is shared (the cost model's threshold off), to see where it pays."""
         backend.enable_cascade = cascade
         threshold = backend.min_saved_tokens
         backend.min_saved_tokens = 0 if forced else threshold
         try:
-            ms = 1000 * median_time(lambda: runner.run(items), args.iters)
+            overlapped = consecutive_ms(items)
+            synchronized = 1000 * median_time(lambda: runner.run(items), args.iters)
         finally:
             backend.min_saved_tokens = threshold
         graphs = runner.graphs
         graph = graphs is not None and graphs.graph_for(_layout(items)) is not None
-        return ms, f"{backend.last_plan_kind}{' graph' if graph else ''}"
+        return overlapped, synchronized, f"{backend.last_plan_kind}{' graph' if graph else ''}"
 
     def _layout(items):
         from workers.engine.model_runner import build_inputs
@@ -110,23 +125,35 @@ def main() -> None:
         return
     for batch, prefix in SHAPES + [DECLINED]:
         items = decode_batch(batch, prefix, rng)
-        flat_ms, _ = step_ms(items, cascade=False)
-        auto_ms, kind = step_ms(items, cascade=True)
-        forced_ms, forced_kind = step_ms(items, cascade=True, forced=True)
+        flat, flat_sync, _ = step_ms(items, cascade=False)
+        auto, auto_sync, kind = step_ms(items, cascade=True)
+        forced, _, forced_kind = step_ms(items, cascade=True, forced=True)
         rows.append(
-            [batch, prefix, flat_ms, auto_ms, kind, flat_ms / auto_ms, forced_ms, forced_kind]
+            [
+                batch,
+                prefix,
+                flat,
+                auto,
+                kind,
+                flat / auto,
+                f"{flat_sync:.3g} / {auto_sync:.3g} ({flat_sync / auto_sync:.2f}x)",
+                forced,
+                forced_kind,
+            ]
         )
     print(f"device: {device_line()}")
     print_table(
-        "Decode step with a shared prefix (own tokens 128-512): flat vs cascade",
+        "Decode step with a shared prefix (own tokens 128-512): flat vs cascade, ms a step "
+        f"over {CONSECUTIVE} consecutive steps (synchronized single steps beside)",
         [
             "batch",
             "shared prefix",
-            "flat ms",
-            "cascade-enabled ms",
+            "flat",
+            "cascade-enabled",
             "path taken",
             "speed-up",
-            "cascade forced ms",
+            "synchronized: flat / cascade",
+            "cascade forced",
             "forced path",
         ],
         rows,

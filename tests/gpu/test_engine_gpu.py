@@ -21,6 +21,7 @@ NOISE = {"logit_std": 0.1}
 # KV; a divergence counts as a near-tie when the two leading tokens swap places and
 # were within this many nats (the logits' standard deviation is about 6).
 NEAR_TIE = 0.5
+TOP = 5  # logprobs asked for: where a divergent pick may rank in the other run
 
 
 def _record(name: str, value) -> None:
@@ -104,7 +105,7 @@ def test_first_token_logits_reuse_and_transformers(engines, qwen3_06b):
 def test_greedy_agreement_reuse_cascade_vs_plain(engines):
     reuse, plain = engines
     prompts = _prompts(64, 1024, seed=2)
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=TOP)
     reuse.generate([prompts[0]], params)  # cache the shared system prompt
     runner = reuse.engine.runner
     backend = runner.backend
@@ -139,17 +140,28 @@ def test_greedy_agreement_reuse_cascade_vs_plain(engines):
     }
     _record("greedy_agreement", result)
     assert kinds.count("cascade") > 0, "the shared 1K prefix should have used cascade decode"
-    # At every divergence the reuse run picked the plain run's runner-up, which the
-    # plain run ranked within NEAR_TIE of its own pick.
-    assert all(d["picked_runner_up"] and d["top2_gap"] < NEAR_TIE for d in divergences), divergences
+    # At every divergence the reuse run picked a token the plain run ranked within
+    # NEAR_TIE of its own pick.
+    assert all(d["near_tie"] for d in divergences), divergences
 
 
 def _divergence(a, b) -> dict:
-    """First differing step of two greedy runs, with both runs' top-2 there."""
+    """First differing step of two greedy runs: how run ``b`` ranked the token run
+    ``a`` picked there. A near tie: ``b`` had it among its top TOP, within NEAR_TIE
+    nats of its own pick (with random weights the top few often lie that close, so
+    a run may pick b's third)."""
     step = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y)
-    top_b = [t for t, _ in b.logprobs[step][1:3]]
-    gap = b.logprobs[step][1][1] - b.logprobs[step][2][1]
-    return {"step": step, "top2_gap": gap, "picked_runner_up": a.token_ids[step] == top_b[1]}
+    top_b = b.logprobs[step][1:]  # (token, logprob), best first
+    ranks = [t for t, _ in top_b]
+    picked = a.token_ids[step]
+    gap = top_b[0][1] - top_b[ranks.index(picked)][1] if picked in ranks else None
+    return {
+        "step": step,
+        "top2_gap": top_b[0][1] - top_b[1][1],
+        "picked_rank": ranks.index(picked) + 1 if picked in ranks else None,
+        "picked_gap": gap,
+        "near_tie": gap is not None and gap < NEAR_TIE,
+    }
 
 
 def test_cuda_graph_decode_matches_eager(qwen3_06b, engines):
@@ -164,7 +176,7 @@ def test_cuda_graph_decode_matches_eager(qwen3_06b, engines):
     )
     assert plain.engine.runner.graphs is not None and eager.engine.runner.graphs is None
     prompts = _prompts(16, 200, seed=3)
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=TOP)
     a = plain.generate(prompts, params)
     b = eager.generate(prompts, params)
     same = sum(x.token_ids == y.token_ids for x, y in zip(a, b, strict=True))
@@ -197,7 +209,7 @@ def test_prefill_graphs_match_eager(qwen3_06b, engines):
     graphs.run = lambda *a: (
         replays.append((a[2].batch_size, graphs._bucket(a[2])[2])) or original(*a)
     )
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=TOP)
     rng = random.Random(4)
     context = rng.choices(range(10, 1000), k=3000)
     prompts = [rng.choices(range(10, 1000), k=n) for n in (17, 64, 100, 250, 700)]
@@ -220,7 +232,7 @@ def test_prefill_graphs_match_eager(qwen3_06b, engines):
     assert rows.count(1) >= len(prompts) - 1  # the first context request prefills 3K eagerly
     assert 3 in rows  # the batch's prompts in one step, one row each
     assert (1, True) in replays  # a cached context's tail: the split-KV graph
-    assert all(d["picked_runner_up"] and d["top2_gap"] < NEAR_TIE for d in mismatches)
+    assert all(d["near_tie"] for d in mismatches), mismatches
 
 
 def test_scattered_recompute_over_cached_kv_matches_one_pass(engines):
@@ -296,11 +308,11 @@ def test_overlapped_steps_match_plain_steps(qwen3_06b, engines):
         overlap_scheduling=False,
     )
     prompts = _prompts(24, 300, seed=4)
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=TOP)
     got, want = overlapped.generate(prompts, params), plain.generate(prompts, params)
     divergences = [
         _divergence(a, b) for a, b in zip(got, want, strict=True) if a.token_ids != b.token_ids
     ]
     _record("overlap_vs_plain", {"prompts": len(prompts), "divergences": divergences})
     assert all(len(a.token_ids) == 40 for a in got)
-    assert all(d["picked_runner_up"] and d["top2_gap"] < NEAR_TIE for d in divergences), divergences
+    assert all(d["near_tie"] for d in divergences), divergences

@@ -27,7 +27,9 @@ def test_fused_qkv_step_equals_unfused(qk_norm, tokens):
     slots = torch.randperm(PAGES * PAGE, generator=gen, device=dev)[:tokens]
     rows = kv_write_rows(slots.cpu().int(), PAGE).to(dev)
 
-    q, k, v = qkv.split([H * D, KH * D, KH * D], dim=-1)
+    # the unfused path rotates in place, and for one token its views of the projection
+    # are contiguous, so it would rotate ``qkv`` itself: give it a copy
+    q, k, v = qkv.clone().split([H * D, KH * D, KH * D], dim=-1)
     q, k, v = q.view(tokens, H, D), k.view(tokens, KH, D), v.view(tokens, KH, D)
     if qk_norm:
         q, k = rms_norm(q, q_weight, 1e-6, fused=True), rms_norm(k, k_weight, 1e-6, fused=True)
