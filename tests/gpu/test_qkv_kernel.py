@@ -7,7 +7,6 @@ import torch
 
 from workers.engine.attention.base import kv_write_rows, write_kv
 from workers.engine.layers.ops import apply_rope, rms_norm
-from workers.engine.layers.qkv_kernel import qk_norm_rope_write_kv
 from workers.engine.layers.rotary import cos_sin_cache
 
 H, KH, D, PAGE, PAGES = 16, 8, 128, 16, 512
@@ -16,6 +15,8 @@ H, KH, D, PAGE, PAGES = 16, 8, 128, 16, 512
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
 @pytest.mark.parametrize("tokens", [1, 37, 1000])
 def test_fused_qkv_step_equals_unfused(qk_norm, tokens):
+    from workers.engine.layers.qkv_kernel import qk_norm_rope_write_kv  # Triton: CUDA hosts
+
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     dev, dtype = "cuda", torch.bfloat16
     qkv = torch.randn((tokens, (H + 2 * KH) * D), generator=gen, device=dev).to(dtype) * 3
