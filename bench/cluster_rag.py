@@ -81,6 +81,8 @@ class RequestResult:
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
+    reason: str = ""  # the routing decision's reason (routing_policy.Reason)
+    expected_wait_s: float = 0.0  # the router's estimate of the time to first token
 
 
 def ttft_quantile_ms(results: Sequence[RequestResult], q: float, hits: bool | None = None) -> float:
@@ -119,12 +121,14 @@ class RunResult:
             "ttft_ms": {q: self.ttft_ms(q) for q in (0.5, 0.9, 0.99)},
             "ttft_ms_hits": {q: self.ttft_ms(q, hits=True) for q in (0.5, 0.9)},
             "ttft_ms_misses": {q: self.ttft_ms(q, hits=False) for q in (0.5, 0.9)},
-            # per request: worker, TTFT ms, latency ms, prompt tokens, cached tokens
+            # per request: worker, TTFT ms, latency ms, prompt tokens, cached tokens,
+            # routing reason, the router's expected wait ms
             "requests": [
                 [r.worker, round(1000 * r.ttft_s, 2), round(1000 * r.latency_s, 2)]
-                + [r.prompt_tokens, r.cached_tokens]
+                + [r.prompt_tokens, r.cached_tokens, r.reason, round(1000 * r.expected_wait_s, 2)]
                 for r in self.results
             ],
+            "routing": self.routing(),
             "requests_per_worker": dict(Counter(r.worker for r in self.results)),
             "kill": self.kill,
         }
@@ -144,6 +148,27 @@ class RunResult:
 
     def ttft_ms(self, q: float, hits: bool | None = None) -> float:
         return ttft_quantile_ms(self.results, q, hits)
+
+    def routing(self) -> dict:
+        """Per routing reason: requests, TTFT p50 / p90 ms, and how far the measured TTFT
+        ran past the router's expected wait (p50 / p90 ms; chunk-aware decisions carry an
+        estimate, round-robin ones do not). Where the holders' queues are longer than
+        the router's views say, affinity requests run far past their estimates."""
+        out = {}
+        for reason in sorted({r.reason for r in self.results}):
+            picked = [r for r in self.results if r.reason == reason]
+            past = sorted(r.ttft_s - r.expected_wait_s for r in picked)
+            out[reason] = {
+                "requests": len(picked),
+                "ttft_ms": [ttft_quantile_ms(picked, q) for q in (0.5, 0.9)],
+                "past_estimate_ms": None
+                if reason == "rotation"  # round-robin estimates nothing
+                else [
+                    round(1000 * past[min(len(past) - 1, int(q * len(past)))], 2)
+                    for q in (0.5, 0.9)
+                ],
+            }
+        return out
 
     def worker_shares(self) -> str:
         counts = Counter(r.worker.rsplit("-", 1)[-1] for r in self.results)
@@ -234,6 +259,7 @@ async def answer(
     service: CompletionService, body: ChatCompletionRequest, started: float
 ) -> RequestResult:
     reply = await service.chat(body, "")
+    routed = (reply.decision.reason.value, reply.decision.expected_wait_s)
     if reply.events is None:  # buffered: TTFT is not visible, count the whole answer
         done = time.perf_counter() - started
         usage = reply.body.usage
@@ -244,6 +270,7 @@ async def answer(
             usage.prompt_tokens,
             usage.prompt_tokens_details.cached_tokens,
             usage.completion_tokens,
+            *routed,
         )
     ttft = time.perf_counter() - started
     usage = None
@@ -263,6 +290,7 @@ async def answer(
         usage["prompt_tokens"],
         usage["prompt_tokens_details"]["cached_tokens"],
         usage["completion_tokens"],
+        *routed,
     )
 
 
@@ -534,6 +562,27 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
             "p99",
             "scaling",
             "requests per worker",
+        ],
+        rows,
+    )
+    rows = [
+        [run.workers, run.policy, reason, stats["requests"], *stats["ttft_ms"]]
+        + (stats["past_estimate_ms"] or ["—", "—"])
+        for run in runs
+        for reason, stats in run.routing().items()
+    ]
+    print_table(
+        "Routing decisions: TTFT by reason, and how far it ran past the router's expected "
+        "wait (chunk-aware only; round-robin makes no estimate)",
+        [
+            "workers",
+            "policy",
+            "reason",
+            "requests",
+            "TTFT p50 ms",
+            "p90",
+            "past estimate p50 ms",
+            "p90",
         ],
         rows,
     )

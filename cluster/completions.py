@@ -51,6 +51,7 @@ from cluster.prompts import (
     prepare_text,
 )
 from cluster.router import Router, WorkerStream
+from cluster.routing_policy import Decision
 from workers.engine.reuse_info import ReuseRequest
 from workers.engine.sampling_params import SamplingParams
 from workers.runtime.worker_types import WorkerDelta, WorkerRequest
@@ -77,6 +78,7 @@ class Reply:
     worker_id: str
     body: BaseModel | None = None  # buffered answer
     events: AsyncGenerator[str, None] | None = None  # server-sent events
+    decision: Decision | None = None  # how the router chose the worker that answered
 
 
 class CompletionService:
@@ -233,14 +235,16 @@ class CompletionService:
             stream = await self.router.open(prompt, request)
             self.metrics.ttft.observe(time.monotonic() - arrived)
             events = self._events(stream, fmt, body, len(prompt.token_ids))
-            return Reply(stream.worker_id, events=events)
-        worker_id, choices = await self._buffered(prompt, request, arrived)
+            return Reply(stream.worker_id, events=events, decision=stream.decision)
+        stream, choices = await self._buffered(prompt, request, arrived)
         answer = usage(len(prompt.token_ids), choices)
-        return Reply(worker_id, body=fmt.response(choices, answer, reuse(choices)))
+        body = fmt.response(choices, answer, reuse(choices))
+        return Reply(stream.worker_id, body=body, decision=stream.decision)
 
     async def _buffered(
         self, prompt: PreparedPrompt, request: WorkerRequest, arrived: float
-    ) -> tuple[str, list[ChoiceOutput]]:
+    ) -> tuple[WorkerStream, list[ChoiceOutput]]:
+        """The answer, and the stream (worker, routing decision) that gave it."""
         attempts = self.router.attempts()
         first = True
         while True:
@@ -265,7 +269,7 @@ class CompletionService:
             finally:
                 stream.close()
             self._count(len(request.prompt_token_ids), choices)
-            return stream.worker_id, choices
+            return stream, choices
 
     async def _events(
         self, stream: WorkerStream, fmt: ResponseFormat, body: Body, prompt_tokens: int

@@ -41,6 +41,15 @@ def test_cluster_bench_answers_everything_and_survives_a_killed_worker(
     for (workers, _), run in runs.items():
         assert run["answered"] == 24 * workers and run["errors"] == []
         assert len(run["requests_per_worker"]) == workers
+    for (_, policy), run in runs.items():  # every request says how it was routed
+        routing = run["routing"]
+        assert sum(r["requests"] for r in routing.values()) == run["answered"]
+        if policy == "round_robin":
+            assert set(routing) == {"rotation"}
+        else:
+            assert set(routing) <= {"affinity", "recent", "spill", "load", "no_directory"}
+            waits = [r[-1] for r in run["requests"]]  # the router's expected wait, ms
+            assert all(w >= 0 for w in waits) and any(w > 0 for w in waits)
     assert sorted(runs[2, "round_robin"]["requests_per_worker"].values()) == [24, 24]
     assert runs[2, "chunk_aware"]["hit_rate"] > 0
     kill = runs[2, "chunk_aware (kill)"]["kill"]
