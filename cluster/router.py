@@ -12,9 +12,11 @@ Invariants:
 - A chunk-aware decision is remembered (``routing_policy.RouteMemory``, for
   ``recent_route_lease_s``) as soon as it is made, so the same prefix sent again
   before the directory lists it follows it.
-- One directory lookup per request (kept in its ``Attempts``, reused when
+- At most one directory lookup per request (kept in its ``Attempts``, reused when
   retrying): the prompt's chunk keys and, for an approximate request, its chunks'
-  entry keys, in one call; scored by ``routing_policy.prefill_saved``.
+  entry keys, in one call; scored by ``routing_policy.prefill_saved``. None while only
+  one worker is open (the decision's reason is then ``SOLE``): its answer could change
+  nothing, and the round trip would delay every request of a one-worker deployment.
 - ``open`` returns only once the chosen worker produced the first delta.
 - After the first delta the request is bound to its worker: a death then surfaces
   as ``WorkerLost``.
@@ -47,6 +49,7 @@ from cluster.prompts import PreparedPrompt
 from cluster.routing_policy import (
     Decision,
     Policy,
+    Reason,
     RouteMemory,
     RoutingWeights,
     Unroutable,
@@ -170,14 +173,17 @@ class Router:
         fresh budget if None; pass the same one to start a request over)."""
         attempts = self.attempts() if attempts is None else attempts
         await self.pool.start()
-        if not attempts.looked_up:
-            attempts.looked_up = True
-            if self._chunk_aware:
-                attempts.holdings = await self._lookup(prompt, request.reuse)
         while not attempts.exhausted:
             views = [v for v in self.pool.views() if v.worker_id not in attempts.tried]
+            # with one worker open there is nothing to choose: no directory round trip
+            if self._chunk_aware and not attempts.looked_up and len(views) > 1:
+                attempts.looked_up = True
+                attempts.holdings = await self._lookup(prompt, request.reuse)
+                views = [v for v in self.pool.views() if v.worker_id not in attempts.tried]
             now = time.monotonic()
             decision = self._choose(views, attempts.holdings, prompt, now)
+            if self._chunk_aware and not attempts.looked_up and isinstance(decision, Decision):
+                decision = dataclasses.replace(decision, reason=Reason.SOLE)
             if decision is Unroutable.OVERLOADED:
                 raise Overloaded("every worker is at its request limit; retry later")
             if isinstance(decision, Unroutable):

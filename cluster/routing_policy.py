@@ -24,7 +24,8 @@ Policy (``choose_worker``): the worker expected to give the first token soonest.
    more than its cache saves: the chosen worker then holds the prefix too, so a hot
    prefix spreads); ``AFFINITY`` if the chosen worker holds part of the prompt
    (``RECENT`` where only the memory says it holds that much); else ``LOAD``. The
-   memory counts even without a directory answer.
+   memory counts even without a directory answer. (The router records ``SOLE`` where
+   only one worker was open and it looked nothing up.)
 
 So a restarted or new worker, with nothing queued, gets traffic as soon as it is
 faster for someone, and a holder keeps a prefix's requests only while its queue is
@@ -92,6 +93,7 @@ class Reason(StrEnum):
     SPILL = "spill"  # idle, and sooner than the holder whose queue outweighs its cache
     LOAD = "load"  # nobody holds a useful prefix, or load is too imbalanced
     NO_DIRECTORY = "no_directory"  # the directory had no information
+    SOLE = "sole"  # the only worker open: the router asked the directory nothing
     ROTATION = "rotation"  # round-robin: the next worker in turn
 
 

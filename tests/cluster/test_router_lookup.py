@@ -1,0 +1,79 @@
+"""The router asks the chunk directory only when it has a choice to make: with one
+worker open a request is routed without the lookup's round trip (reason ``sole``);
+with two, it looks up once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+
+from chunkstore import directory as d
+from cluster.metrics import Metrics
+from cluster.prompts import PreparedPrompt
+from cluster.router import Router, RouterSettings
+from cluster.routing_policy import Reason, RoutingWeights
+from cluster.worker_pool import WorkerPool
+from tests.cluster.worker_doubles import (
+    AGREEMENT,
+    DIE_AFTER_FIRST_DELTA,
+    FakeWorker,
+    NoDirectory,
+    StartLog,
+    worker_info,
+)
+from workers.engine.reuse_info import ReuseRequest
+from workers.engine.sampling_params import SamplingParams
+from workers.runtime.worker_types import WorkerRequest
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+
+
+class CountingDirectory(NoDirectory):
+    def __init__(self) -> None:
+        self.lookups = 0
+
+    async def lookup(self, keys, token_ends, entry_keys=()) -> d.LookupResult:
+        self.lookups += 1
+        return d.NO_INFORMATION
+
+
+def route_one(workers: int) -> tuple[Reason, int]:
+    """Routes one request over ``workers`` stand-ins (each answers one delta);
+    returns the decision's reason and the directory lookups made."""
+    log = StartLog.remote([DIE_AFTER_FIRST_DELTA])
+    handles = {f"w{i}": FakeWorker.remote(worker_info(f"w{i}"), log) for i in range(workers)}
+    ray.get([handle.status.remote() for handle in handles.values()])
+    directory = CountingDirectory()
+
+    async def run() -> Reason:
+        pool = WorkerPool(handles, AGREEMENT, poll_interval_s=0.05, poll_timeout_s=10)
+        settings = RouterSettings(RoutingWeights(max_requests_per_worker=8), max_attempts=1)
+        router = Router(pool, directory, settings, Metrics())
+        tokens = tuple(range(40))
+        prompt = PreparedPrompt(token_ids=tokens, lookup_keys=(b"k" * 32,), token_ends=(32,))
+        request = WorkerRequest(
+            request_id="r",
+            prompt_token_ids=tokens,
+            params=(SamplingParams(max_tokens=1),),
+            tenant_salt="",
+            reuse=ReuseRequest(),
+        )
+        try:
+            stream = await asyncio.wait_for(router.open(prompt, request), 60)
+            stream.close()
+            return stream.decision.reason
+        finally:
+            await pool.close()
+
+    reason = asyncio.run(run())
+    for handle in [*handles.values(), log]:
+        ray.kill(handle)
+    return reason, directory.lookups
+
+
+def test_one_worker_is_routed_without_a_lookup_two_with_one(ray_cluster):
+    assert route_one(1) == (Reason.SOLE, 0)
+    reason, lookups = route_one(2)
+    assert lookups == 1 and reason is Reason.NO_DIRECTORY  # the stand-in knows nothing
