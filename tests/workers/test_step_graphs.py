@@ -109,3 +109,30 @@ def test_elementwise_ops_follow_the_backend(tiny_qwen3):
         runner, _, _ = _runner(tiny_qwen3, backend_for, enable_cuda_graphs=False)
         flags = {m.fused_ops for m in runner.model.modules() if hasattr(m, "fused_ops")}
         assert flags == {fused}
+
+
+def test_a_step_loads_into_a_graphs_buffers_with_padding_on_the_scratch_page():
+    """The one way every CUDA-graph kind loads a step (graph_inputs.load_step): real
+    tokens first; padding computes token 0 at position 0 and writes the scratch page."""
+    from types import SimpleNamespace
+
+    from workers.engine.attention.base import kv_write_rows
+    from workers.engine.graph_inputs import load_step
+
+    size, scratch = 8, 99
+    graph = SimpleNamespace(
+        input_ids=torch.full((size,), 7, dtype=torch.long),  # stale values of a last step
+        positions=torch.full((size,), 7, dtype=torch.long),
+        kv_rows=torch.full((2 * size,), -1, dtype=torch.long),
+    )
+    slots = torch.tensor([3 * PAGE + 1, 5 * PAGE, 5 * PAGE + 1], dtype=torch.int32)
+    load_step(graph, torch.tensor([11, 12, 13]), torch.tensor([40, 80, 81]), slots, scratch, PAGE)
+    assert graph.input_ids.tolist() == [11, 12, 13] + [0] * 5
+    assert graph.positions.tolist() == [40, 80, 81] + [0] * 5
+    padded = torch.cat((slots, torch.full((5,), scratch * PAGE, dtype=torch.int32)))
+    assert torch.equal(graph.kv_rows, kv_write_rows(padded, PAGE))
+    keys, values = graph.kv_rows[:size], graph.kv_rows[size:]
+    assert (keys[3:] == scratch * 2 * PAGE).all() and (values[3:] == keys[3:] + PAGE).all()
+    # a full graph: nothing padded
+    load_step(graph, torch.arange(size), torch.arange(size), torch.arange(size).int(), 0, PAGE)
+    assert graph.input_ids.tolist() == list(range(size))

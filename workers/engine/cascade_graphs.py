@@ -29,6 +29,7 @@ from workers.engine.attention.flashinfer_backend import (
     plan_prefill,
 )
 from workers.engine.cuda_graphs import capture
+from workers.engine.graph_inputs import load_step
 from workers.engine.models.decoder import DecoderModel
 
 # Cascade pays only for large batches (attention/cascade_plan's cost model), so fewer
@@ -101,18 +102,7 @@ class CascadeGraphs:
         size = next(s for s in self.sizes if s >= n)
         g = self.graphs[size, len(plan.levels)]
         padded = pad_cascade(plan, layout, size, self.scratch_page)
-        g.input_ids[:n].copy_(input_ids, non_blocking=True)
-        g.positions[:n].copy_(positions, non_blocking=True)
-        if size > n:
-            g.input_ids[n:].zero_()
-            g.positions[n:].zero_()
-        slots = torch.cat(
-            (
-                layout.slot_mapping,
-                torch.full((size - n,), self.scratch_page * self.page_size, dtype=torch.int32),
-            )
-        )
-        g.kv_rows.copy_(kv_write_rows(slots, self.page_size), non_blocking=True)
+        load_step(g, input_ids, positions, layout.slot_mapping, self.scratch_page, self.page_size)
         g.order.copy_(padded.order, non_blocking=True)
         self._plan(g.wrappers, padded.levels)
         g.graph.replay()

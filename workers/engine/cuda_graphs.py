@@ -20,6 +20,7 @@ from workers.engine.attention.flashinfer_backend import (
     FlashInferMetadata,
     plan_decode,
 )
+from workers.engine.graph_inputs import load_step
 from workers.engine.models.decoder import DecoderModel
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 512)
@@ -69,13 +70,8 @@ class DecodeGraphs:
         n = layout.batch_size
         g = self.graphs[next(s for s in self.sizes if s >= n)]
         pad = g.batch_size - n
-        g.input_ids[:n].copy_(input_ids, non_blocking=True)
-        g.positions[:n].copy_(positions, non_blocking=True)
-        if pad:
-            g.input_ids[n:].zero_()
-            g.positions[n:].zero_()
+        load_step(g, input_ids, positions, layout.slot_mapping, self.scratch_page, self.page_size)
         padded = _padded(layout, pad, self.scratch_page)
-        g.kv_rows.copy_(kv_write_rows(padded.slot_mapping, self.page_size), non_blocking=True)
         plan_decode(g.wrapper, padded, self.backend.shape)
         g.graph.replay()
         return g.logits[:n]

@@ -36,6 +36,7 @@ from workers.engine.attention.flashinfer_backend import (
     plan_prefill,
 )
 from workers.engine.cuda_graphs import capture
+from workers.engine.graph_inputs import load_step
 from workers.engine.models.decoder import DecoderModel
 
 # 384, 640 and 768: an approximate request's repair step (prompt tail plus repaired
@@ -128,17 +129,7 @@ class PrefillGraphs:
         """Final hidden states [n, hidden] of the step's n new tokens."""
         n = layout.num_tokens
         g = self.graphs[self._bucket(layout)]
-        g.input_ids[:n].copy_(input_ids, non_blocking=True)
-        g.positions[:n].copy_(positions, non_blocking=True)
-        g.input_ids[n:].zero_()
-        g.positions[n:].zero_()
-        slots = torch.cat(
-            (
-                layout.slot_mapping,
-                torch.full((g.tokens - n,), self.scratch_page * self.page_size, dtype=torch.int32),
-            )
-        )
-        g.kv_rows.copy_(kv_write_rows(slots, self.page_size), non_blocking=True)
+        load_step(g, input_ids, positions, layout.slot_mapping, self.scratch_page, self.page_size)
         plan_prefill(g.wrapper, self._padded(layout, g.rows), self.backend.shape)
         g.graph.replay()
         self.backend.last_plan_kind = "prefill-split" if g.split_kv else "prefill"

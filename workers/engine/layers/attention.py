@@ -46,7 +46,7 @@ class SelfAttention(nn.Module):
         backend: AttentionBackend,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        if self.fused_ops and kv_cache.is_cuda and _fused_qkv_supported(self.head_dim):
+        if self.fused_ops and _fused_qkv_supported(self.head_dim):  # fused ops: CUDA
             from workers.engine.layers import qkv_kernel  # Triton: CUDA only
 
             q = qkv_kernel.qk_norm_rope_write_kv(
