@@ -111,18 +111,26 @@ def _brute_force_saved(page_lists):
     return saved0, saved1
 
 
+def _random_page_lists(rng, alone: float = 0.0) -> list[list[int]]:
+    """2-12 rows, each one of 3 system prefixes and one of 3 document runs (shared page
+    ids) then pages of its own; with probability ``alone`` a row has only its own."""
+    prefixes = [[rng.randrange(1000) for _ in range(rng.randint(1, 6))] for _ in range(3)]
+    docs = [[rng.randrange(1000, 2000) for _ in range(rng.randint(0, 4))] for _ in range(3)]
+    page_lists, next_page = [], 5000
+    for _ in range(rng.randint(2, 12)):
+        own = list(range(next_page, next_page + rng.randint(1, 4)))
+        next_page += len(own)
+        shared = alone == 0 or rng.random() >= alone  # draws only where rows may be alone
+        page_lists.append((rng.choice(prefixes) + rng.choice(docs) if shared else []) + own)
+    return page_lists
+
+
 def test_randomized_against_brute_force():
     import random
 
     rng = random.Random(5)
     for _ in range(200):
-        prefixes = [[rng.randrange(1000) for _ in range(rng.randint(1, 6))] for _ in range(3)]
-        docs = [[rng.randrange(1000, 2000) for _ in range(rng.randint(0, 4))] for _ in range(3)]
-        page_lists, next_page = [], 5000
-        for _ in range(rng.randint(2, 12)):
-            own = list(range(next_page, next_page + rng.randint(1, 4)))
-            next_page += len(own)
-            page_lists.append(rng.choice(prefixes) + rng.choice(docs) + own)
+        page_lists = _random_page_lists(rng)
         layout = _decode_layout(page_lists, [rng.randint(1, PAGE) for _ in page_lists])
         plan = plan_cascade(layout, max_levels=3, min_saved_tokens=0)
         saved0, saved1 = _brute_force_saved(page_lists)
@@ -161,14 +169,7 @@ def test_padded_cascade_keeps_every_row_and_fills_the_graph_size():
     rng = random.Random(7)
     scratch = 9999
     for _ in range(100):
-        prefixes = [[rng.randrange(1000) for _ in range(rng.randint(1, 6))] for _ in range(3)]
-        docs = [[rng.randrange(1000, 2000) for _ in range(rng.randint(0, 4))] for _ in range(3)]
-        page_lists, next_page = [], 5000
-        for _ in range(rng.randint(2, 12)):
-            own = list(range(next_page, next_page + rng.randint(1, 4)))
-            next_page += len(own)
-            shared = rng.random() < 0.8
-            page_lists.append((rng.choice(prefixes) + rng.choice(docs) if shared else []) + own)
+        page_lists = _random_page_lists(rng, alone=0.2)
         last_lens = [rng.randint(1, PAGE) for _ in page_lists]
         layout = _decode_layout(page_lists, last_lens)
         plan = plan_cascade(layout, max_levels=3, min_saved_tokens=0)
