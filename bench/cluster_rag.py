@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import sys
 import time
 from collections import Counter
@@ -83,6 +84,9 @@ class RequestResult:
     output_tokens: int
     reason: str = ""  # the routing decision's reason (routing_policy.Reason)
     expected_wait_s: float = 0.0  # the router's estimate of the time to first token
+    # the chosen worker as the router saw it: requests in flight, queued prefill
+    # tokens, measured prefill rate (tokens/s) and step time (s); 0 where not measured
+    seen: tuple[int, int, float, float] = (0, 0, 0.0, 0.0)
 
 
 def ttft_quantile_ms(results: Sequence[RequestResult], q: float, hits: bool | None = None) -> float:
@@ -122,13 +126,16 @@ class RunResult:
             "ttft_ms_hits": {q: self.ttft_ms(q, hits=True) for q in (0.5, 0.9)},
             "ttft_ms_misses": {q: self.ttft_ms(q, hits=False) for q in (0.5, 0.9)},
             # per request: worker, TTFT ms, latency ms, prompt tokens, cached tokens,
-            # routing reason, the router's expected wait ms
+            # routing reason, the router's expected wait ms, and the chosen worker as the
+            # router saw it: requests, queued prefill tokens, prefill tok/s, step ms
             "requests": [
                 [r.worker, round(1000 * r.ttft_s, 2), round(1000 * r.latency_s, 2)]
                 + [r.prompt_tokens, r.cached_tokens, r.reason, round(1000 * r.expected_wait_s, 2)]
+                + [r.seen[0], r.seen[1], round(r.seen[2]), round(1000 * r.seen[3], 3)]
                 for r in self.results
             ],
             "routing": self.routing(),
+            "views": self.views(),
             "requests_per_worker": dict(Counter(r.worker for r in self.results)),
             "kill": self.kill,
         }
@@ -167,6 +174,26 @@ class RunResult:
                     round(1000 * past[min(len(past) - 1, int(q * len(past)))], 2)
                     for q in (0.5, 0.9)
                 ],
+            }
+        return out
+
+    def views(self) -> dict:
+        """Per worker, medians over the requests sent to it of what the router saw when
+        it chose it (requests in flight, queued prefill tokens, measured prefill rate,
+        step ms), beside the TTFT p50 they got: where the load came out uneven, whether
+        the routers' views said so."""
+        out = {}
+        for worker in sorted({r.worker for r in self.results}):
+            sent = [r for r in self.results if r.worker == worker]
+            columns = list(zip(*(r.seen for r in sent), strict=True))
+            requests, backlog, rate, step = (statistics.median(c) for c in columns)
+            out[worker] = {
+                "requests": len(sent),
+                "seen_in_flight": requests,
+                "seen_backlog_tokens": backlog,
+                "seen_prefill_tokens_per_s": round(rate),
+                "seen_step_ms": round(1000 * step, 3),
+                "ttft_ms_p50": ttft_quantile_ms(sent, 0.5),
             }
         return out
 
@@ -259,7 +286,9 @@ async def answer(
     service: CompletionService, body: ChatCompletionRequest, started: float
 ) -> RequestResult:
     reply = await service.chat(body, "")
-    routed = (reply.decision.reason.value, reply.decision.expected_wait_s)
+    view = reply.decision.view
+    seen = (view.requests, view.prefill_backlog, view.prefill_tokens_per_s, view.step_s)
+    routed = (reply.decision.reason.value, reply.decision.expected_wait_s, seen)
     if reply.events is None:  # buffered: TTFT is not visible, count the whole answer
         done = time.perf_counter() - started
         usage = reply.body.usage
@@ -584,6 +613,17 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
             "past estimate p50 ms",
             "p90",
         ],
+        rows,
+    )
+    rows = [
+        [run.workers, run.policy, worker, *stats.values()]
+        for run in runs
+        for worker, stats in run.views().items()
+    ]
+    print_table(
+        "What the routers saw of each worker when they chose it (medians over its requests)",
+        ["workers", "policy", "worker", "requests", "in flight", "queued prefill tokens"]
+        + ["prefill tok/s", "step ms", "TTFT p50 ms"],
         rows,
     )
     by_key = {(r.workers, r.policy): r for r in runs}

@@ -53,7 +53,7 @@ from __future__ import annotations
 import statistics
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from chunkstore.hashing import PageKey
@@ -108,6 +108,8 @@ class Decision:
     reason: Reason
     expected_cached_tokens: int  # prefill the directory says the worker saves (holdings)
     expected_wait_s: float = 0.0  # until the first token, as rule 2 estimates it
+    # the chosen worker as the router saw it (diagnostics: bench/cluster_rag.py)
+    view: WorkerView | None = field(default=None, compare=False)
 
 
 def choose_worker(
@@ -148,7 +150,7 @@ def choose_worker(
         reason = Reason.AFFINITY if known.get(chosen.worker_id, 0) >= tokens else Reason.RECENT
     else:
         reason = Reason.LOAD
-    return Decision(chosen.worker_id, reason, tokens, waits[chosen.worker_id])
+    return Decision(chosen.worker_id, reason, tokens, waits[chosen.worker_id], chosen)
 
 
 def expected_wait_s(
@@ -274,7 +276,8 @@ def round_robin(
     if isinstance(open_, Unroutable):
         return open_
     in_order = sorted(open_, key=lambda w: w.worker_id)
-    return Decision(in_order[rotation % len(in_order)].worker_id, Reason.ROTATION, 0)
+    chosen = in_order[rotation % len(in_order)]
+    return Decision(chosen.worker_id, Reason.ROTATION, 0, view=chosen)
 
 
 def _open_workers(

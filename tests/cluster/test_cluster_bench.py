@@ -42,6 +42,9 @@ def test_cluster_bench_answers_everything_and_survives_a_killed_worker(
         assert run["answered"] == 24 * workers and run["errors"] == []
         assert len(run["requests_per_worker"]) == workers
     for (_, policy), run in runs.items():  # every request says how it was routed
+        views = run["views"]  # and what the router saw of the worker it chose
+        assert {w: v["requests"] for w, v in views.items()} == run["requests_per_worker"]
+        assert all(v["seen_prefill_tokens_per_s"] >= 0 for v in views.values())
         routing = run["routing"]
         assert sum(r["requests"] for r in routing.values()) == run["answered"]
         if policy == "round_robin":
