@@ -19,12 +19,16 @@ import torch
 from workers.engine.attention.base import BatchLayout
 
 # Cascade pays when the KV reads it saves outweigh its fixed cost (planning, and per
-# layer a gather, a kernel per level, merges and a scatter). Cascade steps replay CUDA
-# graphs (cascade_graphs); on an H200 (bench/cascade.py, synchronized steps) a cascade
-# step at batch 8 over 256 shared tokens cost 2.4 ms more than a plain decode step,
-# about 0.4 GB of KV reads per layer at 4.8 TB/s, and 64 x 4K shared (1.06 GB saved a
-# layer) ran 8.6 ms against 9.9 flat. The threshold keeps a 2.5x margin.
+# layer a gather, a kernel per level, merges and a scatter), which depends on whether
+# the step replays a CUDA graph (cascade_graphs) or runs eagerly (graphs off).
+# Graphs: on an H200 (bench/cascade.py, synchronized steps) a cascade step at batch 8
+# over 256 shared tokens cost 2.4 ms more than a plain decode step, about 0.4 GB of KV
+# reads per layer at 4.8 TB/s, and 64 x 4K shared (1.06 GB saved a layer) ran 8.6 ms
+# against 9.9 flat; the threshold keeps a 2.5x margin. Eager: about 0.6 ms more per
+# layer (batch 64 x 4K declined correctly, 64 x 16K and 256 x 4K pay), ~2.5 GB of KV
+# reads per layer at ~4.2 TB/s.
 MIN_SAVED_BYTES_PER_LAYER = 1.0e9
+MIN_SAVED_BYTES_PER_LAYER_EAGER = 2.5e9
 # In tokens, for a backend that does not know its KV size (tests):
 DEFAULT_MIN_SAVED_TOKENS = 16384
 

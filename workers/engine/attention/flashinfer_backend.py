@@ -23,6 +23,7 @@ from workers.engine.attention.base import (
 )
 from workers.engine.attention.cascade_plan import (
     MIN_SAVED_BYTES_PER_LAYER,
+    MIN_SAVED_BYTES_PER_LAYER_EAGER,
     CascadePlan,
     plan_cascade,
 )
@@ -51,9 +52,11 @@ class FlashInferBackend:
     ) -> None:
         self.shape = shape
         self.enable_cascade = enable_cascade
-        kv_bytes_per_token_layer = 2 * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
+        # tokens of KV whose reads cascade must save a layer (None: from the cost model
+        # of the path cascade steps take: eager until cascade graphs are captured)
+        self._cost_model_threshold = min_saved_tokens is None
         self.min_saved_tokens = (
-            int(MIN_SAVED_BYTES_PER_LAYER / kv_bytes_per_token_layer)
+            self._saved_tokens_worth(MIN_SAVED_BYTES_PER_LAYER_EAGER)
             if min_saved_tokens is None
             else min_saved_tokens
         )
@@ -72,6 +75,10 @@ class FlashInferBackend:
         # "prefill" | "prefill-split" | "decode" | "cascade"
         self.last_plan_kind = ""
         self._memo: tuple[BatchLayout, CascadePlan | None] | None = None
+
+    def _saved_tokens_worth(self, saved_bytes_per_layer: float) -> int:
+        s = self.shape
+        return int(saved_bytes_per_layer / (2 * s.num_kv_heads * s.head_dim * s.dtype.itemsize))
 
     @property
     def use_tensor_cores(self) -> bool:
@@ -141,6 +148,8 @@ class FlashInferBackend:
             if self.enable_cascade
             else None
         )
+        if cascade is not None and self._cost_model_threshold:  # cheaper cascade steps
+            self.min_saved_tokens = self._saved_tokens_worth(MIN_SAVED_BYTES_PER_LAYER)
         prefill = PrefillGraphs(
             model, self, kv_caches, scratch_page, max_pages_per_seq, decode.pool
         )
