@@ -36,8 +36,10 @@ export CHUNKSERVE_QWEN3_06B=$model CHUNKSERVE_RESULTS_DIR=$out
 case "${1:-all}" in
   tests) python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.txt" ;;
   bench)
+    # THROUGHPUT_ARGS, e.g. "--peer-requests 0": skip the slow transformers comparison
     for b in ${BENCHES:-decode_kernel cascade chunk_reuse latency throughput}; do
-      python3 bench/$b.py --model $model 2>&1 | grep -v Warning | tee "$out/$b.txt"
+      extra=""; [ $b = throughput ] && extra="${THROUGHPUT_ARGS:-}"
+      python3 bench/$b.py --model $model $extra 2>&1 | grep -v Warning | tee "$out/$b.txt"
     done ;;
   approx)
     python3 bench/approx_speed.py --model $model --json "$out/approx_speed.json" 2>&1 \
