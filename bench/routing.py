@@ -60,6 +60,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, StepOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.runtime.cache_mirror import CacheMirror
+from workers.runtime.engine_loop import MeasuredSpeed
 
 DEFAULT_MODEL_DIR = Path("/tmp/chunkserve-bench/tiny-qwen3")
 PAGE_SIZE = 16
@@ -149,6 +150,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="with --replicas > 1: simulated seconds between a replica's load polls",
     )
     parser.add_argument(
+        "--rates",
+        choices=["modeled", "measured"],
+        default="modeled",
+        help="with a cost model: the prefill rate and step time routers see are the "
+        "model's own, or what each worker's engine loop would measure (its EWMAs)",
+    )
+    parser.add_argument(
         "--step-cost",
         choices=["cpu", *STEP_COSTS],
         default="cpu",
@@ -205,10 +213,15 @@ class Worker:
         config: EngineConfig,
         directory: EmbeddedChunkDirectory,
         cost: StepCost | None = None,
+        measured_rates: bool = False,
     ):
         self.worker_id = worker_id
         self.engine = Engine(config)
         self.cost = cost  # None: steps take their thread CPU time
+        # with a cost model: report the prefill rate and step time as a worker's engine
+        # loop measures them (its EWMAs over modeled steps), not the model's own rate
+        self.measured_rates = measured_rates
+        self.measured = MeasuredSpeed()
         self._mirror = CacheMirror()
         self._publisher = EventPublisher(
             directory, worker_id, 1, self._mirror.drain, self._mirror.snapshot
@@ -226,10 +239,11 @@ class Worker:
         backlog = self.engine.load_shape().prefill_backlog_tokens
         if self.cost is None:
             return WorkerView(self.worker_id, self.requests, self.tokens, backlog)
-        rate = 1 / self.cost.per_prompt_token_s
-        return WorkerView(
-            self.worker_id, self.requests, self.tokens, backlog, rate, self.last_step_s
-        )
+        if self.measured_rates:
+            rate, step_s = self.measured.prefill_tokens_per_s, self.measured.step_s
+        else:
+            rate, step_s = 1 / self.cost.per_prompt_token_s, self.last_step_s
+        return WorkerView(self.worker_id, self.requests, self.tokens, backlog, rate, step_s)
 
     def add(self, request_id: str, request: Request, params: SamplingParams, cached: int) -> None:
         self.engine.add_request(
@@ -252,6 +266,7 @@ class Worker:
                 elapsed = self.cost(engine.last_step_seqs, engine.last_step_prompt_tokens)
             if elapsed:
                 self.last_step_s = elapsed
+                self.measured.fold(elapsed, engine.last_step_prompt_tokens)
         self._mirror.absorb(self.engine.pool.drain_events())
         self._publisher.flush()
         return outputs, elapsed
@@ -351,7 +366,10 @@ def simulate(
     directory = EmbeddedChunkDirectory()
     config = engine_config(args)
     cost = STEP_COSTS.get(args.step_cost)
-    workers = [Worker(f"worker-{i}", config, directory, cost) for i in range(args.workers)]
+    workers = [
+        Worker(f"worker-{i}", config, directory, cost, args.rates == "measured")
+        for i in range(args.workers)
+    ]
     by_id = {w.worker_id: w for w in workers}
     route = factory(workers, directory)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)

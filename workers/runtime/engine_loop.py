@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from chunkstore.events import CacheEvent
 from workers.engine.engine import Engine, StepOutput
@@ -102,6 +102,21 @@ class _Active:
 
 
 @dataclass(slots=True)
+class MeasuredSpeed:
+    """A worker's measured speed, as its load reports it: EWMAs of the step time and of
+    the prefill rate (the module's docstring says which steps sample which)."""
+
+    step_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+
+    def fold(self, step_s: float, prompt_tokens: int) -> None:
+        """A step of ``step_s`` seconds (> 0) that computed ``prompt_tokens``."""
+        self.step_s = _ewma(self.step_s, step_s)
+        if prompt_tokens >= RATE_SAMPLE_MIN_TOKENS:
+            self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, prompt_tokens / step_s)
+
+
+@dataclass(slots=True)
 class _Counters:
     requests: int = 0
     tokens: int = 0
@@ -111,8 +126,7 @@ class _Counters:
     generated_tokens_total: int = 0
     prefill_backlog_tokens: int = 0
     decode_seqs: int = 0
-    prefill_tokens_per_s: float = 0.0
-    step_s: float = 0.0
+    speed: MeasuredSpeed = field(default_factory=MeasuredSpeed)
     version: int = 0
 
 
@@ -219,8 +233,8 @@ class EngineLoop:
                 generated_tokens_total=c.generated_tokens_total,
                 prefill_backlog_tokens=c.prefill_backlog_tokens,
                 decode_seqs=c.decode_seqs,
-                prefill_tokens_per_s=c.prefill_tokens_per_s,
-                step_s=c.step_s,
+                prefill_tokens_per_s=c.speed.prefill_tokens_per_s,
+                step_s=c.speed.step_s,
                 version=c.version,
             )
 
@@ -275,9 +289,7 @@ class EngineLoop:
         with self._lock:
             c = self._counters
             if timed:
-                c.step_s = _ewma(c.step_s, step_s)
-                if prompt_tokens >= RATE_SAMPLE_MIN_TOKENS:
-                    c.prefill_tokens_per_s = _ewma(c.prefill_tokens_per_s, prompt_tokens / step_s)
+                c.speed.fold(step_s, prompt_tokens)
             c.prefill_backlog_tokens = shape.prefill_backlog_tokens
             c.decode_seqs = shape.decode_seqs
             c.version += 1
