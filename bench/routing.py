@@ -74,22 +74,35 @@ WEIGHTS = RoutingWeights(
 @dataclass(frozen=True)
 class StepCost:
     """Seconds an engine step takes on a modeled device: ``base_s`` + ``per_seq_s`` per
-    sequence in the step + ``per_prompt_token_s`` per prompt token it computes."""
+    sequence in the step + ``per_prompt_token_s`` per prompt token it computes +
+    ``per_kv_token_s`` per token of KV its sequences hold (what decode attention reads)."""
 
     base_s: float
     per_seq_s: float
     per_prompt_token_s: float
+    per_kv_token_s: float = 0.0
 
-    def __call__(self, seqs: int, prompt_tokens: int) -> float:
+    def __call__(self, seqs: int, prompt_tokens: int, kv_tokens: int = 0) -> float:
         if not seqs:
             return 0.0
-        return self.base_s + self.per_seq_s * seqs + self.per_prompt_token_s * prompt_tokens
+        return (
+            self.base_s
+            + self.per_seq_s * seqs
+            + self.per_prompt_token_s * prompt_tokens
+            + self.per_kv_token_s * kv_tokens
+        )
 
 
 # Qwen3-0.6B shapes on one H200 (bench/RESULTS.md, 2026-11-27 session 22): decode steps
 # of 1.84 / 3.02 / 6.22 ms at batch 1 / 64 / 256 (context 512), prefill 205K tokens/s.
 H200_QWEN3_06B = StepCost(base_s=1.82e-3, per_seq_s=1.72e-5, per_prompt_token_s=4.9e-6)
-STEP_COSTS = {"h200": H200_QWEN3_06B}
+# The same, with the per-sequence cost split into KV reads that grow with the context
+# (114.7 KB of KV a token at 4.8 TB/s: 23.9 ns; 12.2 us of the 17.2 at context 512) and
+# the rest (5.0 us): the cluster workload's sequences hold ~2,600 tokens, not 512.
+H200_QWEN3_06B_CONTEXT = StepCost(
+    base_s=1.82e-3, per_seq_s=5.0e-6, per_prompt_token_s=4.9e-6, per_kv_token_s=2.39e-8
+)
+STEP_COSTS = {"h200": H200_QWEN3_06B, "h200-context": H200_QWEN3_06B_CONTEXT}
 
 
 @dataclass(frozen=True)
@@ -257,13 +270,16 @@ class Worker:
         then publish its KV events."""
         engine = self.engine
         stepped = engine.has_unfinished()
+        kv_tokens = sum(len(seq.token_ids) for seq in engine.scheduler.running)
         start = time.thread_time()
         outputs = engine.step() if stepped else []
         elapsed = time.thread_time() - start
         if self.cost is not None:
             elapsed = 0.0
             if stepped:
-                elapsed = self.cost(engine.last_step_seqs, engine.last_step_prompt_tokens)
+                elapsed = self.cost(
+                    engine.last_step_seqs, engine.last_step_prompt_tokens, kv_tokens
+                )
             if elapsed:
                 self.last_step_s = elapsed
                 self.measured.fold(elapsed, engine.last_step_prompt_tokens)

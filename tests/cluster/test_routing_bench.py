@@ -50,6 +50,42 @@ def test_the_gpu_cost_model_times_steps_deterministically(tiny_qwen3):
     assert cost(0, 0) == 0
 
 
+def test_measured_rates_are_the_engine_loops_averages_of_modeled_steps(tiny_qwen3):
+    """``--rates measured``: what a router sees of a worker is what its engine loop would
+    measure (``MeasuredSpeed`` folded with each modeled step), not the model's rate; and
+    the context cost model charges the KV its sequences hold."""
+    from workers.runtime.engine_loop import MeasuredSpeed
+
+    args = routing.parse_args(
+        ["--model-dir", str(tiny_qwen3), "--workers", "1", "--requests", "6", "--sets", "2",
+         "--doc-tokens", "96", "160", "--num-pages", "40", "--concurrency", "3",
+         "--max-tokens", "3", "--step-cost", "h200-context", "--rates", "measured"]
+    )  # fmt: skip
+    worker = routing.Worker(
+        "w", routing.engine_config(args), routing.EmbeddedChunkDirectory(),
+        routing.H200_QWEN3_06B_CONTEXT, measured_rates=True,
+    )  # fmt: skip
+    engine = worker.engine
+    requests = routing.make_workload(args, engine.namespace(), engine.model_config.vocab_size)
+    params = routing.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    for i, request in enumerate(requests[:3]):
+        worker.add(f"r{i}", request, params, 0)
+    expected, held = MeasuredSpeed(), []
+    cost = routing.H200_QWEN3_06B_CONTEXT
+    while engine.has_unfinished():
+        held.append(sum(len(seq.token_ids) for seq in engine.scheduler.running))
+        _, elapsed = worker.step()
+        assert elapsed == cost(engine.last_step_seqs, engine.last_step_prompt_tokens, held[-1])
+        expected.fold(elapsed, engine.last_step_prompt_tokens)
+        view = worker.view()
+        assert (view.prefill_tokens_per_s, view.step_s) == (
+            expected.prefill_tokens_per_s,
+            expected.step_s,
+        )
+    assert max(held) > 0  # decode steps: their sequences' KV is charged
+    assert 0 < view.prefill_tokens_per_s < 1 / cost.per_prompt_token_s  # decode's share
+
+
 def test_a_replica_sees_loads_as_of_its_last_poll_plus_what_it_sent():
     class Stub:  # a worker whose reported load the test sets
         def __init__(self, worker_id):
