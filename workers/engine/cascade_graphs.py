@@ -26,7 +26,6 @@ from workers.engine.attention.cascade_plan import CascadeLevel, pad_cascade
 from workers.engine.attention.flashinfer_backend import (
     FlashInferBackend,
     FlashInferMetadata,
-    plan_prefill,
 )
 from workers.engine.cuda_graphs import capture
 from workers.engine.graph_inputs import load_step
@@ -104,21 +103,10 @@ class CascadeGraphs:
         padded = pad_cascade(plan, layout, size, self.scratch_page)
         load_step(g, input_ids, positions, layout.slot_mapping, self.scratch_page, self.page_size)
         g.order.copy_(padded.order, non_blocking=True)
-        self._plan(g.wrappers, padded.levels)
+        self.backend.plan_levels(g.wrappers, padded.levels)
         g.graph.replay()
         self.backend.last_plan_kind = "cascade"
         return g.hidden[:n]
-
-    def _plan(self, wrappers, levels: tuple[CascadeLevel, ...]) -> None:
-        last = len(levels) - 1
-        for i, (wrapper, level) in enumerate(zip(wrappers, levels, strict=True)):
-            plan_prefill(
-                wrapper,
-                level,
-                self.backend.shape,
-                causal=i == last,
-                fixed_split_size=None if i == last else self.backend.split_pages(level),
-            )
 
     def _capture_levels(self, size: int, levels: int) -> tuple[CascadeLevel, ...]:
         """Every level: ``size`` one-row entries on one scratch-page token."""
@@ -147,7 +135,7 @@ class CascadeGraphs:
             )
             for i in range(levels)
         )
-        self._plan(wrappers, self._capture_levels(size, levels))
+        self.backend.plan_levels(wrappers, self._capture_levels(size, levels))
         input_ids = torch.zeros(size, dtype=torch.long, device=device)
         positions = torch.zeros(size, dtype=torch.long, device=device)
         slots = torch.full((size,), self.scratch_page * self.page_size, dtype=torch.int32)

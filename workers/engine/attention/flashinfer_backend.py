@@ -181,25 +181,16 @@ class FlashInferBackend:
         MultiLevelCascadeAttentionWrapper does, plus a kv split for shared levels.
         A shared level has few query tiles (one group) over a long prefix, so
         without splitting the prefix it would occupy a fraction of the SMs."""
-        s = self.shape
         while len(self._level_wrappers) < len(cascade.levels):
             self._level_wrappers.append(
                 flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
             )
         wrappers = self._level_wrappers[: len(cascade.levels)]
-        last = len(cascade.levels) - 1
-        for i, (wrapper, level) in enumerate(zip(wrappers, cascade.levels, strict=True)):
-            plan_prefill(
-                wrapper,
-                level,
-                s,
-                causal=i == last,
-                fixed_split_size=None if i == last else self.split_pages(level),
-            )
+        self.plan_levels(wrappers, cascade.levels)
         flat_rows = cascade.flat_rows
         if flat_rows.numel():
             self._plan_decode(_select_rows(layout, flat_rows.tolist()))
-        device = s.device
+        device = self.shape.device
         return FlashInferMetadata(
             slots,
             self.decode,
@@ -208,7 +199,21 @@ class FlashInferBackend:
             flat_rows=flat_rows.to(device).long(),
         )
 
-    def split_pages(self, level) -> int:
+    def plan_levels(self, wrappers, levels) -> None:
+        """Plan one prefill wrapper per cascade level (eager, or a cascade graph's):
+        shared levels attend to their whole prefix, split over CTAs; the last level,
+        each row's own pages, causally."""
+        last = len(levels) - 1
+        for i, (wrapper, level) in enumerate(zip(wrappers, levels, strict=True)):
+            plan_prefill(
+                wrapper,
+                level,
+                self.shape,
+                causal=i == last,
+                fixed_split_size=None if i == last else self._split_pages(level),
+            )
+
+    def _split_pages(self, level) -> int:
         """Pages per kv chunk so a shared level launches about two waves of CTAs."""
         s = self.shape
         rows = level.qo_indptr[1:] - level.qo_indptr[:-1]
