@@ -92,12 +92,20 @@ class RequestResult:
 def ttft_quantile_ms(results: Sequence[RequestResult], q: float, hits: bool | None = None) -> float:
     """The ``q`` quantile of TTFT in ms over all requests, or over hits (at least
     ``HIT_SHARE`` of the prompt cached) or misses only; NaN with none."""
-    ttfts = sorted(
-        r.ttft_s
-        for r in results
-        if hits is None or (r.cached_tokens >= HIT_SHARE * r.prompt_tokens) == hits
+    return quantile_ms(
+        [
+            r.ttft_s
+            for r in results
+            if hits is None or (r.cached_tokens >= HIT_SHARE * r.prompt_tokens) == hits
+        ],
+        q,
     )
-    return 1000 * ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else float("nan")
+
+
+def quantile_ms(seconds: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``seconds``, in ms; NaN with none."""
+    ordered = sorted(seconds)
+    return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 @dataclass
@@ -164,16 +172,13 @@ class RunResult:
         out = {}
         for reason in sorted({r.reason for r in self.results}):
             picked = [r for r in self.results if r.reason == reason]
-            past = sorted(r.ttft_s - r.expected_wait_s for r in picked)
+            past = [r.ttft_s - r.expected_wait_s for r in picked]
             out[reason] = {
                 "requests": len(picked),
                 "ttft_ms": [ttft_quantile_ms(picked, q) for q in (0.5, 0.9)],
                 "past_estimate_ms": None
                 if reason == "rotation"  # round-robin estimates nothing
-                else [
-                    round(1000 * past[min(len(past) - 1, int(q * len(past)))], 2)
-                    for q in (0.5, 0.9)
-                ],
+                else [round(quantile_ms(past, q), 2) for q in (0.5, 0.9)],
             }
         return out
 
