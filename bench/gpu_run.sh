@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU host runs, in one place: GPU tests, benchmarks, the cluster run.
 # Usage on the device (from the repository root):
+#   bash bench/gpu_run.sh savejit   # FlashInfer modules compiled so far -> $OUT (see below)
 #   bash bench/gpu_run.sh tests     # GPU tests (first FlashInfer JIT compiles happen here)
 #   bash bench/gpu_run.sh bench     # benchmarks, tables printed last
 #   bash bench/gpu_run.sh cluster   # bench/cluster_rag.py on Ray (needs both ray halves)
@@ -30,10 +31,30 @@ install_once() {
 }
 for bundle in .whl .whl-ray-a .whl-ray-b .whl-http; do install_once $bundle; done
 export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}"
+# FlashInfer's JIT compiles each kernel it meets on a fresh machine (minutes). A call
+# to `gpu_run.sh savejit` sends the compiled modules back as $out/jit.tar.xz.* (15 MiB parts);
+# carried as .jitcache/ (ignored by git), they go where FlashInfer looks for
+# ahead-of-time builds (flashinfer/data/aot/<name>/<name>.so) and load without a build.
+aot=/tmp/site/flashinfer/data/aot
+if ls .jitcache/jit.tar.xz.* >/dev/null 2>&1 && [ -d /tmp/site/flashinfer ] && [ ! -d $aot ]; then
+  mkdir -p $aot && cat .jitcache/jit.tar.xz.* | xz -d | tar -C $aot -xf - \
+    && echo "gpu_run: $(ls $aot | wc -l) FlashInfer modules from .jitcache"
+fi
+save_jit() {
+  local all=/tmp/jit-all
+  rm -rf $all && mkdir -p $all
+  [ -d $aot ] && cp -r $aot/. $all/
+  for so in "$HOME"/.cache/flashinfer/*/*/cached_ops/*/*.so; do
+    [ -f "$so" ] && mkdir -p "$all/$(basename "$(dirname "$so")")" && cp "$so" "$all/$(basename "$(dirname "$so")")/"
+  done
+  tar -C $all -cf - . | xz -T0 -6 | split -b 15M - "$out/jit.tar.xz."
+  echo "gpu_run: saved $(ls $all | wc -l) FlashInfer modules ($(du -ch "$out"/jit.tar.xz.* | tail -1))"
+}
 model=/tmp/chunkserve-bench/qwen3-0.6b
 [ -f $model/config.json ] || python3 -m cluster.cli make-model $model --preset qwen3-0.6b >/dev/null
 export CHUNKSERVE_QWEN3_06B=$model CHUNKSERVE_RESULTS_DIR=$out
 case "${1:-all}" in
+  savejit) save_jit ;;
   tests) python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.txt" ;;
   bench)
     # THROUGHPUT_ARGS, e.g. "--peer-requests 0": skip the slow transformers comparison
