@@ -2,6 +2,7 @@
 # Everything the GPU host runs, in one place: GPU tests, benchmarks, the cluster run.
 # Usage on the device (from the repository root):
 #   bash bench/gpu_run.sh savejit   # FlashInfer modules compiled so far -> $OUT (see below)
+#   bash bench/gpu_run.sh run CMD...  # CMD with the same setup (PYTHONPATH, model, $CHUNKSERVE_QWEN3_06B)
 #   bash bench/gpu_run.sh tests     # GPU tests (first FlashInfer JIT compiles happen here)
 #   bash bench/gpu_run.sh bench     # benchmarks, tables printed last
 #   bash bench/gpu_run.sh cluster   # bench/cluster_rag.py on Ray (needs both ray halves)
@@ -55,6 +56,7 @@ model=/tmp/chunkserve-bench/qwen3-0.6b
 export CHUNKSERVE_QWEN3_06B=$model CHUNKSERVE_RESULTS_DIR=$out
 case "${1:-all}" in
   savejit) save_jit ;;
+  run) shift; "$@" ;;  # any command, with the wheels, modules and model in place
   tests) python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.txt" ;;
   bench)
     # THROUGHPUT_ARGS, e.g. "--peer-requests 0": skip the slow transformers comparison
