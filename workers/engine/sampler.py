@@ -17,16 +17,34 @@ def sample_on_device(
     """One token per row (int64, on the logits' device; nothing waits for it). Greedy
     rows take the argmax; others sample from the temperature-scaled distribution
     restricted by top-k and top-p. A row with a generator draws only from it, so a
-    seeded request is reproducible whatever it is batched with."""
-    tokens = logits.argmax(dim=-1)
-    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled_rows:
-        rows = _on_device(sampled_rows, torch.long, logits.device)
-        probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
+    seeded request is reproducible whatever it is batched with.
+
+    On CUDA, greedy rows and rows that only scale by a temperature take one fused
+    pass (``layers/sample_kernel``: Gumbel-max, the same distribution); rows that
+    filter or carry a generator take the unfused path below."""
+    if logits.is_cuda:
+        from workers.engine.layers.sample_kernel import gumbel_argmax
+
+        inv_temp = _on_device(
+            [0.0 if p.greedy else 1.0 / p.temperature for p in params], torch.float32, logits.device
+        )
+        seed = int(torch.randint(0, 2**31 - 1, ()))
+        tokens = gumbel_argmax(logits, inv_temp, seed)
+        unfused = [
+            i
+            for i, p in enumerate(params)
+            if not p.greedy and (p.top_k > 0 or p.top_p < 1 or generators[i] is not None)
+        ]
+    else:
+        tokens = logits.argmax(dim=-1)
+        unfused = [i for i, p in enumerate(params) if not p.greedy]
+    if unfused:
+        rows = _on_device(unfused, torch.long, logits.device)
+        probs = _filtered_probs(logits[rows], [params[i] for i in unfused])
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws a token with
         # probability p, for all rows at once on the logits' device.
         noise = torch.empty_like(probs).exponential_()
-        for j, i in enumerate(sampled_rows):
+        for j, i in enumerate(unfused):
             if generators[i] is not None:
                 noise[j].exponential_(generator=generators[i])
         tokens[rows] = (probs / noise).argmax(dim=-1)
