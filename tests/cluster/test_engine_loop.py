@@ -23,7 +23,13 @@ from workers.engine.reuse_info import DEFAULT_DEVIATION_RATIO, ReuseInfo, ReuseR
 from workers.engine.sampling_params import SamplingParams
 from workers.runtime.actor import _collect, coalesce
 from workers.runtime.cache_mirror import CacheMirror
-from workers.runtime.engine_loop import EngineLoop, Rejected
+from workers.runtime.engine_loop import (
+    MIN_PREFILL_SHARE,
+    RATE_SAMPLE_MIN_TOKENS,
+    EngineLoop,
+    MeasuredSpeed,
+    Rejected,
+)
 from workers.runtime.worker_types import EngineLoad
 
 
@@ -82,12 +88,14 @@ def test_load_reports_backlog_rates_and_a_growing_version(loop):
     assert entered.wait(30)
     items: queue.SimpleQueue = queue.SimpleQueue()
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    loop.submit("a", tuple(range(100, 164)), params, "", items.put, expected_cached_tokens=24)
+    # enough prompt tokens for a prefill-rate sample
+    prompt = tuple(range(100, 100 + RATE_SAMPLE_MIN_TOKENS))
+    loop.submit("a", prompt, params, "", items.put, expected_cached_tokens=24)
     # a call after a submit runs after it is added, before the engine steps
     shape = loop.call(lambda: loop._engine.load_shape())
     gate.set()
     held.result(timeout=30)
-    assert shape.result(timeout=30).prefill_backlog_tokens == 64 - 24
+    assert shape.result(timeout=30).prefill_backlog_tokens == len(prompt) - 24
     outputs = [items.get(timeout=30)]
     while not outputs[-1].finished:
         outputs.append(items.get(timeout=30))
@@ -98,6 +106,23 @@ def test_load_reports_backlog_rates_and_a_growing_version(loop):
     assert end.requests == 0 and end.generated_tokens_total == 4
     # a load read later is never older
     assert loop.load().version >= end.version
+
+
+def test_prefill_rate_is_measured_beyond_the_decode_baseline():
+    """Small prompts beside a decode batch feed the decode baseline, not the rate; a
+    prefill step's rate counts only what it took beyond that baseline, and never less
+    than its minimum share of the step."""
+    speed = MeasuredSpeed()
+    for _ in range(20):  # a decode batch with cache hits: 40-token tails, 6 ms steps
+        speed.fold(0.006, 40)
+    assert speed.prefill_tokens_per_s == 0.0  # not measured (routers assume the median)
+    assert math.isclose(speed.decode_step_s, 0.006)
+    speed.fold(0.006 + 0.013, 2600)  # a miss: 13 ms of prefill beside the batch
+    assert math.isclose(speed.prefill_tokens_per_s, 2600 / 0.013)  # not 2600 / 0.019
+    assert math.isclose(speed.step_s, 0.006 + 0.2 * 0.013)
+    quick = MeasuredSpeed(decode_step_s=0.010)
+    quick.fold(0.009, 1000)  # faster than the baseline: noise, held at the minimum share
+    assert math.isclose(quick.prefill_tokens_per_s, 1000 / (MIN_PREFILL_SHARE * 0.009))
 
 
 def test_approximate_requests_reach_the_engine_with_their_spans(loop, tiny_qwen3, tmp_path):

@@ -25,8 +25,11 @@ Invariants:
   consumer reads a load that includes that step. ``prefill_tokens_per_s`` and
   ``step_s`` are EWMAs (weight ``LOAD_EWMA_WEIGHT``) of steps timed with
   ``time.perf_counter`` around ``Engine.step``; steps that computed nothing are not
-  timed, and only steps of at least ``RATE_SAMPLE_MIN_TOKENS`` prompt tokens sample the
-  rate; 0.0 until the first measurement, which sets the average directly.
+  timed. Steps of fewer than ``RATE_SAMPLE_MIN_TOKENS`` prompt tokens are the decode
+  baseline (an EWMA of their time); a step of at least that many samples the rate as
+  its prompt tokens over what it took beyond that baseline (at least
+  ``MIN_PREFILL_SHARE`` of it). All are 0.0 until measured; the first measurement
+  sets an average directly.
 """
 
 from __future__ import annotations
@@ -55,8 +58,14 @@ LOAD_EWMA_WEIGHT = 0.2
 # A step that computed fewer prompt tokens than this is not a prefill-rate sample: its
 # fixed cost (launches, the decode batch beside it) dominates, so tokens / second there
 # understates the rate many times over, and noisily; routers would then shun a worker
-# for the size of its last small prompts. Its time still feeds ``step_s``.
-RATE_SAMPLE_MIN_TOKENS = 64
+# for the size of its last small prompts. Its time feeds ``step_s`` and the decode
+# baseline. On 4 H200s, with samples from 64 tokens and no baseline, workers serving
+# mostly cache hits (40-token tails beside 30 decoding sequences) measured 11K tokens/s
+# against 70-100K elsewhere, and routers sent them no misses (bench/RESULTS.md).
+RATE_SAMPLE_MIN_TOKENS = 256
+# A rate sample counts at least this share of its step as prefill, however close the
+# step came to the decode baseline (a noisy baseline would otherwise give any rate).
+MIN_PREFILL_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -103,17 +112,22 @@ class _Active:
 
 @dataclass(slots=True)
 class MeasuredSpeed:
-    """A worker's measured speed, as its load reports it: EWMAs of the step time and of
-    the prefill rate (the module's docstring says which steps sample which)."""
+    """A worker's measured speed, as its load reports it: EWMAs of the step time, of
+    the time of steps without a prefill-rate sample (the decode baseline) and of the
+    prefill rate (the module's docstring says which steps sample which)."""
 
     step_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
+    decode_step_s: float = 0.0
 
     def fold(self, step_s: float, prompt_tokens: int) -> None:
         """A step of ``step_s`` seconds (> 0) that computed ``prompt_tokens``."""
         self.step_s = _ewma(self.step_s, step_s)
-        if prompt_tokens >= RATE_SAMPLE_MIN_TOKENS:
-            self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, prompt_tokens / step_s)
+        if prompt_tokens < RATE_SAMPLE_MIN_TOKENS:
+            self.decode_step_s = _ewma(self.decode_step_s, step_s)
+            return
+        prefill_s = max(step_s - self.decode_step_s, MIN_PREFILL_SHARE * step_s)
+        self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, prompt_tokens / prefill_s)
 
 
 @dataclass(slots=True)
