@@ -15,6 +15,7 @@ import ray
 from cluster.prompts import longest_token_chars
 from tests.cluster.conftest import cluster_config, stop_app, unique_name
 from workers.engine.checkpoint import load_tokenizer
+from workers.runtime.engine_loop import RATE_SAMPLE_MIN_TOKENS
 
 pytestmark = pytest.mark.ray
 
@@ -118,6 +119,10 @@ def _histogram(values: dict[str, float], name: str) -> tuple[list[float], float,
 
 
 def test_latency_and_worker_families_after_requests(app, client):
+    # a prompt long enough to be a prefill-rate sample (smaller ones are decode steps)
+    long = client.completions.create(model="tiny", prompt=PROMPT * 4, max_tokens=1)
+    assert long.usage.prompt_tokens >= RATE_SAMPLE_MIN_TOKENS
+    answered["completions"] += 1
     stream = client.completions.create(
         model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True
     )
