@@ -194,6 +194,12 @@ class Engine:
             config.max_num_seqs,
             config.enable_cuda_graphs,
         )
+        if self.runner.device.type == "cuda":
+            # The fused sampling kernel compiles on first use: here, not inside the first
+            # request's step, whose time the worker's load reports as its prefill rate.
+            warm = torch.zeros((2, mc.vocab_size), device=self.runner.device)
+            greedy_and_tempered = [SamplingParams(temperature=0), SamplingParams(temperature=1.0)]
+            sample_on_device(warm, greedy_and_tempered, [None, None]).cpu()
         self.reuse = (reuse_factory or default_reuse)(self)
         self.scheduler = Scheduler(
             self.pool,
