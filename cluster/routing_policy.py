@@ -12,7 +12,8 @@ Policy (``choose_worker``): the worker expected to give the first token soonest.
    less what repair recomputes), raised to what ``recent``, this router's memory of
    its own decisions, says a worker holds (see ``RouteMemory``). A worker that has
    not measured its rate yet (new, restarted) is assumed as fast as the median
-   measured worker, or ``default_prefill_tokens_per_s`` if none has measured.
+   measured worker, or ``default_prefill_tokens_per_s`` if none has measured; one
+   that measured less than ``MIN_RATE_SHARE`` of that median is assumed that fast.
 3. The workers whose wait is within ``WAIT_TOLERANCE`` (relative) plus
    ``WAIT_SLACK_S`` of the smallest are as good: measured rates are noisy, and a
    spill copies the prefix, so a holder keeps its requests until a colder worker is
@@ -78,6 +79,11 @@ class RoutingWeights:
     default_prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
 
 
+# A worker's measured rate counts as at least this share of the median measured one.
+# A rate is measured only where requests run: a worker once measured slow (a cold
+# first step) that then gets no requests never measures again. On 4 H200s through the
+# HTTP app, one worker served 1 of 2,400 requests that way (bench/RESULTS.md).
+MIN_RATE_SHARE = 0.5
 WAIT_TOLERANCE = 0.25  # waits within 25% of the smallest (plus the slack) are as good
 WAIT_SLACK_S = 0.005
 
@@ -160,7 +166,8 @@ def expected_wait_s(
     its first token (rule 2); the assumed rate and step stand in where the worker has
     measured none. An idle worker adds no step: no decode batch runs beside the
     request's prefill there."""
-    rate = worker.prefill_tokens_per_s or assumed_rate
+    measured = worker.prefill_tokens_per_s
+    rate = max(measured, MIN_RATE_SHARE * assumed_rate) if measured else assumed_rate
     step_s = (worker.step_s or assumed_step_s) if worker.requests else 0.0
     return (worker.prefill_backlog + max(0, uncached_tokens)) / rate + step_s
 

@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 
 from cluster.routing_policy import (
+    MIN_RATE_SHARE,
     Decision,
     Reason,
     RouteMemory,
@@ -108,6 +109,21 @@ def test_an_unmeasured_worker_is_assumed_as_fast_as_the_median_measured_one():
     slower = [view(f"w{i}", backlog=3000) for i in range(3)]
     decision = choose_worker([*slower, restarted], held, WEIGHTS, PROMPT)
     assert decision == Decision("w3", Reason.SPILL, 0, pytest.approx(1.0))
+
+
+def test_a_worker_measured_slow_once_still_gets_requests():
+    """A rate is measured only where requests run: an idle worker that measured a
+    tiny rate (a cold first step) counts at least half the median rate, so it takes a
+    request once the others' queues outweigh that, and measures again."""
+    busy = [view(f"w{i}", backlog=2000) for i in range(3)]  # 3 s each
+    cold = view("w3", rate=RATE / 1000)  # idle: 2 s at the floor, 1,000 s without
+    decision = choose_worker([*busy, cold], {}, WEIGHTS, PROMPT)
+    assert decision.worker_id == "w3"
+    assert decision.expected_wait_s == pytest.approx(PROMPT / (MIN_RATE_SHARE * RATE))
+    # measured faster than the floor: its own rate stands
+    assert expected_wait_s(view("w", rate=0.8 * RATE), PROMPT, RATE, 0.0) == pytest.approx(
+        PROMPT / (0.8 * RATE)
+    )
 
 
 def test_with_no_worker_measured_the_default_rate_is_assumed():
