@@ -31,6 +31,13 @@ install_once() {
   rm -rf "$tmp"
 }
 for bundle in .whl .whl-ray-a .whl-ray-b .whl-http; do install_once $bundle; done
+# the redis-server that .whl-http carries (bench/prepare_http_wheels.sh), on its libraries
+if [ -x .whl-http/redis/bin/redis-server ] && [ ! -x /tmp/site/.redis/bin/redis-server ]; then
+  mkdir -p /tmp/site/.redis/bin && cp -r .whl-http/redis/lib /tmp/site/.redis/ \
+    && cp .whl-http/redis/bin/redis-server /tmp/site/.redis/redis-server.bin \
+    && printf '#!/bin/sh\nLD_LIBRARY_PATH=/tmp/site/.redis/lib exec /tmp/site/.redis/redis-server.bin "$@"\n' \
+      > /tmp/site/.redis/bin/redis-server && chmod +x /tmp/site/.redis/bin/redis-server
+fi
 export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}"
 # FlashInfer's JIT compiles each kernel it meets on a fresh machine (minutes). A call
 # to `gpu_run.sh savejit` sends the compiled modules back as $out/jit.tar.xz.* (15 MiB parts);

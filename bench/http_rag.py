@@ -122,7 +122,8 @@ def start_redis(stack: ExitStack) -> str:
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError(
-            "redis-server is not on PATH (on the GPU host: source .whl-http/install.sh); "
+            "redis-server is not on PATH (on the GPU host, bench/gpu_run.sh puts the one "
+            ".whl-http carries in /tmp/site/.redis/bin); "
             "or give --redis-url"
         )
     port = free_port()

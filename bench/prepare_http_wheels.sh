@@ -2,7 +2,7 @@
 # The .whl-http bundle for the GPU host (no network there): what the cluster and
 # HTTP runs of bench/gpu_run.sh need beyond torch, flashinfer (.whl) and ray
 # (.whl-ray-a, .whl-ray-b): pydantic and FastAPI for cluster/, the openai client and
-# redis for bench/http_rag.py. Versions follow this machine's installed ones, so the
+# redis for bench/http_rag.py, grpcio-reflection for Ray Serve. Versions follow this machine's installed ones, so the
 # GPU host runs what the CPU suite tested. Run from the repository root, after
 # ../shared/gpu-host/prepare-wheels.sh (whose install.sh it copies).
 set -euo pipefail
@@ -17,11 +17,19 @@ for n in "${names[@]}"; do
   s=$(pinned "$n"); [ -n "$s" ] || { echo "prepare_http_wheels: $n is not installed here" >&2; exit 1; }
   specs+=("$s")
 done
+# grpcio-reflection's generated code needs the grpcio beside it: the GPU host's (1.84.0
+# in its image), not this machine's
+specs+=("grpcio-reflection==${HOST_GRPCIO:-1.84.0}")
 mkdir -p .whl-http && rm -f .whl-http/*.whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp "${plat[@]}" -d .whl-http "${specs[@]}"
 cp .whl/install.sh .whl-http/
+# bench/http_rag.py also needs a redis-server there, and none ships as a wheel for
+# Python 3.12: this machine's binary travels with the libraries it links beyond glibc
+# (.whl-http/redis/{bin,lib}); gpu_run.sh puts it in /tmp/site/.redis/bin.
+server=$(command -v redis-server) || { echo "prepare_http_wheels: no redis-server here" >&2; exit 1; }
+rm -rf .whl-http/redis && mkdir -p .whl-http/redis/bin .whl-http/redis/lib
+cp "$server" .whl-http/redis/bin/
+ldd "$server" | awk '/=> \// {print $3}' | grep -v -E '/(libc|libm|libpthread|libdl|librt|ld-linux[^/]*)\.so' \
+  | xargs -I{} cp -L {} .whl-http/redis/lib/
 du -sh .whl-http
-# bench/http_rag.py also needs a redis-server binary there (none ships as a wheel for
-# Python 3.12): copy one with the libraries it links beside glibc into
-# /tmp/site/.redis/bin, where gpu_run.sh http looks.
