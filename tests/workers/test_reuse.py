@@ -152,3 +152,41 @@ def test_small_pool_forces_eviction_and_preemption(tiny_qwen3, engines, referenc
     events = small.engine.pool.drain_events()
     assert any(e.kind.value == "removed" for e in events), "the pool never evicted"
     assert small.engine.pool.num_available == small.engine.pool.num_pages
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_a_burst_sharing_a_new_prefix_computes_it_once(engines, reference, tiny_qwen3, overlap):
+    """Prompts sent together that share a prefix nobody holds: the first computes it,
+    the others wait for its pages instead of computing them again, then reuse them;
+    outputs stay exact. Overlapped steps publish a step's pages one step later: the
+    others wait that step too."""
+    rng = random.Random(77)
+    prefix = _tokens(rng, 100)  # 6 full pages
+    prompts = [prefix + _tokens(rng, 7), prefix + _tokens(rng, 11), prefix + _tokens(rng, 5)]
+    _, off = engines
+    on = LLM(tiny_qwen3, page_size=PAGE, overlap_scheduling=overlap)
+    assert on.engine.overlap == overlap
+    outs = on.generate(prompts, GREEDY)
+    plain = off.generate(prompts, GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [0, 96, 96]
+    for prompt, a, b in zip(prompts, outs, plain, strict=True):
+        assert a.token_ids == b.token_ids
+        assert list(a.token_ids) == reference(prompt)
+    # with reuse off nothing waits: all three are admitted in the first step
+    assert [o.num_cached_tokens for o in plain] == [0, 0, 0]
+
+
+def test_a_sequence_waiting_for_a_prefix_lets_later_ones_pass(engines):
+    on, _ = engines
+    engine = on.engine
+    rng = random.Random(78)
+    prefix = _tokens(rng, 64)
+    engine.add_request("first", prefix + _tokens(rng, 3), GREEDY)
+    engine.add_request("same-prefix", prefix + _tokens(rng, 4), GREEDY)
+    engine.add_request("other", _tokens(rng, 40), GREEDY)
+    engine.step()
+    running = {seq.request_id for seq in engine.scheduler.running}
+    waiting = [seq.request_id for seq in engine.scheduler.waiting]
+    assert running == {"first", "other"} and waiting == ["same-prefix"]
+    while engine.has_unfinished():
+        engine.step()

@@ -54,7 +54,7 @@ def start_from(seq: Sequence, mode: str, page_ids: list[int], num_computed: int)
     """Admit ``seq`` on ``page_ids`` (references already taken) holding the exact KV
     of its first ``num_computed`` tokens."""
     seq.page_ids = array("i", page_ids)
-    seq.num_computed = num_computed
+    seq.num_computed = seq.published_until = num_computed
     seq.pending = np.empty(0, dtype=np.int64)
     seq.exact_until = ALL_EXACT
     if seq.reuse is None:  # the first admission is what the caller is told
@@ -113,6 +113,7 @@ def publish_exact_pages(pool: KVPool, seq: Sequence, start: int, end: int) -> No
     ``seq.exact_until``; pages from there to ``end`` are marked inexact in the pool.
     Every position in ``[start, end)`` must hold its final KV."""
     page_size = pool.page_size
+    seq.published_until = max(seq.published_until, end)
     first, last = start // page_size, end // page_size
     exact_pages = min(last, seq.exact_until // page_size)
     if exact_pages > first:

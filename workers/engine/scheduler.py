@@ -3,7 +3,12 @@
 Policy (FCFS): running sequences are served first, oldest first — a decode token
 each, or the next chunk of an unfinished prefill; then waiting sequences are
 admitted in arrival order while the per-step token budget and the sequence limit
-allow. A waiting sequence is never overtaken by a later one. When pages run out,
+allow. A waiting sequence is never overtaken by a later one, except while it waits
+for a prefix: when the first page of its prompt that the pool does not hold is one a
+running (or just admitted) sequence is computing and will publish, admitting it now
+would compute those pages a second time, so it stays at the head of the queue until
+they are published (or that sequence stops computing them), and later ones may pass
+(``_waits_for_prefix``; reuse off: never). When pages run out,
 the most recently arrived running sequence is preempted: its pages are released
 (full pages stay cached, so recomputing them is cheap) and it returns to the head
 of the queue. A lone sequence always fits: the engine caps the context length at
@@ -19,9 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from chunkstore.hashing import PageKey
 from workers.engine.kv_pool import KVPool
 from workers.engine.request import Sequence, Status
-from workers.engine.reuse import Reuse
+from workers.engine.reuse import FIRST_HASH_BATCH, Reuse
 
 
 @dataclass(frozen=True)
@@ -103,13 +109,27 @@ class Scheduler:
             if self._reserve_pages(seq, item.num_tokens):
                 batch.append(item)
                 budget -= item.num_computed_tokens
+        computing: set[PageKey] | None = None  # built once a sequence waits
+        waiting_for_prefix: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            item = self._admit(self.waiting[0], budget)
+            seq = self.waiting[0]
+            if self.reuse.mode != "off":
+                if computing is None:
+                    computing = set()
+                    for running in self.running:
+                        computing.update(self._computing_keys(running))
+                if self._waits_for_prefix(seq, computing):
+                    waiting_for_prefix.append(self.waiting.popleft())
+                    continue
+            item = self._admit(seq, budget)
             if item is None:
                 break
             self.waiting.popleft()
             batch.append(item)
             budget -= item.num_computed_tokens
+            if computing is not None:
+                computing.update(self._computing_keys(seq))
+        self.waiting.extendleft(reversed(waiting_for_prefix))
         return batch
 
     def finish(self, seq: Sequence, reason: str, release: bool = True) -> None:
@@ -137,6 +157,38 @@ class Scheduler:
         seq.status = Status.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.arrival)
         return item
+
+    def _computing_keys(self, seq: Sequence) -> list[PageKey]:
+        """Keys of the prompt pages that running ``seq`` computes (or has computed) and
+        has not published yet: the full pages from ``published_until`` up to the end
+        of its prompt, and only those before ``exact_until`` (the others are never
+        published). None for an entry fill, whose pages become an entry."""
+        page_size = self.pool.page_size
+        end = min(len(seq.prompt_token_ids), seq.exact_until) // page_size
+        first = seq.published_until // page_size
+        if seq.fill_key is not None or first >= end:
+            return []
+        return seq.extend_page_keys(page_size, end * page_size)[first:end]
+
+    def _waits_for_prefix(self, seq: Sequence, computing: set[PageKey]) -> bool:
+        """Whether the first page of ``seq``'s prompt (before its last token, which it
+        always computes) that the pool does not hold is in ``computing``. Hashes its
+        pages in doubling batches, as exact admission does."""
+        if not computing or seq.fill_key is not None:
+            return False
+        page_size = self.pool.page_size
+        usable = (len(seq.token_ids) - 1) // page_size
+        done, batch = 0, FIRST_HASH_BATCH
+        while done < usable:
+            upto = min(usable, done + batch)
+            keys = seq.extend_page_keys(page_size, upto * page_size)
+            for index in range(done, upto):
+                if keys[index] in computing:
+                    return True
+                if self.pool.lookup(keys[index], seq.page_tokens(index, page_size)) is None:
+                    return False
+            done, batch = upto, batch * 2
+        return False
 
     @staticmethod
     def _take(seq: Sequence, budget: int) -> ScheduledSeq:
