@@ -8,8 +8,12 @@ for a prefix: when the first page of its prompt that the pool does not hold is o
 running (or just admitted) sequence is computing and will publish, admitting it now
 would compute those pages a second time, so it stays at the head of the queue until
 they are published (or that sequence stops computing them), and later ones may pass
-(``_waits_for_prefix``; reuse off: never). When pages run out,
-the most recently arrived running sequence is preempted: its pages are released
+(``_waits_for_prefix``). Only exact requests wait (reuse off: none): an approximate
+request places its chunks from entries at admission, so from another approximate
+request it could gain only the exact prefix before the first chunk, and from an exact
+one it would take exact pages where it places chunks, which its measured quality
+(bench/reuse_quality.py) does not describe. When pages run out, the most recently
+arrived running sequence is preempted: its pages are released
 (full pages stay cached, so recomputing them is cheap) and it returns to the head
 of the queue. A lone sequence always fits: the engine caps the context length at
 the pool's capacity.
@@ -113,7 +117,7 @@ class Scheduler:
         waiting_for_prefix: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
-            if self.reuse.mode != "off":
+            if self.reuse.mode == "exact" and seq.reuse_request.mode == "exact":
                 if computing is None:
                     computing = set()
                     for running in self.running:
