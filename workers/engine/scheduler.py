@@ -31,7 +31,7 @@ import numpy as np
 from chunkstore.hashing import PageKey
 from workers.engine.kv_pool import KVPool
 from workers.engine.request import Sequence, Status
-from workers.engine.reuse import FIRST_HASH_BATCH, Reuse
+from workers.engine.reuse import Reuse, walk_prompt_pages
 
 
 @dataclass(frozen=True)
@@ -175,23 +175,13 @@ class Scheduler:
         return seq.extend_page_keys(page_size, end * page_size)[first:end]
 
     def _waits_for_prefix(self, seq: Sequence, computing: set[PageKey]) -> bool:
-        """Whether the first page of ``seq``'s prompt (before its last token, which it
-        always computes) that the pool does not hold is in ``computing``. Hashes its
-        pages in doubling batches, as exact admission does."""
+        """Whether the first page of ``seq``'s prompt that the pool does not hold
+        (``walk_prompt_pages``) is in ``computing``."""
         if not computing or seq.fill_key is not None:
             return False
-        page_size = self.pool.page_size
-        usable = (len(seq.token_ids) - 1) // page_size
-        done, batch = 0, FIRST_HASH_BATCH
-        while done < usable:
-            upto = min(usable, done + batch)
-            keys = seq.extend_page_keys(page_size, upto * page_size)
-            for index in range(done, upto):
-                if keys[index] in computing:
-                    return True
-                if self.pool.lookup(keys[index], seq.page_tokens(index, page_size)) is None:
-                    return False
-            done, batch = upto, batch * 2
+        for key, page in walk_prompt_pages(self.pool, seq):
+            if page is None:
+                return key in computing
         return False
 
     @staticmethod
