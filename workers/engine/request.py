@@ -60,10 +60,6 @@ class Sequence:
     # leading tokens are context, computed but not part of the entry
     fill_context: int = 0
     page_keys: list[PageKey] = field(default_factory=list)
-    # positions whose pages were offered to the pool (the reuse component's publish):
-    # a running sequence's prompt pages from here on are being computed, and pages a
-    # waiting sequence needs among them are worth waiting for (``Scheduler``)
-    published_until: int = 0
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     text: str = ""

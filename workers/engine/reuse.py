@@ -24,12 +24,10 @@ Invariants every implementation keeps:
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
 from typing import Protocol
 
 import numpy as np
 
-from chunkstore.hashing import PageKey
 from workers.engine.kv_pool import KVPool
 from workers.engine.request import ALL_EXACT, Sequence
 from workers.engine.reuse_info import ReuseInfo
@@ -56,7 +54,7 @@ def start_from(seq: Sequence, mode: str, page_ids: list[int], num_computed: int)
     """Admit ``seq`` on ``page_ids`` (references already taken) holding the exact KV
     of its first ``num_computed`` tokens."""
     seq.page_ids = array("i", page_ids)
-    seq.num_computed = seq.published_until = num_computed
+    seq.num_computed = num_computed
     seq.pending = np.empty(0, dtype=np.int64)
     seq.exact_until = ALL_EXACT
     if seq.reuse is None:  # the first admission is what the caller is told
@@ -84,34 +82,30 @@ class ExactPrefixReuse:
         self.pool = pool
 
     def admit(self, seq: Sequence) -> bool:
+        page_size = self.pool.page_size
+        # Keep at least one token to compute: its logits produce the next token.
+        usable_pages = (len(seq.token_ids) - 1) // page_size
         matched: list[int] = []
-        for _, page in walk_prompt_pages(self.pool, seq):
-            if page is None:
+        # Hash pages only while their parents matched, in batches that double (one
+        # packing of the tokens per batch): a miss wastes at most one batch's hashing.
+        batch = FIRST_HASH_BATCH
+        while len(matched) < usable_pages:
+            upto = min(usable_pages, len(matched) + batch)
+            keys = seq.extend_page_keys(page_size, upto * page_size)
+            for index in range(len(matched), upto):
+                page = self.pool.lookup(keys[index], seq.page_tokens(index, page_size))
+                if page is None:
+                    break
+                matched.append(page)
+            if len(matched) < upto:
                 break
-            matched.append(page)
+            batch *= 2
         self.pool.acquire(matched)
-        start_from(seq, self.mode, matched, len(matched) * self.pool.page_size)
+        start_from(seq, self.mode, matched, len(matched) * page_size)
         return True
 
     def publish(self, seq: Sequence, start: int, end: int) -> None:
         publish_exact_pages(self.pool, seq, start, end)
-
-
-def walk_prompt_pages(pool: KVPool, seq: Sequence) -> Iterator[tuple[PageKey, int | None]]:
-    """Each full page of ``seq``'s prompt before its last token (which is always
-    computed: its logits give the next token), in order: its key and the pool's page
-    holding it (None if the pool holds none). Keys are hashed in batches that double
-    (one packing of the tokens per batch), so a caller that stops at the first page
-    not held wastes at most one batch's hashing."""
-    page_size = pool.page_size
-    usable = (len(seq.token_ids) - 1) // page_size
-    done, batch = 0, FIRST_HASH_BATCH
-    while done < usable:
-        upto = min(usable, done + batch)
-        keys = seq.extend_page_keys(page_size, upto * page_size)
-        for index in range(done, upto):
-            yield keys[index], pool.lookup(keys[index], seq.page_tokens(index, page_size))
-        done, batch = upto, batch * 2
 
 
 def publish_exact_pages(pool: KVPool, seq: Sequence, start: int, end: int) -> None:
@@ -119,7 +113,6 @@ def publish_exact_pages(pool: KVPool, seq: Sequence, start: int, end: int) -> No
     ``seq.exact_until``; pages from there to ``end`` are marked inexact in the pool.
     Every position in ``[start, end)`` must hold its final KV."""
     page_size = pool.page_size
-    seq.published_until = max(seq.published_until, end)
     first, last = start // page_size, end // page_size
     exact_pages = min(last, seq.exact_until // page_size)
     if exact_pages > first:

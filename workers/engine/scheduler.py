@@ -3,17 +3,8 @@
 Policy (FCFS): running sequences are served first, oldest first — a decode token
 each, or the next chunk of an unfinished prefill; then waiting sequences are
 admitted in arrival order while the per-step token budget and the sequence limit
-allow. A waiting sequence is never overtaken by a later one, except while it waits
-for a prefix: when the first page of its prompt that the pool does not hold is one a
-running (or just admitted) sequence is computing and will publish, admitting it now
-would compute those pages a second time, so it stays at the head of the queue until
-they are published (or that sequence stops computing them), and later ones may pass
-(``_waits_for_prefix``). Only exact requests wait (reuse off: none): an approximate
-request places its chunks from entries at admission, so from another approximate
-request it could gain only the exact prefix before the first chunk, and from an exact
-one it would take exact pages where it places chunks, which its measured quality
-(bench/reuse_quality.py) does not describe. When pages run out, the most recently
-arrived running sequence is preempted: its pages are released
+allow. A waiting sequence is never overtaken by a later one. When pages run out,
+the most recently arrived running sequence is preempted: its pages are released
 (full pages stay cached, so recomputing them is cheap) and it returns to the head
 of the queue. A lone sequence always fits: the engine caps the context length at
 the pool's capacity.
@@ -28,10 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from chunkstore.hashing import PageKey
 from workers.engine.kv_pool import KVPool
 from workers.engine.request import Sequence, Status
-from workers.engine.reuse import Reuse, walk_prompt_pages
+from workers.engine.reuse import Reuse
 
 
 @dataclass(frozen=True)
@@ -113,27 +103,13 @@ class Scheduler:
             if self._reserve_pages(seq, item.num_tokens):
                 batch.append(item)
                 budget -= item.num_computed_tokens
-        computing: set[PageKey] | None = None  # built once a sequence waits
-        waiting_for_prefix: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            seq = self.waiting[0]
-            if self.reuse.mode == "exact" and seq.reuse_request.mode == "exact":
-                if computing is None:
-                    computing = set()
-                    for running in self.running:
-                        computing.update(self._computing_keys(running))
-                if self._waits_for_prefix(seq, computing):
-                    waiting_for_prefix.append(self.waiting.popleft())
-                    continue
-            item = self._admit(seq, budget)
+            item = self._admit(self.waiting[0], budget)
             if item is None:
                 break
             self.waiting.popleft()
             batch.append(item)
             budget -= item.num_computed_tokens
-            if computing is not None:
-                computing.update(self._computing_keys(seq))
-        self.waiting.extendleft(reversed(waiting_for_prefix))
         return batch
 
     def finish(self, seq: Sequence, reason: str, release: bool = True) -> None:
@@ -161,28 +137,6 @@ class Scheduler:
         seq.status = Status.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.arrival)
         return item
-
-    def _computing_keys(self, seq: Sequence) -> list[PageKey]:
-        """Keys of the prompt pages that running ``seq`` computes (or has computed) and
-        has not published yet: the full pages from ``published_until`` up to the end
-        of its prompt, and only those before ``exact_until`` (the others are never
-        published). None for an entry fill, whose pages become an entry."""
-        page_size = self.pool.page_size
-        end = min(len(seq.prompt_token_ids), seq.exact_until) // page_size
-        first = seq.published_until // page_size
-        if seq.fill_key is not None or first >= end:
-            return []
-        return seq.extend_page_keys(page_size, end * page_size)[first:end]
-
-    def _waits_for_prefix(self, seq: Sequence, computing: set[PageKey]) -> bool:
-        """Whether the first page of ``seq``'s prompt that the pool does not hold
-        (``walk_prompt_pages``) is in ``computing``."""
-        if not computing or seq.fill_key is not None:
-            return False
-        for key, page in walk_prompt_pages(self.pool, seq):
-            if page is None:
-                return key in computing
-        return False
 
     @staticmethod
     def _take(seq: Sequence, budget: int) -> ScheduledSeq:
