@@ -13,9 +13,10 @@
 # Wheel bundles that arrived with this call are installed into /tmp/site (see
 # .whl/install.sh); ones installed by an earlier call on the same machine stay.
 # The cluster and http runs need ray and pydantic (cluster/config.py), FastAPI and the
-# rest of .whl-http; with the working tree each call carries at most 64 MiB, so they
-# arrive in three back-to-back calls on one warm machine: any mode with .whl and
-# .whl-ray-a carried, any mode with .whl-ray-b, then cluster or http with .whl-http.
+# rest of .whl-http (bench/prepare_http_wheels.sh builds it); with the working tree each
+# call carries at most 64 MiB, so they arrive in three back-to-back calls on one warm
+# machine: `run true` with .whl and .whl-ray-a carried, `run true` with .whl-ray-b (and
+# .jitcache), then cluster or http with .whl-http.
 # Results go to $OUT (or /tmp/chunkserve-results).
 set -uo pipefail
 out=${OUT:-/tmp/chunkserve-results}
