@@ -82,7 +82,8 @@ class RoutingWeights:
 # A worker's measured rate counts as at least this share of the median measured one.
 # A rate is measured only where requests run: a worker once measured slow (a cold
 # first step) that then gets no requests never measures again. On 4 H200s through the
-# HTTP app, one worker served 1 of 2,400 requests that way (bench/RESULTS.md).
+# HTTP app, one worker served 1 of 2,400 requests, most likely that way (its rate was not
+# logged; bench/RESULTS.md).
 MIN_RATE_SHARE = 0.5
 WAIT_TOLERANCE = 0.25  # waits within 25% of the smallest (plus the slack) are as good
 WAIT_SLACK_S = 0.005
