@@ -1,0 +1,54 @@
+"""The skinny-matmul kernel equals a float32 matmul rounded once, with and without the
+fused gate, split K or not, for every row count it takes and shapes that do not
+divide its tiles; wider inputs are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, gated: bool) -> torch.Tensor:
+    y = x.float() @ w.float().T
+    if gated:
+        n = y.shape[1] // 2
+        y = F.silu(y[:, :n]) * y[:, n:]
+    return y
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (1000, 1000)])
+def test_skinny_matmul_equals_float32_product(gated, rows, n, k):
+    from workers.engine.layers.skinny_kernel import Tiles, default_tiles, skinny_matmul
+
+    gen = torch.Generator(device="cuda").manual_seed(rows * n + k)
+    x = torch.randn((rows, k), generator=gen, device="cuda").to(torch.bfloat16)
+    w = (torch.randn((2 * n if gated else n, k), generator=gen, device="cuda") * 0.05).to(
+        torch.bfloat16
+    )
+    ref = reference(x, w, gated)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for tiles in (None, Tiles(4, 256, 1, 4), Tiles(8, 512, 4, 8), default_tiles(n, k, 4, sms)):
+        out = skinny_matmul(x, w, gated=gated, tiles=tiles)
+        assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+        # float32 sums in another order, one rounding to bf16 (relative 2^-8)
+        torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max())
+
+
+def test_strided_rows_and_refusals():
+    from workers.engine.layers.skinny_kernel import skinny_matmul
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    wide = torch.randn((3, 2048), generator=gen, device="cuda").to(torch.bfloat16)
+    x = wide[:, :1024]  # rows 2048 apart, as a view of a wider activation
+    w = torch.randn((512, 1024), generator=gen, device="cuda").to(torch.bfloat16)
+    ref = reference(x, w, False)
+    torch.testing.assert_close(
+        skinny_matmul(x, w).float(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max()
+    )
+    with pytest.raises(ValueError, match="1 to 4 rows"):
+        skinny_matmul(torch.zeros((5, 1024), device="cuda", dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="contiguous"):
+        skinny_matmul(x, w.T.contiguous().T)

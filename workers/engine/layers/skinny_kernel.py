@@ -1,0 +1,187 @@
+"""Matmuls of a few rows against a large weight (CUDA, Triton): ``x [M, K] @ W.T`` for
+``M <= MAX_ROWS``, optionally with the MLP's gate fused in (``silu(x @ Wg.T) * (x @ Wu.T)``
+where ``W = [Wg; Wu]``).
+
+At batch 1 a decode step is a walk through the weights: every projection reads its
+whole matrix once for one row. cuBLAS picks GEMM tiles for these shapes that take
+5-12 us where the bytes need 1-3 us at HBM bandwidth (bench/RESULTS.md, session 24).
+Here each program owns ``BLOCK_N`` output columns of every row, streams their weight
+rows along K (contiguous in ``nn.Linear``'s ``[N, K]`` layout) and reduces in float32;
+``SPLIT_K > 1`` splits K over programs as well, each writing a float32 partial that a
+second pass sums (and gates) — for the narrow projections (N = hidden size), which
+otherwise give too few programs to keep every SM reading.
+
+Invariant: the output equals ``x.float() @ W.float().T`` summed in float32, rounded
+once to ``x``'s dtype (the order of the float32 sum differs from cuBLAS', so results
+agree to float32 rounding before the final cast, not bit for bit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 4  # rows this path takes; wider inputs go to cuBLAS
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_n: int  # output columns a program owns
+    block_k: int  # weight elements per row loaded at once
+    split_k: int  # programs sharing one column block along K
+    num_warps: int
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr,  # [M, K], rows x_stride apart, unit inner stride
+    x_stride,
+    w_ptr,  # [N_total, K] contiguous
+    out_ptr,  # [M, N] (SPLIT_K == 1) or float32 partials [SPLIT_K, M, N]
+    M,
+    N,  # output columns (for GATED: the gate's, the up rows start at N)
+    K,
+    K_PER_SPLIT: tl.constexpr,  # a multiple of BLOCK_K
+    ROWS: tl.constexpr,  # M rounded up to a power of two
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    GATED: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, ROWS)
+    ks = tl.arange(0, BLOCK_K)
+    col_ok = cols < N
+    row_ok = rows < M
+    k_start = pid_k * K_PER_SPLIT
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
+    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if GATED:
+        up_rows = w_ptr + (cols.to(tl.int64) + N)[:, None] * K
+        acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, K_PER_SPLIT, BLOCK_K):  # masked past K
+        k = k_start + k0 + ks
+        k_ok = k < K
+        x = tl.load(
+            x_ptr + rows[:, None] * x_stride + k[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        acc += x[:, None, :] * w[None, :, :]
+        if GATED:
+            u = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            acc_up += x[:, None, :] * u[None, :, :]
+    out = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
+    store_mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        if GATED:
+            up = tl.sum(acc_up, axis=2)
+            out = out / (1.0 + tl.exp(-out)) * up
+        dst = out_ptr + rows[:, None] * N + cols[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        width = 2 * N if GATED else N
+        dst = out_ptr + (pid_k * M + rows[:, None]) * width + cols[None, :]
+        tl.store(dst, out, mask=store_mask)
+        if GATED:
+            tl.store(dst + N, tl.sum(acc_up, axis=2), mask=store_mask)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_ptr,  # float32 [SPLIT_K, M, width]
+    out_ptr,  # [M, N]
+    M,
+    N,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GATED: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    width = 2 * N if GATED else N
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    up = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        src = part_ptr + (s * M + row) * width + cols
+        total += tl.load(src, mask=ok, other=0.0)
+        if GATED:
+            up += tl.load(src + N, mask=ok, other=0.0)
+    if GATED:
+        total = total / (1.0 + tl.exp(-total)) * up
+    tl.store(out_ptr + row * N + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def default_tiles(n: int, k: int, rows: int, sms: int) -> Tiles:
+    """Tiles for ``n`` output columns over ``k``: enough programs for two per SM,
+    splitting K when the columns alone give too few (narrow projections)."""
+    block_k = max(128, 512 // rows)
+    block_n = 8
+    split_k = 1
+    while triton.cdiv(n, block_n) * split_k < 2 * sms and split_k < 8 and k >= 2048 * split_k:
+        split_k *= 2
+    return Tiles(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4)
+
+
+def skinny_matmul(
+    x: torch.Tensor, weight: torch.Tensor, *, gated: bool = False, tiles: Tiles | None = None
+) -> torch.Tensor:
+    """``x [M, K] @ weight.T`` (``weight [N, K]``) for ``M <= MAX_ROWS``; ``gated``:
+    ``weight`` is ``[gate; up]`` (``[2I, K]``) and the result ``silu(gate) * up``
+    ``[M, I]``, as ``silu_and_mul`` of the full product."""
+    m, k = x.shape
+    if not 0 < m <= MAX_ROWS:
+        raise ValueError(f"skinny_matmul takes 1 to {MAX_ROWS} rows, got {m}")
+    if weight.shape[1] != k or not weight.is_contiguous() or x.stride(1) != 1:
+        raise ValueError(f"need x [M, K] (unit inner stride), weight [N, {k}] contiguous")
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    rows = triton.next_power_of_2(m)
+    if tiles is None:
+        tiles = default_tiles(n, k, rows, _sm_count(x.device))
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    split = tiles.split_k
+    target = out
+    if split > 1:
+        width = 2 * n if gated else n
+        target = torch.empty((split, m, width), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, tiles.block_n), split)
+    _skinny_kernel[grid](
+        x,
+        x.stride(0),
+        weight,
+        target,
+        m,
+        n,
+        k,
+        K_PER_SPLIT=triton.cdiv(triton.cdiv(k, split), tiles.block_k) * tiles.block_k,
+        ROWS=rows,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        SPLIT_K=split,
+        GATED=gated,
+        num_warps=tiles.num_warps,
+    )
+    if split > 1:
+        block = 1024
+        _reduce_kernel[(m, triton.cdiv(n, block))](
+            target, out, m, n, SPLIT_K=split, BLOCK=block, GATED=gated
+        )
+    return out
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
