@@ -166,8 +166,11 @@ def test_latency_and_worker_families_after_requests(app, client):
 def test_a_stream_closed_by_the_client_counts_its_tokens(app, client):
     # greedy, so the stream below gives this answer, which runs to the token limit: a
     # stream that ends early was closed by the client (sampled, the tiny model's answer
-    # could reach its end-of-text token within the limit and be answered in full)
-    ask = dict(model="tiny", prompt="A long story about the harbor", max_tokens=600, temperature=0)
+    # can reach its end-of-text token first and be answered in full)
+    limit = 900
+    ask = dict(
+        model="tiny", prompt="A long story about the harbor", max_tokens=limit, temperature=0
+    )
     assert client.completions.create(**ask).choices[0].finish_reason == "length"
     answered["completions"] += 1
     before = counts(settled(app, all_answered))
@@ -184,11 +187,13 @@ def test_a_stream_closed_by_the_client_counts_its_tokens(app, client):
         return all_answered(values) and values[GENERATED] > before[GENERATED]
 
     after = counts(settled(app, counted))
-    assert after[GENERATED] - before[GENERATED] >= received
+    generated = after[GENERATED] - before[GENERATED]
+    assert generated >= received
     assert after[PROMPT_TOKENS] > before[PROMPT_TOKENS]
-    # it was not answered in full: no end-to-end latency for it
+    # it was not answered in full: no end-to-end latency for it (unless the server
+    # sent the whole answer before the close reached it, through Serve's proxy)
     e2e_count = "chunkserve_e2e_request_latency_seconds_count"
-    assert after[e2e_count] == before[e2e_count]
+    assert after[e2e_count] == before[e2e_count] + (generated == limit)
 
 
 def test_the_prompt_size_limit_follows_the_context(app, tiny_qwen3):
