@@ -1,7 +1,9 @@
 """Latency: decode time per step at batch 1, 64 and 256 (context 512) against the
-roofline floor, and prefill tokens/s for 1K and 8K prompts.
+roofline floor, and prefill tokens/s for 1K and 8K prompts. ``--skinny-ab N``: batch-1
+decode with the skinny projections the engine chose (layers/skinny_choice) against
+cuBLAS only, engines built alternately N times each in this process.
 
-    python bench/latency.py [--model DIR]
+    python bench/latency.py [--model DIR] [--skinny-ab N]
 """
 
 from __future__ import annotations
@@ -69,13 +71,43 @@ def prefill_tokens_per_s(llm: LLM, length: int) -> float:
     return length / (time.perf_counter() - start)
 
 
+def skinny_ab(model_dir, rounds: int) -> None:
+    """Batch-1 decode ms with the engine's skinny choice against none, alternately."""
+    import gc
+
+    rows = []
+    for i in range(rounds):
+        for skinny in (True, False):
+            llm = LLM(model_dir, enable_reuse=False, max_num_seqs=8, skinny_matmul=skinny)
+            choice = llm.engine.runner.skinny
+            if skinny:
+                print(f"round {i + 1}: {choice.summary()}")
+            rows.append([i + 1, sorted(choice.chosen) or "none", decode_step_ms(llm, 1)])
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+    print_table(
+        "Batch-1 decode, skinny projections against cuBLAS (context 512)",
+        ["round", "skinny kinds", "ms/step"],
+        rows,
+    )
+    on = [r[2] for r in rows[0::2]]
+    off = [r[2] for r in rows[1::2]]
+    print(f"cuBLAS / skinny: {sum(off) / sum(on):.3f}x (mean of {rounds} rounds)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model")
+    ap.add_argument("--skinny-ab", type=int, default=0, metavar="N", help="see the docstring")
     args = ap.parse_args()
     model_dir = bench_model(args.model)
+    if args.skinny_ab:
+        skinny_ab(model_dir, args.skinny_ab)
+        return
     bandwidth, flops = measure_bandwidth(), measure_matmul_rate()
     llm = LLM(model_dir, enable_reuse=False, max_num_seqs=256, max_num_batched_tokens=16384)
+    print(llm.engine.runner.skinny.summary())
     weights = weight_bytes(llm.engine.runner.model)
     kv = kv_bytes_per_token(llm.engine.model_config)
     rows = []

@@ -19,16 +19,16 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import device_line, measure_bandwidth  # noqa: E402
+from workers.engine.layers.skinny_choice import cublas_product, graph_us  # noqa: E402
 from workers.engine.layers.skinny_kernel import (  # noqa: E402
     Tiles,
-    _sm_count,
     default_tiles,
     skinny_matmul,
+    sm_count,
 )
 
 NUM_LAYERS = 28
@@ -40,29 +40,6 @@ SHAPES = [
     ("gate_up+silu", 3072, 1024, True),
     ("down", 1024, 3072, False),
 ]
-
-
-def time_graph(calls) -> float:
-    """Microseconds per call of ``calls`` (one per layer) replayed in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:  # warm up: compile, allocate
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / (REPLAYS * len(calls))
 
 
 def candidates(n: int, k: int, rows: int, sms: int) -> list[Tiles]:
@@ -79,25 +56,15 @@ def candidates(n: int, k: int, rows: int, sms: int) -> list[Tiles]:
     return out
 
 
-def cublas_call(x: torch.Tensor, w: torch.Tensor, gated: bool) -> torch.Tensor:
-    y = F.linear(x, w)
-    if not gated:
-        return y
-    n = y.shape[1] // 2
-    return F.silu(y[:, :n]) * y[:, n:]
-
-
 def timed(x: torch.Tensor, weights: list[torch.Tensor], gated: bool, tiles: Tiles) -> float:
     """Microseconds a call with ``tiles``, after checking the result against float32."""
-    ref = x.float() @ weights[0].float().T
-    if gated:
-        n = ref.shape[1] // 2
-        ref = F.silu(ref[:, :n]) * ref[:, n:]
+    ref = cublas_product(x.float(), weights[0].float(), gated)
     out = skinny_matmul(x, weights[0], gated=gated, tiles=tiles)
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
     if err > 2e-2:
         raise AssertionError(f"{tiles}: relative error {err:.3g}")
-    return time_graph([lambda w=w: skinny_matmul(x, w, gated=gated, tiles=tiles) for w in weights])
+    calls = [lambda w=w: skinny_matmul(x, w, gated=gated, tiles=tiles) for w in weights]
+    return graph_us(calls, REPLAYS)
 
 
 def sweep(x: torch.Tensor, weights: list[torch.Tensor], gated: bool, sms: int) -> list:
@@ -128,7 +95,7 @@ def main() -> None:
     args = ap.parse_args()
     print(device_line())
     bandwidth = measure_bandwidth()
-    sms = _sm_count(torch.device("cuda"))
+    sms = sm_count(torch.device("cuda"))
     print(f"bandwidth {bandwidth / 1e12:.2f} TB/s, {sms} SMs")
     gen = torch.Generator(device="cuda").manual_seed(0)
     table = []
@@ -141,7 +108,9 @@ def main() -> None:
         floor_us = 1e6 * width * k * 2 / bandwidth
         for rows in args.rows:
             x = torch.randn((rows, k), generator=gen, device="cuda", dtype=torch.bfloat16)
-            base = time_graph([lambda w=w, x=x, g=gated: cublas_call(x, w, g) for w in weights])
+            base = graph_us(
+                [lambda w=w, x=x, g=gated: cublas_product(x, w, g) for w in weights], REPLAYS
+            )
             results = sweep(x, weights, gated, sms)
             for us, tiles in results[:5]:
                 print(f"  {name} rows={rows} {tiles}: {us:.2f} us", flush=True)

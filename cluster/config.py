@@ -102,6 +102,11 @@ class EngineSection(_Section):
     )
     enable_cascade: bool = Field(True, description="cascade attention for shared prefixes")
     enable_cuda_graphs: bool = Field(True, description="CUDA graphs for decode (flashinfer)")
+    skinny_matmul: bool = Field(
+        True,
+        description="batch-1 steps run each projection through the skinny Triton kernel "
+        "where it measured faster than cuBLAS at start (flashinfer)",
+    )
     overlap_scheduling: bool | None = Field(
         None,
         description="schedule and prepare each step while the GPU runs the one before "

@@ -52,3 +52,46 @@ def test_strided_rows_and_refusals():
         skinny_matmul(torch.zeros((5, 1024), device="cuda", dtype=torch.bfloat16), w)
     with pytest.raises(ValueError, match="contiguous"):
         skinny_matmul(x, w.T.contiguous().T)
+
+
+def test_the_engine_measures_every_projection_and_keeps_what_it_chose(qwen3_06b):
+    from workers import LLM
+    from workers.engine.layers.skinny_choice import KINDS, MIN_GAIN
+
+    llm = LLM(qwen3_06b, page_size=16, num_pages=512)
+    choice = llm.engine.runner.skinny
+    assert choice.error == "" and [t.kind for t in choice.timings] == list(KINDS)
+    for t in choice.timings:
+        assert t.skinny_us is not None, t.note  # the kernel builds and matches cuBLAS
+        assert (t.kind in choice.chosen) == (t.cublas_us >= MIN_GAIN * t.skinny_us)
+    model = llm.engine.runner.model
+    assert {m.skinny for m in model.modules() if hasattr(m, "skinny")} == {choice.chosen}
+    off = LLM(qwen3_06b, page_size=16, num_pages=512, skinny_matmul=False)
+    assert off.engine.runner.skinny.error == "off in the engine config"
+
+
+def test_one_row_steps_through_the_kernel_match_cublas(qwen3_06b):
+    """The last prompt token alone (a one-row step over the cached prefix), every
+    projection through the kernel against none: logits within bf16 noise."""
+    import random
+
+    from tests.workers.reference import prefill_hidden
+    from workers import LLM
+    from workers.engine.layers.skinny_choice import KINDS
+
+    llm = LLM(qwen3_06b, page_size=16, num_pages=512, skinny_matmul=False)
+    model = llm.engine.runner.model
+    prompt = random.Random(3).choices(range(10, 1000), k=300)
+
+    def last_logits() -> torch.Tensor:
+        hidden = prefill_hidden(llm, prompt, [len(prompt) - 1, 1])
+        with torch.inference_mode():
+            return model.compute_logits(hidden[-1:])[0].float()
+
+    plain = last_logits()
+    model.use_skinny(frozenset(KINDS))
+    try:
+        skinny = last_logits()
+    finally:
+        model.use_skinny(frozenset())
+    assert ((skinny - plain).norm() / plain.norm()).item() < 0.02

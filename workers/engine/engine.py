@@ -193,6 +193,7 @@ class Engine:
             self.max_model_len,
             config.max_num_seqs,
             config.enable_cuda_graphs,
+            config.skinny_matmul,
         )
         if self.runner.device.type == "cuda":
             # The fused sampling kernel compiles on first use: here, not inside the first

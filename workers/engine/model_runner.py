@@ -10,6 +10,8 @@ import numpy as np
 import torch
 
 from workers.engine.attention.base import AttentionBackend, BatchLayout
+from workers.engine.layers.skinny_choice import SkinnyChoice
+from workers.engine.layers.skinny_choice import choose as choose_skinny
 from workers.engine.models.decoder import DecoderModel
 from workers.engine.scheduler import ScheduledSeq
 
@@ -122,6 +124,7 @@ class ModelRunner:
         max_model_len: int,
         max_num_seqs: int,
         enable_cuda_graphs: bool,
+        skinny_matmul: bool = True,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -137,6 +140,14 @@ class ModelRunner:
         )
         self.kv_caches = list(self.kv_stack.unbind(0))
         model.use_fused_ops(backend.fused_ops)
+        # before any graph is captured: graphs bake the projections' path in
+        if not skinny_matmul:
+            self.skinny = SkinnyChoice(error="off in the engine config")
+        elif not backend.fused_ops:
+            self.skinny = SkinnyChoice(error="no fused ops (the torch backend)")
+        else:
+            self.skinny = choose_skinny(model)
+            model.use_skinny(self.skinny.chosen)
         # CUDA graphs are the backend's (None: it has none, or they are off)
         self.graphs = (
             backend.capture_graphs(

@@ -9,11 +9,12 @@ from torch import nn
 
 from workers.engine.attention.base import AttentionBackend, AttentionMetadata
 from workers.engine.layers.norm import RMSNorm
-from workers.engine.layers.ops import apply_rope
+from workers.engine.layers.ops import apply_rope, project
 
 
 class SelfAttention(nn.Module):
     fused_ops = False  # set by DecoderModel.use_fused_ops
+    skinny: frozenset[str] = frozenset()  # set by DecoderModel.use_skinny
 
     def __init__(
         self,
@@ -50,7 +51,7 @@ class SelfAttention(nn.Module):
             from workers.engine.layers import qkv_kernel  # Triton: CUDA only
 
             q = qkv_kernel.qk_norm_rope_write_kv(
-                self.qkv_proj(x),
+                project(x, self.qkv_proj, "qkv" in self.skinny),
                 self.num_heads,
                 self.num_kv_heads,
                 positions,
@@ -65,7 +66,7 @@ class SelfAttention(nn.Module):
         else:
             q, k, v = self.project(x, positions, cos_sin_cache)
             out = backend.forward(q, k, v, kv_cache, metadata)
-        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+        return project(out.reshape(x.shape[0], self.q_size), self.o_proj, "o" in self.skinny)
 
     def project(
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool) -> torch.Tensor:
@@ -79,3 +80,13 @@ def apply_rope(
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
     return rotate(q), rotate(k)
+
+
+def project(x: torch.Tensor, linear: nn.Linear, skinny: bool) -> torch.Tensor:
+    """``linear(x)``; a one-row input of a projection chosen for it at start
+    (``skinny``: ``layers/skinny_choice``, CUDA only) takes the skinny kernel."""
+    if skinny and x.shape[0] == 1:
+        from workers.engine.layers.skinny_kernel import skinny_matmul  # Triton: CUDA only
+
+        return skinny_matmul(x, linear.weight)
+    return linear(x)

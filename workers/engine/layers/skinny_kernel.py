@@ -145,7 +145,7 @@ def skinny_matmul(
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     rows = triton.next_power_of_2(m)
     if tiles is None:
-        tiles = default_tiles(n, k, rows, _sm_count(x.device))
+        tiles = default_tiles(n, k, rows, sm_count(x.device))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     split = tiles.split_k
     target = out
@@ -177,11 +177,11 @@ def skinny_matmul(
     return out
 
 
-_SMS: dict[int, int] = {}
+_SMS_BY_DEVICE: dict[int, int] = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
+    if index not in _SMS_BY_DEVICE:
+        _SMS_BY_DEVICE[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS_BY_DEVICE[index]

@@ -81,6 +81,13 @@ class DecoderModel(nn.Module):
             if hasattr(module, "fused_ops"):
                 module.fused_ops = fused
 
+    def use_skinny(self, kinds: frozenset[str]) -> None:
+        """Projections (``layers/skinny_choice.KINDS``) whose one-row inputs take the
+        skinny kernel: what the engine measured at start, before capturing graphs."""
+        for module in self.modules():
+            if hasattr(module, "skinny"):
+                module.skinny = frozenset(kinds)
+
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so (moving the
         model between devices unties parameters, so call this again after)."""

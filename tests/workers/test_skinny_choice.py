@@ -1,0 +1,70 @@
+"""The skinny-matmul choice (layers/skinny_choice): a projection takes the kernel only
+where it measured faster by the margin and matched cuBLAS; models and engines that
+cannot use it say why; the flags it sets leave wider inputs on the plain path. (The
+kernel itself and the measurement need CUDA: tests/gpu/test_skinny_kernel.py.)"""
+
+from __future__ import annotations
+
+import torch
+
+from workers import LLM
+from workers.engine.layers.skinny_choice import (
+    KINDS,
+    MIN_GAIN,
+    KindTiming,
+    SkinnyChoice,
+    choose,
+    decide,
+    eligible,
+)
+
+
+def test_a_kind_is_chosen_only_where_the_kernel_won_by_the_margin():
+    timings = [
+        KindTiming("qkv", cublas_us=9.0, skinny_us=3.0),  # 3x faster
+        KindTiming("o", cublas_us=4.0, skinny_us=4.0 / MIN_GAIN * 1.001),  # inside the noise
+        KindTiming("gate_up", cublas_us=10.0, skinny_us=None, note="kernel failed: boom"),
+        KindTiming("down", cublas_us=5.0, skinny_us=6.0),  # slower
+    ]
+    choice = decide(timings)
+    assert choice.chosen == {"qkv"}
+    summary = choice.summary()
+    assert "['qkv']" in summary and "qkv 9.0->3.0 us" in summary
+    assert "gate_up cuBLAS (kernel failed: boom)" in summary
+    assert (
+        decide([KindTiming("o", 2.0, 3.0)])
+        .summary()
+        .startswith("skinny matmuls for one-row steps: none")
+    )
+
+
+def test_models_and_engines_that_cannot_use_it_say_why(tiny_qwen3):
+    llm = LLM(tiny_qwen3)  # the CPU: the torch backend, float32 weights
+    runner = llm.engine.runner
+    assert runner.skinny.error == "no fused ops (the torch backend)" and not runner.skinny.chosen
+    assert "float32 on cpu" in eligible(runner.model)
+    assert choose(runner.model) == SkinnyChoice(error=eligible(runner.model))
+    assert LLM(tiny_qwen3, skinny_matmul=False).engine.runner.skinny.error == (
+        "off in the engine config"
+    )
+    flags = {m.skinny for m in runner.model.modules() if hasattr(m, "skinny")}
+    assert flags == {frozenset()}
+
+
+def test_the_flags_leave_inputs_of_several_rows_on_the_plain_path(tiny_qwen3):
+    model = LLM(tiny_qwen3).engine.runner.model
+    layer = model.layers[0]
+    x = torch.randn(3, model.config.hidden_size)
+    plain_mlp = layer.mlp(x)
+    attn_out = torch.randn(3, layer.self_attn.q_size)
+    plain_o = layer.self_attn.o_proj(attn_out)
+    model.use_skinny(frozenset(KINDS))
+    try:
+        flags = {m.skinny for m in model.modules() if hasattr(m, "skinny")}
+        assert flags == {frozenset(KINDS)}
+        assert torch.equal(layer.mlp(x), plain_mlp)  # three rows: cuBLAS as before
+        from workers.engine.layers.ops import project
+
+        assert torch.equal(project(attn_out, layer.self_attn.o_proj, True), plain_o)
+    finally:
+        model.use_skinny(frozenset())

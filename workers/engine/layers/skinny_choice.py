@@ -1,0 +1,158 @@
+"""Which projections take the skinny kernel (``layers/skinny_kernel``) for one-row
+inputs, decided by measuring on the engine's GPU at start, before any CUDA graph is
+captured: per projection kind, a graph of one call per layer over the model's own
+weights (a decode step's walk, weights from HBM) with cuBLAS, then with the kernel.
+A kind takes the kernel only where its output matches cuBLAS' and it was faster by
+``MIN_GAIN``; anything that fails (a build, a launch) leaves cuBLAS in place.
+
+Invariant: the choice is made once, before graphs are captured, and never changes
+(graphs bake the path in).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("qkv", "o", "gate_up", "down")  # the gate_up kind fuses silu_and_mul
+MIN_GAIN = 1.05  # cuBLAS time / kernel time needed to switch (timing noise is ~1-2%)
+REPLAYS = 10
+
+
+@dataclass(frozen=True)
+class KindTiming:
+    kind: str
+    cublas_us: float  # per layer call
+    skinny_us: float | None  # None: the kernel failed or its output differed
+    note: str = ""
+
+    @property
+    def chosen(self) -> bool:
+        return self.skinny_us is not None and self.cublas_us >= MIN_GAIN * self.skinny_us
+
+
+@dataclass(frozen=True)
+class SkinnyChoice:
+    timings: tuple[KindTiming, ...] = ()
+    error: str = ""  # why nothing was measured (the model or device does not qualify)
+    chosen: frozenset[str] = field(default_factory=frozenset)
+
+    def summary(self) -> str:
+        if self.error:
+            return f"skinny matmuls off: {self.error}"
+        parts = [
+            f"{t.kind} {t.cublas_us:.1f}->{t.skinny_us:.1f} us"
+            if t.skinny_us is not None
+            else f"{t.kind} cuBLAS ({t.note})"
+            for t in self.timings
+        ]
+        return f"skinny matmuls for one-row steps: {sorted(self.chosen) or 'none'} ({', '.join(parts)})"
+
+
+def decide(timings: list[KindTiming]) -> SkinnyChoice:
+    return SkinnyChoice(tuple(timings), chosen=frozenset(t.kind for t in timings if t.chosen))
+
+
+# kind -> (submodule of a decoder layer, its nn.Linear)
+_PROJECTIONS = {
+    "qkv": ("self_attn", "qkv_proj"),
+    "o": ("self_attn", "o_proj"),
+    "gate_up": ("mlp", "gate_up_proj"),
+    "down": ("mlp", "down_proj"),
+}
+
+
+def projections(model: nn.Module, kind: str) -> list[nn.Linear]:
+    """Projection ``kind`` of every decoder layer."""
+    block, name = _PROJECTIONS[kind]
+    return [getattr(getattr(layer, block), name) for layer in model.layers]
+
+
+def eligible(model: nn.Module) -> str:
+    """Why the model cannot use the kernel ("" when it can)."""
+    for kind in KINDS:
+        for linear in projections(model, kind):
+            w = linear.weight
+            if linear.bias is not None:
+                return "projections with a bias"
+            if not w.is_cuda or w.dtype not in (torch.bfloat16, torch.float16):
+                return f"weights in {w.dtype} on {w.device.type} (needs bf16/fp16 on CUDA)"
+            if not w.is_contiguous():
+                return "non-contiguous weights"
+    return ""
+
+
+def choose(model: nn.Module) -> SkinnyChoice:
+    """Measure every kind and decide; never raises (a failure keeps cuBLAS)."""
+    why = eligible(model)
+    if why:
+        return SkinnyChoice(error=why)
+    try:
+        timings = [_measure(model, kind) for kind in KINDS]
+    except Exception as error:  # noqa: BLE001 - the fallback is cuBLAS, said in the log
+        logger.warning("skinny matmul measurement failed, cuBLAS kept: %r", error)
+        return SkinnyChoice(error=f"measurement failed: {error!r}")
+    choice = decide(timings)
+    logger.info(choice.summary())
+    return choice
+
+
+def cublas_product(x: torch.Tensor, w: torch.Tensor, gated: bool) -> torch.Tensor:
+    y = F.linear(x, w)
+    if not gated:
+        return y
+    n = y.shape[1] // 2
+    return F.silu(y[:, :n]) * y[:, n:]
+
+
+def _measure(model: nn.Module, kind: str) -> KindTiming:
+    from workers.engine.layers.skinny_kernel import skinny_matmul
+
+    weights = [linear.weight for linear in projections(model, kind)]
+    gated = kind == "gate_up"
+    gen = torch.Generator(device=weights[0].device).manual_seed(0)
+    x = torch.randn(
+        (1, weights[0].shape[1]), generator=gen, device=weights[0].device, dtype=weights[0].dtype
+    )
+    cublas_us = graph_us([lambda w=w: cublas_product(x, w, gated) for w in weights])
+    try:
+        got = skinny_matmul(x, weights[0], gated=gated).float()  # builds it, outside a graph
+        want = cublas_product(x.float(), weights[0].float(), gated)
+        scale = want.abs().max().item()
+        error = (got - want).abs().max().item() / max(scale, 1e-30)
+        if error > 2**-6:  # bf16 rounding is 2^-8 of the largest output
+            return KindTiming(kind, cublas_us, None, f"output off by {error:.3g} of its scale")
+        skinny_us = graph_us([lambda w=w: skinny_matmul(x, w, gated=gated) for w in weights])
+    except Exception as error:  # noqa: BLE001 - this kind keeps cuBLAS, noted
+        return KindTiming(kind, cublas_us, None, f"kernel failed: {error!r:.200}")
+    return KindTiming(kind, cublas_us, skinny_us)
+
+
+def graph_us(calls, replays: int = REPLAYS) -> float:
+    """Microseconds a call: ``calls`` captured once in a CUDA graph, replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # allocations and first launches outside the capture
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()  # the first replay uploads the graph
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    us = 1000 * start.elapsed_time(end) / (replays * len(calls))
+    del graph
+    return us
