@@ -88,6 +88,7 @@ def eligible(model: nn.Module) -> str:
     return ""
 
 
+@torch.inference_mode()
 def choose(model: nn.Module) -> SkinnyChoice:
     """Measure every kind and decide; never raises (a failure keeps cuBLAS)."""
     why = eligible(model)
