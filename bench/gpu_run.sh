@@ -7,6 +7,8 @@
 #   bash bench/gpu_run.sh bench     # benchmarks, tables printed last
 #   bash bench/gpu_run.sh cluster   # bench/cluster_rag.py on Ray (needs both ray halves)
 #   bash bench/gpu_run.sh approx    # approximate reuse: speed, its profile, reuse quality
+#   bash bench/gpu_run.sh skinny    # the skinny-matmul kernel: its tests, the tile sweep
+#                                   # against cuBLAS, batch-1 decode with and without it
 #   bash bench/gpu_run.sh http      # bench/http_rag.py: the RAG load through the HTTP app
 #                                   # (chunkserve serve, Redis directory, openai client);
 #                                   # needs ray and .whl-http (FastAPI, openai, redis-server)
@@ -78,6 +80,12 @@ case "${1:-all}" in
     python3 bench/approx_profile.py --model $model 2>&1 | grep -v Warning > "$out/approx_profile.txt"
     python3 bench/reuse_quality.py --examples 100 --docs 4 8 16 --hops 1 2 \
       --json "$out/reuse_quality.json" 2>&1 | grep -v " hops " | tee "$out/reuse_quality.txt" ;;
+  skinny)
+    python3 -m pytest tests/gpu/test_skinny_kernel.py -q -p no:cacheprovider 2>&1 \
+      | tee "$out/skinny_tests.txt"
+    python3 bench/skinny_gemm.py --rows 1 4 2>&1 | grep -v Warning | tee "$out/skinny_gemm.txt"
+    python3 bench/latency.py --model $model --skinny-ab 2 2>&1 | grep -v Warning \
+      | tee "$out/skinny_ab.txt" ;;
   cluster)
     # A private, single-user machine: Ray's token auth is not needed.
     RAY_AUTH_MODE=disabled python3 bench/cluster_rag.py --model $model \
