@@ -92,16 +92,31 @@ def ask(client: openai.OpenAI, messages: list[dict]):
     return raw.headers["x-chunkserve-worker"], raw.parse()
 
 
-def holders_in_directory(app, key: str, messages: list[dict]) -> set[str]:
-    """Workers the directory reports holding every full page of the first message."""
+def _prepared(app, key: str, messages: list[dict], approximate: bool = False):
+    """The prompt as the router prepares it, and the app's directory actor."""
     cfg = load_config(app.config_path)
     model_dir = ensure_model(cfg.model)
     tokenizer = load_tokenizer(model_dir)
     namespace = Namespace(namespace_model(cfg, model_dir), tenant_salt(key))
-    prompt = prepare_chat(tokenizer, messages, namespace, PAGE)
-    host = ray.get_actor(f"{cfg.name}-directory", namespace=cfg.ray.namespace)
-    result = ray.get(host.lookup.remote(list(prompt.lookup_keys[:1]), [prompt.token_ends[0]]))
-    return {h.worker_id for h in result.holdings if h.tokens >= prompt.token_ends[0]}
+    prompt = prepare_chat(tokenizer, messages, namespace, PAGE, approximate=approximate)
+    return prompt, ray.get_actor(f"{cfg.name}-directory", namespace=cfg.ray.namespace)
+
+
+def holders_in_directory(app, key: str, messages: list[dict], chunk: int = 0) -> set[str]:
+    """Workers the directory reports holding every full page up to the end of chunk
+    ``chunk`` of ``messages`` (a message, or a part of one)."""
+    prompt, host = _prepared(app, key, messages)
+    keys, ends = prompt.lookup_keys[: chunk + 1], prompt.token_ends[: chunk + 1]
+    result = ray.get(host.lookup.remote(list(keys), list(ends)))
+    return {h.worker_id for h in result.holdings if h.tokens >= ends[-1]}
+
+
+def entry_holders_in_directory(app, key: str, messages: list[dict]) -> set[str]:
+    """Workers the directory reports holding a position-free entry of a placeable
+    chunk of ``messages``."""
+    prompt, host = _prepared(app, key, messages, approximate=True)
+    result = ray.get(host.lookup.remote([], [], list(prompt.entry_keys)))
+    return {e.worker_id for e in result.entries}
 
 
 def wait_for(predicate, timeout_s: float = 5.0) -> bool:
@@ -119,7 +134,10 @@ def test_generation_from_chunk_ids_equals_inline_and_hits_the_pins(app, http_a):
     assert doc["object"] == "chunk" and doc["role"] == "context" and doc["expires_at"] is None
     assert doc["holders"] == system["holders"] and len(doc["holders"]) == 1
     assert doc["pinned_tokens"] > system["pinned_tokens"] > 0 and doc["tokens"] > 0
-    time.sleep(0.3)  # let the holder publish its pages
+    pinned = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": DOC}]
+    assert wait_for(
+        lambda: holders_in_directory(app, KEY_A, pinned, chunk=1) == {doc["holders"][0]}
+    )
 
     client = openai_client(app, KEY_A)
     question = {"role": "user", "content": QUESTION}
@@ -162,11 +180,11 @@ def test_delete_unpins_and_the_directory_follows(app, http_a):
 
 def test_ttl_unpins_without_further_calls(app, http_a):
     content = "A short-lived note about the ferry timetable and its winter schedule. " * 3
-    chunk = register(http_a, app, content=content, role="system", ttl_s=1)
+    chunk = register(http_a, app, content=content, role="system", ttl_s=3)
     messages = [{"role": "system", "content": content}]
     assert wait_for(lambda: holders_in_directory(app, KEY_A, messages) == set(chunk["holders"]))
     # only the directory is asked meanwhile: the worker's expiry timer unpins and evicts
-    assert wait_for(lambda: holders_in_directory(app, KEY_A, messages) == set(), timeout_s=6)
+    assert wait_for(lambda: holders_in_directory(app, KEY_A, messages) == set(), timeout_s=9)
     assert http_a.get(f"{app.base_url}/chunks/{chunk['id']}").status_code == 404
 
 
@@ -180,7 +198,8 @@ def test_tenants_cannot_see_use_or_hit_each_others_chunks(app, http_a, http_b):
     client_b = openai_client(app, KEY_B)
     with pytest.raises(openai.NotFoundError):
         ask(client_b, [{"role": "system", "content": chunk_part(chunk["id"])}])
-    time.sleep(0.3)
+    messages = [{"role": "system", "content": content}]
+    assert wait_for(lambda: holders_in_directory(app, KEY_A, messages) == set(chunk["holders"]))
     _, reply = ask(client_b, [{"role": "system", "content": content}])
     assert reply.usage.prompt_tokens_details.cached_tokens == 0
     assert http_a.get(url).status_code == 200  # B's attempts changed nothing
@@ -190,7 +209,8 @@ def test_tenants_cannot_see_use_or_hit_each_others_chunks(app, http_a, http_b):
 def test_replicas_pin_on_two_workers_and_requests_spread(app, http_a):
     chunk = register(http_a, app, content=DOC, role="system", replicas=2)
     assert len(chunk["holders"]) == 2
-    time.sleep(0.3)
+    messages = [{"role": "system", "content": DOC}]
+    assert wait_for(lambda: holders_in_directory(app, KEY_A, messages) == set(chunk["holders"]))
     client = openai_client(app, KEY_A)
     workers = set()
     seen = []
@@ -255,7 +275,10 @@ def test_chat_command_against_the_server(app, http_a, tmp_path):
         child.sendline(f"/system {SYSTEM}")
         child.sendline(f"/register-file {doc}")
         child.expect(r"registered .*doc.txt as [0-9a-f]{64}")
-        time.sleep(0.3)  # let the holder publish
+        # the command strips its argument: the system prompt without its trailing space
+        system = {"role": "system", "content": SYSTEM.strip()}
+        pinned = [system, {"role": "user", "content": DOC}]
+        assert wait_for(lambda: len(holders_in_directory(app, KEY_A, pinned, chunk=1)) == 1)
         child.sendline("Which plan is cheapest?")
         child.expect(rb"reused (\d+) / computed \d+ prompt tokens, TTFT \d+ ms")
         assert int(child.match.group(1)) > 0
@@ -275,6 +298,9 @@ def test_an_approximate_chunk_is_one_pinned_copy_for_every_system_prompt(app, ht
     assert doc["mode"] == "approximate" and doc["role"] == "context"
     assert doc["pinned_tokens"] >= doc["tokens"] > 0 and len(doc["holders"]) == 1
     assert register(http_a, app, content=DOC, mode="approximate")["id"] == doc["id"]
+    inline = [{"type": "text", "text": DOC}, {"type": "text", "text": QUESTION}]
+    held = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": inline}]
+    assert wait_for(lambda: entry_holders_in_directory(app, KEY_A, held) == {doc["holders"][0]})
     client = openai_client(app, KEY_A)
     for system in ("You are terse.", "You are the archivist; quote the handbook."):
         messages = [

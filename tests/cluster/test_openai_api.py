@@ -514,13 +514,16 @@ def test_closing_a_stream_stops_generation(app, client):
 
 
 def test_full_worker_answers_429(app, client):
-    stream = client.chat.completions.create(
+    # greedy, and checked to run to the limit: sampled, both answers could reach their
+    # end-of-text token before the next request arrives, and no 429 would come
+    ask = dict(
         model="tiny",
         messages=[{"role": "user", "content": "two long stories"}],
         max_tokens=900,
-        n=2,
-        stream=True,
+        temperature=0,
     )
+    assert client.chat.completions.create(**ask).choices[0].finish_reason == "length"
+    stream = client.chat.completions.create(**ask, n=2, stream=True)
     next(iter(stream))
     with pytest.raises(openai.RateLimitError) as refused:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])

@@ -244,7 +244,7 @@ def test_worker_killed_mid_load(app, probe):
         # the dead worker's directory entries are gone within one lease (+ slack for
         # a loaded 2-core box)
         gone = wait_until(
-            lambda: victim not in probe.holders(rag(system, "Q: x?")), LEASE_TTL_S + 1
+            lambda: victim not in probe.holders(rag(system, "Q: x?")), LEASE_TTL_S + 3
         )
         assert gone
         for future in buffered_futures:

@@ -140,7 +140,8 @@ def test_status_reports_the_directory_the_running_cluster_uses(
     redis = {
         "kind": "redis",
         "lease_ttl_s": 2.0,
-        "redis": {"url": redis_server.url, "prefix": prefix},
+        # calls get 0.5 s, not the 0.05 s default: a loaded box must not read "unreachable"
+        "redis": {"url": redis_server.url, "prefix": prefix, "timeout_s": 0.5},
     }
     config = cluster_config(tiny_qwen3, unique_name("status"), directory=redis)
     app = start_app(config)

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 
 import pytest
+import ray
 
 from cluster.errors import NoHealthyWorker
 from cluster.metrics import Metrics
@@ -68,6 +69,7 @@ def test_the_pool_refuses_a_disagreeing_worker_and_says_why(ray_cluster):
         "good": FakeWorker.remote(worker_info("good")),
         "bad": FakeWorker.remote(worker_info("bad", other(page_size=32))),
     }
+    ray.get([h.status.remote() for h in handles.values()])  # started (each imports torch)
 
     async def run() -> None:
         pool = WorkerPool(handles, AGREEMENT, poll_interval_s=0.05, poll_timeout_s=10)
@@ -89,6 +91,7 @@ def test_the_pool_refuses_a_disagreeing_worker_and_says_why(ray_cluster):
 @pytest.mark.ray
 def test_a_request_with_only_disagreeing_workers_gets_the_reason(ray_cluster):
     handles = {"bad": FakeWorker.remote(worker_info("bad", other(namespace_model="tiny@ffff")))}
+    ray.get([h.status.remote() for h in handles.values()])  # started (it imports torch)
 
     async def run() -> None:
         pool = WorkerPool(handles, AGREEMENT, poll_interval_s=0.05, poll_timeout_s=10)
