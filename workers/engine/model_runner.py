@@ -145,6 +145,8 @@ class ModelRunner:
             self.skinny = SkinnyChoice(error="off in the engine config")
         elif not backend.fused_ops:
             self.skinny = SkinnyChoice(error="no fused ops (the torch backend)")
+        elif not enable_cuda_graphs:  # measured in graphs; eager, Triton's launch costs more
+            self.skinny = SkinnyChoice(error="CUDA graphs off")
         else:
             self.skinny = choose_skinny(model)
             model.use_skinny(self.skinny.chosen)
