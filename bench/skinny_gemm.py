@@ -1,6 +1,7 @@
 """Skinny matmuls (1-4 rows against a layer's weight): the Triton kernel of
 ``workers/engine/layers/skinny_kernel.py`` over a sweep of tiles against cuBLAS
-(``F.linear``, plus ``silu_and_mul`` for the gated MLP projection), at Qwen3-0.6B's
+(``F.linear``, plus FlashInfer's ``silu_and_mul`` for the gated MLP projection, as the
+model runs them), at Qwen3-0.6B's
 four projection shapes.
 
 Each timing replays a CUDA graph of one call per layer over NUM_LAYERS weight copies
@@ -23,7 +24,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import device_line, measure_bandwidth  # noqa: E402
-from workers.engine.layers.skinny_choice import cublas_product, graph_us  # noqa: E402
+from workers.engine.layers.skinny_choice import (  # noqa: E402
+    cublas_product,
+    float32_product,
+    graph_us,
+)
 from workers.engine.layers.skinny_kernel import (  # noqa: E402
     Tiles,
     default_tiles,
@@ -58,7 +63,7 @@ def candidates(n: int, k: int, rows: int, sms: int) -> list[Tiles]:
 
 def timed(x: torch.Tensor, weights: list[torch.Tensor], gated: bool, tiles: Tiles) -> float:
     """Microseconds a call with ``tiles``, after checking the result against float32."""
-    ref = cublas_product(x.float(), weights[0].float(), gated)
+    ref = float32_product(x, weights[0], gated)
     out = skinny_matmul(x, weights[0], gated=gated, tiles=tiles)
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
     if err > 2e-2:
