@@ -5,7 +5,8 @@ position-free, unseen order and system prompt), one request profiled after warm-
     python bench/approx_profile.py [--model DIR] [--trace FILE]
 
 ``--trace`` writes the Chrome trace (host ops with Python stacks, GPU kernels) for
-a timeline; the tables also name the Python callers of every host-device sync.
+a timeline; the tables also name the Python callers of every host-device sync, and
+``bench/idle_gaps`` charges the time the GPU sat idle to what the host was doing then.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.approx_speed import DOC, DOCS, FIRST_TOKEN, PAGES, QUESTION, SYSTEM, Runner, layout, sync  # noqa: E402
 from bench.common import bench_model  # noqa: E402
+from bench.idle_gaps import idle_report  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 from workers.engine.reuse_info import ReuseRequest  # noqa: E402
@@ -83,6 +85,7 @@ def main() -> None:
     with profile(activities=activities, with_stack=True) as prof:
         seconds = first_token()
     print(f"TTFT {plain * 1e3:.1f} ms (best of 5); under the profiler: {seconds * 1e3:.1f} ms")
+    print(idle_report(prof))
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=25))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))

@@ -109,15 +109,17 @@ def load_transformers_model(path: Path | str, dtype: torch.dtype = torch.bfloat1
     return model.cuda().eval()
 
 
-def profiled_calls(fn: Callable[[], object], calls: int):
+def profiled_calls(fn: Callable[[], object], calls: int, with_stack: bool = False):
     """Run ``fn`` once to warm up, then ``calls`` times under the torch profiler (CPU and
-    CUDA). Returns the profile, the wall seconds per call (profiler overhead included)
-    and the device kernels' milliseconds per call."""
+    CUDA; ``with_stack``: with Python stacks, which ``bench/idle_gaps`` labels host
+    events by). Returns the profile, the wall seconds per call (profiler overhead
+    included) and the device kernels' milliseconds per call."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities, with_stack=with_stack) as prof:
         start = time.perf_counter()
         for _ in range(calls):
             fn()

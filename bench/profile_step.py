@@ -20,15 +20,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import bench_model, profiled_calls  # noqa: E402
+from bench.idle_gaps import idle_report  # noqa: E402
 from workers import LLM, SamplingParams  # noqa: E402
 
 
 def show(title: str, fn, calls: int = 1) -> None:
-    prof, wall, kernels = profiled_calls(fn, calls)
+    prof, wall, kernels = profiled_calls(fn, calls, with_stack=True)
     print(
         f"\n===== {title}: {1000 * wall:.2f} ms a call under the profiler, "
         f"device kernels {kernels:.2f} ms a call"
     )
+    print(f"===== {title}: device idle")
+    print(idle_report(prof))
     print(f"===== {title}: by CUDA time")
     print(
         prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60)
