@@ -1,7 +1,7 @@
 """The official ``openai`` client against the real Serve app (embedded directory, one
 CPU worker): chat and completions, streaming and not, chunk reuse that changes
 nothing, content parts as chunks, tenants, logprobs, n/seed/stop, health, metrics,
-cancellation and drain, body and prompt size limits, and a huge prompt that holds up
+drain (closing a stream: test_stream_close.py), body and prompt size limits, and a huge prompt that holds up
 nobody."""
 
 from __future__ import annotations
@@ -497,20 +497,6 @@ def _wait_idle(worker, timeout_s: float = 10) -> bool:
             return True
         time.sleep(0.05)
     return False
-
-
-def test_closing_a_stream_stops_generation(app, client):
-    stream = client.chat.completions.create(
-        model="tiny",
-        messages=[{"role": "user", "content": "a long story"}],
-        max_tokens=900,
-        stream=True,
-    )
-    for i, _ in enumerate(stream):
-        if i == 2:
-            break
-    stream.close()
-    assert _wait_idle(_worker(app))
 
 
 def test_full_worker_answers_429(app, client):
