@@ -17,7 +17,7 @@ from cluster.routing_policy import Reason, RoutingWeights
 from cluster.worker_pool import WorkerPool
 from tests.cluster.worker_doubles import (
     AGREEMENT,
-    DIE_AFTER_FIRST_DELTA,
+    HANG_AFTER_FIRST_DELTA,
     FakeWorker,
     NoDirectory,
     StartLog,
@@ -42,7 +42,7 @@ class CountingDirectory(NoDirectory):
 def route_one(workers: int) -> tuple[Reason, int]:
     """Routes one request over ``workers`` stand-ins (each answers one delta);
     returns the decision's reason and the directory lookups made."""
-    log = StartLog.remote([DIE_AFTER_FIRST_DELTA])
+    log = StartLog.remote([HANG_AFTER_FIRST_DELTA])  # no exit racing the delta to the router
     handles = {f"w{i}": FakeWorker.remote(worker_info(f"w{i}"), log) for i in range(workers)}
     ray.get([handle.status.remote() for handle in handles.values()])
     directory = CountingDirectory()

@@ -37,6 +37,7 @@ AGREEMENT = Agreement(
 
 REFUSE_AS_DRAINING = "refuse as draining"  # before output: the router tries another
 DIE_AFTER_FIRST_DELTA = "die after the first delta"
+HANG_AFTER_FIRST_DELTA = "answer one delta, then wait to be cancelled"
 # a death Ray never reports: the call hangs while polls meet a new epoch
 RESTART_SILENTLY = "hang, and answer polls as restarted"
 RESTART_SILENTLY_AFTER_FIRST_DELTA = "one delta, then hang and answer polls as restarted"
@@ -113,6 +114,8 @@ class FakeWorker:
         )
         if behaviour == RESTART_SILENTLY_AFTER_FIRST_DELTA:
             await self._restart_silently()
+        if behaviour == HANG_AFTER_FIRST_DELTA:
+            await asyncio.sleep(3600)  # until the caller closes the stream
         await asyncio.sleep(0.5)  # the first delta reaches the router before the exit
         os._exit(1)
 
