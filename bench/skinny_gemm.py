@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -50,7 +51,8 @@ SHAPES = [
 def candidates(n: int, k: int, rows: int, sms: int) -> list[Tiles]:
     """Tiles worth timing (each is a Triton compile): four warps, K split only for
     the narrow projections; ``main`` retimes the best few with 2 and 8 warps."""
-    splits = (1, 2, 4) if n < 4 * sms * 4 else (1,)
+    narrow = triton.cdiv(n, 4) < 4 * sms  # under 4 programs an SM at the smallest block
+    splits = (1, 2, 4) if narrow else (1,)
     out = []
     for block_n, block_k, split in itertools.product((4, 8, 16), (256, 512, 1024), splits):
         if rows * block_n * block_k > 8192:
@@ -84,14 +86,10 @@ def sweep(x: torch.Tensor, weights: list[torch.Tensor], gated: bool, sms: int) -
         for warps in (2, 8):
             other = Tiles(t.block_n, t.block_k, t.split_k, warps)
             results.append((timed(x, weights, gated, other), other))
-    default = default_tiles(n, k, triton_rows(rows), sms)
+    default = default_tiles(n, k, triton.next_power_of_2(rows), sms)
     if default not in [t for _, t in results]:
         results.append((timed(x, weights, gated, default), default))
     return sorted(results, key=_first)
-
-
-def triton_rows(rows: int) -> int:
-    return 1 << (rows - 1).bit_length()
 
 
 def main() -> None:
@@ -119,7 +117,7 @@ def main() -> None:
             results = sweep(x, weights, gated, sms)
             for us, tiles in results[:5]:
                 print(f"  {name} rows={rows} {tiles}: {us:.2f} us", flush=True)
-            default = default_tiles(n, k, triton_rows(rows), sms)
+            default = default_tiles(n, k, triton.next_power_of_2(rows), sms)
             default_us = next(us for us, t in results if t == default)
             table.append((name, rows, floor_us, base, *results[0], default_us, default))
     print()
