@@ -144,16 +144,9 @@ def _measure(model: nn.Module, kind: str) -> KindTiming:
 
 def graph_us(calls, replays: int = REPLAYS) -> float:
     """Microseconds a call: ``calls`` captured once in a CUDA graph, replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:  # allocations and first launches outside the capture
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
+    from workers.engine.cuda_graphs import capture  # imports FlashInfer: CUDA hosts
+
+    graph, _ = capture(lambda: [call() for call in calls], pool=None)
     graph.replay()  # the first replay uploads the graph
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -161,6 +154,4 @@ def graph_us(calls, replays: int = REPLAYS) -> float:
         graph.replay()
     end.record()
     end.synchronize()
-    us = 1000 * start.elapsed_time(end) / (replays * len(calls))
-    del graph
-    return us
+    return 1000 * start.elapsed_time(end) / (replays * len(calls))
