@@ -26,12 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import device_line, measure_bandwidth  # noqa: E402
 from workers.engine.layers.skinny_choice import (  # noqa: E402
+    Tiles,
     cublas_product,
     float32_product,
     graph_us,
 )
 from workers.engine.layers.skinny_kernel import (  # noqa: E402
-    Tiles,
     default_tiles,
     skinny_matmul,
     sm_count,

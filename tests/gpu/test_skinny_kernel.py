@@ -14,7 +14,8 @@ from workers.engine.layers.skinny_choice import float32_product as reference
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (1000, 1000)])
 def test_skinny_matmul_equals_float32_product(gated, rows, n, k):
-    from workers.engine.layers.skinny_kernel import Tiles, default_tiles, skinny_matmul
+    from workers.engine.layers.skinny_choice import Tiles
+    from workers.engine.layers.skinny_kernel import default_tiles, skinny_matmul
 
     gen = torch.Generator(device="cuda").manual_seed(rows * n + k)
     x = torch.randn((rows, k), generator=gen, device="cuda").to(torch.bfloat16)
@@ -56,9 +57,13 @@ def test_the_engine_measures_every_projection_and_keeps_what_it_chose(qwen3_06b)
     assert choice.error == "" and [t.kind for t in choice.timings] == list(KINDS)
     for t in choice.timings:
         assert t.skinny_us is not None, t.note  # the kernel builds and matches cuBLAS
+        assert t.tiles is not None
         assert (t.kind in choice.chosen) == (t.cublas_us >= MIN_GAIN * t.skinny_us)
+        if t.kind in choice.chosen:
+            assert choice.chosen[t.kind] == t.tiles
     model = llm.engine.runner.model
-    assert {m.skinny for m in model.modules() if hasattr(m, "skinny")} == {choice.chosen}
+    flags = [dict(m.skinny) for m in model.modules() if hasattr(m, "skinny")]
+    assert flags and all(f == choice.chosen for f in flags)
     off = LLM(qwen3_06b, page_size=16, num_pages=512, skinny_matmul=False)
     assert off.engine.runner.skinny.error == "off in the engine config"
 
@@ -70,7 +75,7 @@ def test_one_row_steps_through_the_kernel_match_cublas(qwen3_06b):
 
     from tests.workers.reference import prefill_hidden
     from workers import LLM
-    from workers.engine.layers.skinny_choice import KINDS
+    from workers.engine.layers.skinny_choice import KINDS, Tiles
 
     llm = LLM(qwen3_06b, page_size=16, num_pages=512, skinny_matmul=False)
     model = llm.engine.runner.model
@@ -82,9 +87,10 @@ def test_one_row_steps_through_the_kernel_match_cublas(qwen3_06b):
             return model.compute_logits(hidden[-1:])[0].float()
 
     plain = last_logits()
-    model.use_skinny(frozenset(KINDS))
+    tiles = Tiles(block_n=4, block_k=1024, split_k=1, num_warps=4)
+    model.use_skinny(dict.fromkeys(KINDS, tiles))
     try:
         skinny = last_logits()
     finally:
-        model.use_skinny(frozenset())
+        model.use_skinny({})
     assert ((skinny - plain).norm() / plain.norm()).item() < 0.02

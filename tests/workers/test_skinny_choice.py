@@ -13,23 +13,30 @@ from workers.engine.layers.skinny_choice import (
     MIN_GAIN,
     KindTiming,
     SkinnyChoice,
+    Tiles,
     choose,
     decide,
     eligible,
 )
 
+ONE_ROW = Tiles(block_n=4, block_k=1024, split_k=1, num_warps=4)
+
+
+def skinny_flags(model) -> list[dict]:
+    return [dict(m.skinny) for m in model.modules() if hasattr(m, "skinny")]
+
 
 def test_a_kind_is_chosen_only_where_the_kernel_won_by_the_margin():
     timings = [
-        KindTiming("qkv", cublas_us=9.0, skinny_us=3.0),  # 3x faster
+        KindTiming("qkv", cublas_us=9.0, skinny_us=3.0, tiles=ONE_ROW),  # 3x faster
         KindTiming("o", cublas_us=4.0, skinny_us=4.0 / MIN_GAIN * 1.001),  # inside the noise
         KindTiming("gate_up", cublas_us=10.0, skinny_us=None, note="kernel failed: boom"),
         KindTiming("down", cublas_us=5.0, skinny_us=6.0),  # slower
     ]
     choice = decide(timings)
-    assert choice.chosen == {"qkv"}
+    assert choice.chosen == {"qkv": ONE_ROW}  # with the tiling that won
     summary = choice.summary()
-    assert "['qkv']" in summary and "qkv 9.0->3.0 us" in summary
+    assert "['qkv']" in summary and "qkv 9.0->3.0 us (4x1024 w4)" in summary
     assert "gate_up cuBLAS (kernel failed: boom)" in summary
     assert (
         decide([KindTiming("o", 2.0, 3.0)])
@@ -47,8 +54,8 @@ def test_models_and_engines_that_cannot_use_it_say_why(tiny_qwen3):
     assert LLM(tiny_qwen3, skinny_matmul=False).engine.runner.skinny.error == (
         "off in the engine config"
     )
-    flags = {m.skinny for m in runner.model.modules() if hasattr(m, "skinny")}
-    assert flags == {frozenset()}
+    flags = skinny_flags(runner.model)
+    assert flags and all(f == {} for f in flags)
 
 
 def test_the_flags_leave_inputs_of_several_rows_on_the_plain_path(tiny_qwen3):
@@ -58,13 +65,12 @@ def test_the_flags_leave_inputs_of_several_rows_on_the_plain_path(tiny_qwen3):
     plain_mlp = layer.mlp(x)
     attn_out = torch.randn(3, layer.self_attn.q_size)
     plain_o = layer.self_attn.o_proj(attn_out)
-    model.use_skinny(frozenset(KINDS))
+    model.use_skinny(dict.fromkeys(KINDS, ONE_ROW))
     try:
-        flags = {m.skinny for m in model.modules() if hasattr(m, "skinny")}
-        assert flags == {frozenset(KINDS)}
+        assert all(f == dict.fromkeys(KINDS, ONE_ROW) for f in skinny_flags(model))
         assert torch.equal(layer.mlp(x), plain_mlp)  # three rows: cuBLAS as before
         from workers.engine.layers.ops import project
 
-        assert torch.equal(project(attn_out, layer.self_attn.o_proj, True), plain_o)
+        assert torch.equal(project(attn_out, layer.self_attn.o_proj, ONE_ROW), plain_o)
     finally:
-        model.use_skinny(frozenset())
+        model.use_skinny({})

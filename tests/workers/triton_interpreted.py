@@ -23,8 +23,8 @@ def _sm_count(monkeypatch):
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_skinny_matmul(gated, rows):
-    from workers.engine.layers.skinny_choice import float32_product
-    from workers.engine.layers.skinny_kernel import Tiles, skinny_matmul
+    from workers.engine.layers.skinny_choice import Tiles, float32_product
+    from workers.engine.layers.skinny_kernel import skinny_matmul
 
     gen = torch.Generator().manual_seed(rows)
     n, k = 40, 600  # neither divides the tiles

@@ -4,6 +4,10 @@ write are one kernel (``layers/qkv_kernel``) and the backend only attends."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -11,10 +15,14 @@ from workers.engine.attention.base import AttentionBackend, AttentionMetadata
 from workers.engine.layers.norm import RMSNorm
 from workers.engine.layers.ops import apply_rope, project
 
+if TYPE_CHECKING:
+    from workers.engine.layers.skinny_choice import Tiles
+
 
 class SelfAttention(nn.Module):
     fused_ops = False  # set by DecoderModel.use_fused_ops
-    skinny: frozenset[str] = frozenset()  # set by DecoderModel.use_skinny
+    # projection kind -> its tiling, for one-row inputs; set by DecoderModel.use_skinny
+    skinny: Mapping[str, Tiles] = MappingProxyType({})
 
     def __init__(
         self,
@@ -51,7 +59,7 @@ class SelfAttention(nn.Module):
             from workers.engine.layers import qkv_kernel  # Triton: CUDA only
 
             q = qkv_kernel.qk_norm_rope_write_kv(
-                project(x, self.qkv_proj, "qkv" in self.skinny),
+                project(x, self.qkv_proj, self.skinny.get("qkv")),
                 self.num_heads,
                 self.num_kv_heads,
                 positions,
@@ -66,7 +74,7 @@ class SelfAttention(nn.Module):
         else:
             q, k, v = self.project(x, positions, cos_sin_cache)
             out = backend.forward(q, k, v, kv_cache, metadata)
-        return project(out.reshape(x.shape[0], self.q_size), self.o_proj, "o" in self.skinny)
+        return project(out.reshape(x.shape[0], self.q_size), self.o_proj, self.skinny.get("o"))
 
     def project(
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor

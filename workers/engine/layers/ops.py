@@ -10,9 +10,14 @@ kernels, these bring it to ~13.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from workers.engine.layers.skinny_choice import Tiles
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool) -> torch.Tensor:
@@ -82,11 +87,12 @@ def apply_rope(
     return rotate(q), rotate(k)
 
 
-def project(x: torch.Tensor, linear: nn.Linear, skinny: bool) -> torch.Tensor:
-    """``linear(x)``; a one-row input of a projection chosen for it at start
-    (``skinny``: ``layers/skinny_choice``, CUDA only) takes the skinny kernel."""
-    if skinny and x.shape[0] == 1:
+def project(x: torch.Tensor, linear: nn.Linear, tiles: Tiles | None) -> torch.Tensor:
+    """``linear(x)``; a one-row input of a projection chosen for it at start takes
+    the skinny kernel with the ``tiles`` measured best (``layers/skinny_choice``;
+    None: not chosen; CUDA only)."""
+    if tiles is not None and x.shape[0] == 1:
         from workers.engine.layers.skinny_kernel import skinny_matmul  # Triton: CUDA only
 
-        return skinny_matmul(x, linear.weight)
+        return skinny_matmul(x, linear.weight, tiles=tiles)
     return linear(x)

@@ -1,9 +1,11 @@
 """Which projections take the skinny kernel (``layers/skinny_kernel``) for one-row
 inputs, decided by measuring on the engine's GPU at start, before any CUDA graph is
 captured: per projection kind, a graph of one call per layer over the model's own
-weights (a decode step's walk, weights from HBM) with cuBLAS, then with the kernel.
-A kind takes the kernel only where its output matches cuBLAS' and it was faster by
-``MIN_GAIN``; anything that fails (a build, a launch) leaves cuBLAS in place.
+weights (a decode step's walk, weights from HBM) with cuBLAS, then with the kernel
+under each of a few tilings (``skinny_kernel.tile_candidates``). A kind takes the
+kernel, with its fastest tiling, only where its output matches a float32 product and
+it was faster than cuBLAS by ``MIN_GAIN``; anything that fails (a build, a launch)
+leaves cuBLAS in place.
 
 Invariant: the choice is made once, before graphs are captured, and never changes
 (graphs bake the path in).
@@ -12,6 +14,7 @@ Invariant: the choice is made once, before graphs are captured, and never change
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -28,11 +31,22 @@ REPLAYS = 10
 
 
 @dataclass(frozen=True)
+class Tiles:
+    """How ``layers/skinny_kernel`` splits one matmul over programs."""
+
+    block_n: int  # output columns a program owns
+    block_k: int  # weight elements per row loaded at once
+    split_k: int  # programs sharing one column block along K
+    num_warps: int
+
+
+@dataclass(frozen=True)
 class KindTiming:
     kind: str
     cublas_us: float  # per layer call
-    skinny_us: float | None  # None: the kernel failed or its output differed
+    skinny_us: float | None  # the fastest tiling's; None: the kernel failed or differed
     note: str = ""
+    tiles: Tiles | None = None  # the tiling that gave skinny_us
 
     @property
     def chosen(self) -> bool:
@@ -43,13 +57,13 @@ class KindTiming:
 class SkinnyChoice:
     timings: tuple[KindTiming, ...] = ()
     error: str = ""  # why nothing was measured (the model or device does not qualify)
-    chosen: frozenset[str] = field(default_factory=frozenset)
+    chosen: Mapping[str, Tiles] = field(default_factory=dict)  # kind -> its tiling
 
     def summary(self) -> str:
         if self.error:
             return f"skinny matmuls off: {self.error}"
         parts = [
-            f"{t.kind} {t.cublas_us:.1f}->{t.skinny_us:.1f} us"
+            f"{t.kind} {t.cublas_us:.1f}->{t.skinny_us:.1f} us{_tiling(t.tiles)}"
             if t.skinny_us is not None
             else f"{t.kind} cuBLAS ({t.note})"
             for t in self.timings
@@ -57,8 +71,15 @@ class SkinnyChoice:
         return f"skinny matmuls for one-row steps: {sorted(self.chosen) or 'none'} ({', '.join(parts)})"
 
 
+def _tiling(tiles: Tiles | None) -> str:
+    if tiles is None:
+        return ""
+    split = f" split {tiles.split_k}" if tiles.split_k > 1 else ""
+    return f" ({tiles.block_n}x{tiles.block_k}{split} w{tiles.num_warps})"
+
+
 def decide(timings: list[KindTiming]) -> SkinnyChoice:
-    return SkinnyChoice(tuple(timings), chosen=frozenset(t.kind for t in timings if t.chosen))
+    return SkinnyChoice(tuple(timings), chosen={t.kind: t.tiles for t in timings if t.chosen})
 
 
 # kind -> (submodule of a decoder layer, its nn.Linear)
@@ -120,7 +141,7 @@ def float32_product(x: torch.Tensor, w: torch.Tensor, gated: bool) -> torch.Tens
 
 
 def _measure(model: nn.Module, kind: str) -> KindTiming:
-    from workers.engine.layers.skinny_kernel import skinny_matmul
+    from workers.engine.layers.skinny_kernel import skinny_matmul, sm_count, tile_candidates
 
     weights = [linear.weight for linear in projections(model, kind)]
     gated = kind == "gate_up"
@@ -129,17 +150,29 @@ def _measure(model: nn.Module, kind: str) -> KindTiming:
         (1, weights[0].shape[1]), generator=gen, device=weights[0].device, dtype=weights[0].dtype
     )
     cublas_us = graph_us([lambda w=w: cublas_product(x, w, gated) for w in weights])
-    try:
-        got = skinny_matmul(x, weights[0], gated=gated).float()  # builds it, outside a graph
-        want = float32_product(x, weights[0], gated)
-        scale = want.abs().max().item()
-        error = (got - want).abs().max().item() / max(scale, 1e-30)
-        if error > 2**-6:  # bf16 rounding is 2^-8 of the largest output
-            return KindTiming(kind, cublas_us, None, f"output off by {error:.3g} of its scale")
-        skinny_us = graph_us([lambda w=w: skinny_matmul(x, w, gated=gated) for w in weights])
-    except Exception as error:  # noqa: BLE001 - this kind keeps cuBLAS, noted
-        return KindTiming(kind, cublas_us, None, f"kernel failed: {error!r:.200}")
-    return KindTiming(kind, cublas_us, skinny_us)
+    n = weights[0].shape[0] // 2 if gated else weights[0].shape[0]
+    want = float32_product(x, weights[0], gated)
+    scale = max(want.abs().max().item(), 1e-30)
+    best: tuple[float, Tiles] | None = None
+    note = ""
+    for tiles in tile_candidates(n, weights[0].shape[1], 1, sm_count(x.device)):
+        try:  # the first call builds it, outside a graph
+            got = skinny_matmul(x, weights[0], gated=gated, tiles=tiles).float()
+            error = (got - want).abs().max().item() / scale
+            if error > 2**-6:  # bf16 rounding is 2^-8 of the largest output
+                note = f"output off by {error:.3g} of its scale ({tiles})"
+                continue
+            us = graph_us(
+                [lambda w=w, t=tiles: skinny_matmul(x, w, gated=gated, tiles=t) for w in weights]
+            )
+        except Exception as error:  # noqa: BLE001 - this tiling is dropped, noted
+            note = f"kernel failed: {error!r:.200}"
+            continue
+        if best is None or us < best[0]:
+            best = (us, tiles)
+    if best is None:
+        return KindTiming(kind, cublas_us, None, note)
+    return KindTiming(kind, cublas_us, best[0], tiles=best[1])
 
 
 def graph_us(calls, replays: int = REPLAYS) -> float:

@@ -18,21 +18,15 @@ agree to float32 rounding before the final cast, not bit for bit).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
+from workers.engine.layers.skinny_choice import Tiles
+
 MAX_ROWS = 4  # rows this path takes; wider inputs go to cuBLAS
-
-
-@dataclass(frozen=True)
-class Tiles:
-    block_n: int  # output columns a program owns
-    block_k: int  # weight elements per row loaded at once
-    split_k: int  # programs sharing one column block along K
-    num_warps: int
 
 
 @triton.jit
@@ -121,14 +115,23 @@ def _reduce_kernel(
 
 
 def default_tiles(n: int, k: int, rows: int, sms: int) -> Tiles:
-    """Tiles for ``n`` output columns over ``k``: enough programs for two per SM,
-    splitting K when the columns alone give too few (narrow projections)."""
-    block_k = max(128, 512 // rows)
-    block_n = 8
+    """Tiles for ``n`` output columns over ``k``: four columns a program, K in wide
+    loads, split along K only when the columns alone give fewer programs than SMs
+    (the best of the sweep for Qwen3-0.6B's shapes on an H200, bench/RESULTS.md)."""
+    block_k = max(256, 1024 // rows)
+    block_n = 4
     split_k = 1
-    while triton.cdiv(n, block_n) * split_k < 2 * sms and split_k < 8 and k >= 2048 * split_k:
+    while triton.cdiv(n, block_n) * split_k < sms and split_k < 8 and k >= 2048 * split_k:
         split_k *= 2
     return Tiles(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4)
+
+
+def tile_candidates(n: int, k: int, rows: int, sms: int) -> list[Tiles]:
+    """What the engine times at start for one shape (layers/skinny_choice): the
+    default, then the same with fewer and more warps (each the sweep's best for some
+    projection)."""
+    first = default_tiles(n, k, rows, sms)
+    return [first] + [replace(first, num_warps=w) for w in (2, 8) if w != first.num_warps]
 
 
 def skinny_matmul(

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -12,6 +16,9 @@ from workers.engine.layers.norm import RMSNorm
 from workers.engine.layers.ops import add_rms_norm
 from workers.engine.layers.rotary import cos_sin_cache
 from workers.engine.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from workers.engine.layers.skinny_choice import Tiles
 
 
 class DecoderLayer(nn.Module):
@@ -81,12 +88,13 @@ class DecoderModel(nn.Module):
             if hasattr(module, "fused_ops"):
                 module.fused_ops = fused
 
-    def use_skinny(self, kinds: frozenset[str]) -> None:
+    def use_skinny(self, chosen: Mapping[str, Tiles]) -> None:
         """Projections (``layers/skinny_choice.KINDS``) whose one-row inputs take the
-        skinny kernel: what the engine measured at start, before capturing graphs."""
+        skinny kernel, each with its tiling: what the engine measured at start, before
+        capturing graphs."""
         for module in self.modules():
             if hasattr(module, "skinny"):
-                module.skinny = frozenset(kinds)
+                module.skinny = MappingProxyType(dict(chosen))
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so (moving the
