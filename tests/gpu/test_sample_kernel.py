@@ -32,6 +32,22 @@ def test_greedy_rows_take_the_first_maximum():
     assert tokens[3].item() == 100 and tokens[4].item() == 200
 
 
+def test_the_span_a_program_scans_changes_no_draw():
+    """One row (a batch-1 step) is split into short spans to fill the SMs; the
+    draws are keyed by the token's index, so they equal those of the longest span."""
+    from workers.engine.layers.sample_kernel import MAX_SPAN, gumbel_argmax, span_for
+
+    assert span_for(1, VOCAB, 132) < MAX_SPAN == span_for(256, VOCAB, 132)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for rows in (1, 3):
+        logits = torch.randn((rows, VOCAB), generator=gen, device="cuda")
+        inv = torch.tensor([0.0, 1.0, 2.0][:rows], device="cuda")
+        for seed in range(5):
+            short = gumbel_argmax(logits, inv, seed=seed)
+            long = gumbel_argmax(logits, inv, seed=seed, span=MAX_SPAN)
+            assert short.tolist() == long.tolist()
+
+
 def test_sampled_rows_follow_the_tempered_distribution():
     from workers.engine.layers.sample_kernel import gumbel_argmax
 

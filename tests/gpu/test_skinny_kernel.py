@@ -1,6 +1,7 @@
 """The skinny-matmul kernel equals a float32 matmul rounded once, with and without the
 fused gate, split K or not, for every row count it takes and shapes that do not
-divide its tiles; wider inputs are refused."""
+divide its tiles; with the norm fused, it equals FlashInfer's norm then the product;
+wider inputs are refused; the engine's choice and a one-row step through it."""
 
 from __future__ import annotations
 
@@ -29,6 +30,34 @@ def test_skinny_matmul_equals_float32_product(gated, rows, n, k):
         assert out.shape == (rows, n) and out.dtype == torch.bfloat16
         # float32 sums in another order, one rounding to bf16 (relative 2^-8)
         torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max())
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["qkv", "gate_up"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["first-layer", "add"])
+def test_the_fused_norm_equals_flashinfers(gated, with_residual):
+    """norm(x + residual) fused into the kernel: the residual FlashInfer's
+    fused_add_rmsnorm writes, bit for bit, and the product of its normed rows."""
+    from workers.engine.layers.ops import add_rms_norm, rms_norm
+    from workers.engine.layers.skinny_kernel import skinny_norm_matmul
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    k, n = 1024, 3072 if gated else 4096
+    x = (torch.randn((1, k), generator=gen, device="cuda") * 4).to(torch.bfloat16)
+    residual = torch.randn((1, k), generator=gen, device="cuda").to(torch.bfloat16)
+    norm_w = (torch.rand(k, generator=gen, device="cuda") + 0.5).to(torch.bfloat16)
+    w = (torch.randn((2 * n if gated else n, k), generator=gen, device="cuda") * 0.05).to(
+        torch.bfloat16
+    )
+    if with_residual:
+        h, want_residual = add_rms_norm(x.clone(), residual.clone(), norm_w, 1e-6, fused=True)
+    else:
+        h, want_residual = rms_norm(x, norm_w, 1e-6, fused=True), x
+    ref = reference(h, w, gated)
+    out, new_residual = skinny_norm_matmul(
+        x, residual if with_residual else None, norm_w, 1e-6, w, gated=gated
+    )
+    assert torch.equal(new_residual, want_residual)
+    torch.testing.assert_close(out.float(), ref, rtol=2**-6, atol=2**-6 * ref.abs().max())
 
 
 def test_strided_rows_and_refusals():

@@ -37,6 +37,31 @@ def test_skinny_matmul(gated, rows):
         torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2**-7 * want.abs().max())
 
 
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_skinny_norm_matmul(gated, with_residual):
+    from workers.engine.layers.skinny_choice import Tiles, float32_product, normed
+    from workers.engine.layers.skinny_kernel import skinny_norm_matmul
+
+    gen = torch.Generator().manual_seed(7)
+    n, k, rows = 40, 600, 2
+    x = (torch.randn((rows, k), generator=gen) * 3).to(torch.bfloat16)
+    residual = torch.randn((rows, k), generator=gen).to(torch.bfloat16) if with_residual else None
+    norm_w = (torch.rand(k, generator=gen) + 0.5).to(torch.bfloat16)
+    w = (torch.randn((2 * n if gated else n, k), generator=gen) * 0.05).to(torch.bfloat16)
+    h, want_residual = normed(x, residual, norm_w, 1e-6)
+    want = float32_product(h, w, gated)
+    before = (x.clone(), None if residual is None else residual.clone())
+    for tiles in (Tiles(4, 256, 1, 4), Tiles(8, 128, 3, 2)):  # K in 3 loads; split K
+        got, new_residual = skinny_norm_matmul(
+            x, residual, norm_w, 1e-6, w, gated=gated, tiles=tiles
+        )
+        torch.testing.assert_close(got.float(), want, rtol=2**-6, atol=2**-6 * want.abs().max())
+        # the interpreter truncates to bf16 where the GPU rounds: one unit in the last place
+        torch.testing.assert_close(new_residual, want_residual, rtol=2**-7, atol=0)
+        assert torch.equal(x, before[0]) and (residual is None or torch.equal(residual, before[1]))
+
+
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
 def test_qk_norm_rope_write_kv(qk_norm):
     from workers.engine.attention.base import kv_write_rows, write_kv
@@ -90,18 +115,50 @@ def test_placement_rows():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_gumbel_argmax():
-    from workers.engine.layers.sample_kernel import SPAN, gumbel_argmax
+@pytest.mark.parametrize("span", [1024, 4096])
+def test_gumbel_argmax(span):
+    from workers.engine.layers.sample_kernel import gumbel_argmax
 
-    vocab = SPAN + 300  # two spans, the second partial
+    vocab = 2 * span + 300  # three spans, the last partial
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn((4, vocab), generator=gen) * 4
-    logits[1, 10] = logits[1, SPAN + 5] = 1e4  # a tie across spans: the first wins
+    logits[1, 10] = logits[1, span + 5] = 1e4  # a tie across spans: the first wins
     logits[2, 20] = logits[2, 21] = 1e4  # a tie inside a block
-    greedy = gumbel_argmax(logits, torch.zeros(4), seed=1)
+    greedy = gumbel_argmax(logits, torch.zeros(4), seed=1, span=span)
     assert greedy.tolist() == logits.argmax(dim=-1).tolist()
     assert greedy[1].item() == 10 and greedy[2].item() == 20
     support = torch.full((2, vocab), float("-inf"))
-    support[:, [3, SPAN + 7]] = torch.tensor([0.0, 0.5])
-    draws = {gumbel_argmax(support, torch.ones(2), seed=s)[0].item() for s in range(40)}
-    assert draws == {3, SPAN + 7}  # both drawn, nothing outside the support
+    support[:, [3, span + 7]] = torch.tensor([0.0, 0.5])
+    draws = [gumbel_argmax(support, torch.ones(2), seed=s, span=span)[0].item() for s in range(40)]
+    assert set(draws) == {3, span + 7}  # both drawn, nothing outside the support
+    # the noise is keyed by the token's index: the span does not change a draw
+    assert draws == [gumbel_argmax(support, torch.ones(2), seed=s)[0].item() for s in range(40)]
+
+
+def test_a_one_row_step_through_every_skinny_path_matches_the_plain_path(tiny_qwen3):
+    """The last prompt token alone (a one-row step over the cached prefix) with every
+    projection through the kernel, the norms fused into QKV and gate-up, against the
+    plain path: the logits agree (float32 weights: to float32 rounding)."""
+    import random
+
+    from tests.workers.reference import prefill_hidden
+    from workers import LLM
+    from workers.engine.layers.skinny_choice import KINDS, Tiles
+
+    llm = LLM(tiny_qwen3)
+    model = llm.engine.runner.model
+    prompt = random.Random(3).choices(range(10, 200), k=40)
+
+    def last_logits() -> torch.Tensor:
+        hidden = prefill_hidden(llm, prompt, [len(prompt) - 1, 1])
+        with torch.inference_mode():
+            return model.compute_logits(hidden[-1:])[0]
+
+    plain = last_logits()
+    model.use_skinny(dict.fromkeys(KINDS, Tiles(4, 32, 1, 4)))  # K in several loads
+    try:
+        skinny = last_logits()
+    finally:
+        model.use_skinny({})
+    torch.testing.assert_close(skinny, plain, rtol=1e-4, atol=1e-4 * plain.abs().max().item())
+    assert not torch.equal(skinny, plain)  # a different float32 sum order: it ran

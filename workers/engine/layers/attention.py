@@ -55,11 +55,25 @@ class SelfAttention(nn.Module):
         backend: AttentionBackend,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        return self.forward_qkv(qkv, positions, cos_sin_cache, kv_cache, backend, metadata)
+
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,  # [T, q_size + 2 * kv_size]: qkv_proj's output
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``forward`` from the QKV projection on (one-row steps compute it with their
+        norm fused in: ``DecoderLayer``)."""
         if self.fused_ops and _fused_qkv_supported(self.head_dim):  # fused ops: CUDA
             from workers.engine.layers import qkv_kernel  # Triton: CUDA only
 
             q = qkv_kernel.qk_norm_rope_write_kv(
-                project(x, self.qkv_proj, self.skinny.get("qkv")),
+                qkv,
                 self.num_heads,
                 self.num_kv_heads,
                 positions,
@@ -72,17 +86,17 @@ class SelfAttention(nn.Module):
             )
             out = backend.attend(q, kv_cache, metadata)
         else:
-            q, k, v = self.project(x, positions, cos_sin_cache)
+            q, k, v = self.split_qkv(qkv, positions, cos_sin_cache)
             out = backend.forward(q, k, v, kv_cache, metadata)
-        return project(out.reshape(x.shape[0], self.q_size), self.o_proj, self.skinny.get("o"))
+        return project(out.reshape(qkv.shape[0], self.q_size), self.o_proj, self.skinny.get("o"))
 
-    def project(
-        self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+    def split_qkv(
+        self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys and values of ``x`` at ``positions`` (keys and queries normed
-        and rotated: exactly what ``forward`` writes to the KV cache)."""
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        """Queries, keys and values of ``qkv_proj``'s output at ``positions`` (keys and
+        queries normed and rotated: exactly what ``forward`` writes to the KV cache)."""
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)

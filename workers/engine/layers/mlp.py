@@ -1,5 +1,6 @@
-"""SiLU-gated MLP with the gate and up projections fused into one matmul (and, for
-one-row inputs where the engine chose it, the gate fused into that matmul)."""
+"""SiLU-gated MLP with the gate and up projections fused into one matmul (for one-row
+inputs where the engine chose it, ``DecoderLayer`` fuses the norm and the gate into
+that matmul too)."""
 
 from __future__ import annotations
 
@@ -28,11 +29,9 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tiles = self.skinny.get("gate_up")
-        if tiles is not None and x.shape[0] == 1:  # chosen at start: CUDA only
-            from workers.engine.layers.skinny_kernel import skinny_matmul  # Triton
+        return self.down(silu_and_mul(self.gate_up_proj(x), self.fused_ops))
 
-            hidden = skinny_matmul(x, self.gate_up_proj.weight, gated=True, tiles=tiles)
-        else:
-            hidden = silu_and_mul(self.gate_up_proj(x), self.fused_ops)
-        return project(hidden, self.down_proj, self.skinny.get("down"))
+    def down(self, gated: torch.Tensor) -> torch.Tensor:
+        """The down projection of ``silu(gate) * up`` (one-row steps compute that with
+        the norm and gate fused in: ``DecoderLayer``)."""
+        return project(gated, self.down_proj, self.skinny.get("down"))

@@ -7,8 +7,10 @@ the distribution the unfused sampler's exponential race draws from, but it reads
 the float32 logits once instead of the seven passes of gather, scale, softmax,
 noise, divide and two argmaxes (at batch 256 over a 151,936-token vocabulary, about
 2 GB of memory traffic a step by count of bytes; the measured gain was 0.16 ms a step,
-bench/RESULTS.md). Rows split into spans of ``SPAN`` tokens, one
-program each; the best of each span is reduced on the host side of the call.
+bench/RESULTS.md). Rows split into spans of tokens, one program each, the spans
+short enough that the programs fill every SM (a batch-1 step's one row in 10
+programs of 16K tokens took 81 us on an H200); the best of each span is reduced
+after. Greedy rows skip the noise.
 
 Noise comes from Philox (``tl.rand``) keyed by a per-call seed and the element's
 offset, so rows draw independently. Rows that filter (top-k, top-p) or carry their
@@ -22,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-SPAN = 16384  # tokens a program scans
-BLOCK = 2048  # tokens a program loads at once
+MIN_SPAN, MAX_SPAN = 1024, 16384  # tokens a program scans (powers of two)
+BLOCK = 2048  # tokens a program loads at once (at most)
 
 
 @triton.jit
@@ -51,9 +53,9 @@ def _gumbel_argmax_kernel(
         cols = span * SPAN + i + tl.arange(0, BLOCK)
         inside = cols < vocab
         x = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        u = tl.rand(seed, row * vocab + cols)
-        gumbel = -tl.log(-tl.log(u))
-        x = x * scale + tl.where(sampled, gumbel, 0.0)
+        if sampled:  # greedy rows: no noise, and no time spent drawing it
+            u = tl.rand(seed, row * vocab + cols)
+            x = x * scale - tl.log(-tl.log(u))
         x = tl.where(inside, x, float("-inf"))
         top = tl.max(x, 0)
         at = tl.argmax(x, 0)  # the first maximum
@@ -64,12 +66,28 @@ def _gumbel_argmax_kernel(
     tl.store(best_idx_ptr + row * spans + span, best_idx)
 
 
-def gumbel_argmax(logits: torch.Tensor, inv_temp: torch.Tensor, seed: int) -> torch.Tensor:
+def span_for(rows: int, vocab: int, sms: int) -> int:
+    """The longest span that still gives two programs per SM (MIN_SPAN..MAX_SPAN)."""
+    span = MAX_SPAN
+    while span > MIN_SPAN and rows * triton.cdiv(vocab, span) < 2 * sms:
+        span //= 2
+    return span
+
+
+def gumbel_argmax(
+    logits: torch.Tensor, inv_temp: torch.Tensor, seed: int, span: int | None = None
+) -> torch.Tensor:
     """One token per row (int64, on the logits' device), as the module docstring
-    says. ``inv_temp``: [rows] float32 on the same device, 0 for greedy rows."""
+    says. ``inv_temp``: [rows] float32 on the same device, 0 for greedy rows.
+    ``span``: tokens a program scans (a power of two); by default ``span_for``.
+    The draws do not depend on it: the noise is keyed by the element's index."""
+    from workers.engine.layers.skinny_kernel import sm_count
+
     rows, vocab = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
-    spans = triton.cdiv(vocab, SPAN)
+    if span is None:  # off CUDA (Triton's interpreter, for tests) count one SM
+        span = span_for(rows, vocab, sm_count(logits.device) if logits.is_cuda else 1)
+    spans = triton.cdiv(vocab, span)
     best_val = torch.empty(rows, spans, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(rows, spans, dtype=torch.int32, device=logits.device)
     _gumbel_argmax_kernel[(rows, spans)](
@@ -81,8 +99,8 @@ def gumbel_argmax(logits: torch.Tensor, inv_temp: torch.Tensor, seed: int) -> to
         best_val,
         best_idx,
         spans,
-        SPAN=SPAN,
-        BLOCK=BLOCK,
+        SPAN=span,
+        BLOCK=min(BLOCK, span),
     )
     best_span = best_val.argmax(dim=1, keepdim=True)  # the first span on a tie
     return best_idx.gather(1, best_span)[:, 0].long()

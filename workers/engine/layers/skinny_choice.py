@@ -5,7 +5,8 @@ weights (a decode step's walk, weights from HBM) with cuBLAS, then with the kern
 under each of a few tilings (``skinny_kernel.tile_candidates``). A kind takes the
 kernel, with its fastest tiling, only where its output matches a float32 product and
 it was faster than cuBLAS by ``MIN_GAIN``; anything that fails (a build, a launch)
-leaves cuBLAS in place.
+leaves cuBLAS in place. The QKV and gate-up kinds take the (add +) RMSNorm before them
+into the kernel (``NORMED``), so they are timed against that norm's kernel + cuBLAS.
 
 Invariant: the choice is made once, before graphs are captured, and never changes
 (graphs bake the path in).
@@ -21,11 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.engine.layers.ops import silu_and_mul
+from workers.engine.layers.ops import add_rms_norm, silu_and_mul
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("qkv", "o", "gate_up", "down")  # the gate_up kind fuses silu_and_mul
+# kinds whose kernel also runs the (add +) RMSNorm before them (``DecoderLayer``):
+# measured against FlashInfer's fused_add_rmsnorm + cuBLAS, which they replace
+NORMED = {"qkv": "input_layernorm", "gate_up": "post_attention_layernorm"}
 MIN_GAIN = 1.05  # cuBLAS time / kernel time needed to switch (timing noise is ~1-2%)
 REPLAYS = 10
 
@@ -140,30 +144,71 @@ def float32_product(x: torch.Tensor, w: torch.Tensor, gated: bool) -> torch.Tens
     return silu_and_mul(y, fused=False) if gated else y
 
 
+def normed(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual) as FlashInfer's fused (add +) RMSNorm computes
+    them, in torch: the sum rounded to x's dtype, normalized in float32, times the
+    weight, rounded once; the reference for the kernel's fused norm."""
+    total = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    h = total.float()
+    h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps) * norm_weight.float()
+    return h.to(x.dtype), total
+
+
 def _measure(model: nn.Module, kind: str) -> KindTiming:
-    from workers.engine.layers.skinny_kernel import skinny_matmul, sm_count, tile_candidates
+    from workers.engine.layers.skinny_kernel import (
+        skinny_matmul,
+        skinny_norm_matmul,
+        sm_count,
+        tile_candidates,
+    )
 
     weights = [linear.weight for linear in projections(model, kind)]
     gated = kind == "gate_up"
-    gen = torch.Generator(device=weights[0].device).manual_seed(0)
-    x = torch.randn(
-        (1, weights[0].shape[1]), generator=gen, device=weights[0].device, dtype=weights[0].dtype
-    )
-    cublas_us = graph_us([lambda w=w: cublas_product(x, w, gated) for w in weights])
-    n = weights[0].shape[0] // 2 if gated else weights[0].shape[0]
-    want = float32_product(x, weights[0], gated)
+    norms = [getattr(layer, NORMED[kind]) for layer in model.layers] if kind in NORMED else []
+    w0 = weights[0]
+    gen = torch.Generator(device=w0.device).manual_seed(0)
+    x, residual = torch.randn((2, 1, w0.shape[1]), generator=gen, device=w0.device, dtype=w0.dtype)
+    if norms:
+        # fused_add_rmsnorm writes both inputs: the cuBLAS graph gets copies of its own
+        xc, rc = x.clone(), residual.clone()
+        cublas_us = graph_us(
+            [
+                lambda w=w, g=g: cublas_product(
+                    add_rms_norm(xc, rc, g.weight, g.eps, fused=True)[0], w, gated
+                )
+                for w, g in zip(weights, norms, strict=True)
+            ]
+        )
+        h, _ = normed(x, residual, norms[0].weight, norms[0].eps)
+        want = float32_product(h, w0, gated)
+    else:
+        cublas_us = graph_us([lambda w=w: cublas_product(x, w, gated) for w in weights])
+        want = float32_product(x, w0, gated)
+
+    def kernel(w, g, tiles):
+        if g is None:
+            return skinny_matmul(x, w, gated=gated, tiles=tiles)
+        return skinny_norm_matmul(x, residual, g.weight, g.eps, w, gated=gated, tiles=tiles)[0]
+
     scale = max(want.abs().max().item(), 1e-30)
+    layer_norms = norms or [None] * len(weights)
+    n = w0.shape[0] // 2 if gated else w0.shape[0]
     best: tuple[float, Tiles] | None = None
     note = ""
-    for tiles in tile_candidates(n, weights[0].shape[1], 1, sm_count(x.device)):
+    for tiles in tile_candidates(n, w0.shape[1], 1, sm_count(x.device)):
         try:  # the first call builds it, outside a graph
-            got = skinny_matmul(x, weights[0], gated=gated, tiles=tiles).float()
+            got = kernel(w0, layer_norms[0], tiles).float()
             error = (got - want).abs().max().item() / scale
             if error > 2**-6:  # bf16 rounding is 2^-8 of the largest output
                 note = f"output off by {error:.3g} of its scale ({tiles})"
                 continue
             us = graph_us(
-                [lambda w=w, t=tiles: skinny_matmul(x, w, gated=gated, tiles=t) for w in weights]
+                [
+                    lambda w=w, g=g, t=tiles: kernel(w, g, t)
+                    for w, g in zip(weights, layer_norms, strict=True)
+                ]
             )
         except Exception as error:  # noqa: BLE001 - this tiling is dropped, noted
             note = f"kernel failed: {error!r:.200}"

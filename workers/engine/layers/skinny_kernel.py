@@ -1,6 +1,8 @@
 """Matmuls of a few rows against a large weight (CUDA, Triton): ``x [M, K] @ W.T`` for
 ``M <= MAX_ROWS``, optionally with the MLP's gate fused in (``silu(x @ Wg.T) * (x @ Wu.T)``
-where ``W = [Wg; Wu]``).
+where ``W = [Wg; Wu]``) and the layer's (add +) RMSNorm fused before it: ``norm(x +
+residual) @ W.T``, the sum written out as the new residual. That is the whole of a
+decoder layer's input or post-attention norm, so a one-row step runs no norm kernels.
 
 At batch 1 a decode step is a walk through the weights: every projection reads its
 whole matrix once for one row. cuBLAS picks GEMM tiles for these shapes that take
@@ -13,7 +15,9 @@ otherwise give too few programs to keep every SM reading.
 
 Invariant: the output equals ``x.float() @ W.float().T`` summed in float32, rounded
 once to ``x``'s dtype (the order of the float32 sum differs from cuBLAS', so results
-agree to float32 rounding before the final cast, not bit for bit).
+agree to float32 rounding before the final cast, not bit for bit). With the norm, ``x``
+is first what FlashInfer's ``fused_add_rmsnorm`` gives: the sum rounded to ``x``'s
+dtype (the new residual), normalized in float32, times the norm weight, rounded.
 """
 
 from __future__ import annotations
@@ -44,6 +48,13 @@ def _skinny_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     GATED: tl.constexpr,
+    res_ptr,  # NORM and RESIDUAL: [M, K] added to x first, rows res_stride apart
+    res_stride,
+    res_out_ptr,  # NORM and RESIDUAL: [M, K] contiguous out, x + residual
+    norm_w_ptr,  # NORM: [K]
+    eps,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -53,6 +64,21 @@ def _skinny_kernel(
     col_ok = cols < N
     row_ok = rows < M
     k_start = pid_k * K_PER_SPLIT
+    if NORM:  # every program finds the rows' RMS over all of K (from L2: K is small)
+        squares = tl.zeros((ROWS,), dtype=tl.float32)
+        first = (pid_n == 0) & (pid_k == 0)  # the one program that writes the residual
+        for k0 in tl.range(0, K, BLOCK_K):
+            k = k0 + ks
+            mask = row_ok[:, None] & (k < K)[None, :]
+            h = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=mask, other=0.0)
+            if RESIDUAL:
+                r = tl.load(res_ptr + rows[:, None] * res_stride + k[None, :], mask=mask, other=0.0)
+                h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)  # stored as rounded
+                if first:
+                    tl.store(res_out_ptr + rows[:, None] * K + k[None, :], h, mask=mask)
+            h = h.to(tl.float32)
+            squares += tl.sum(h * h, axis=1)
+        inv_rms = 1.0 / tl.sqrt(squares / K + eps)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * K
     acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     if GATED:
@@ -65,7 +91,18 @@ def _skinny_kernel(
             x_ptr + rows[:, None] * x_stride + k[None, :],
             mask=row_ok[:, None] & k_ok[None, :],
             other=0.0,
-        ).to(tl.float32)
+        )
+        if NORM:
+            if RESIDUAL:
+                r = tl.load(
+                    res_ptr + rows[:, None] * res_stride + k[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            g = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) * inv_rms[:, None] * g[None, :]).to(x.dtype)
+        x = x.to(tl.float32)
         w_mask = col_ok[:, None] & k_ok[None, :]
         w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32)
         acc += x[:, None, :] * w[None, :, :]
@@ -140,6 +177,34 @@ def skinny_matmul(
     """``x [M, K] @ weight.T`` (``weight [N, K]``) for ``M <= MAX_ROWS``; ``gated``:
     ``weight`` is ``[gate; up]`` (``[2I, K]``) and the result ``silu(gate) * up``
     ``[M, I]``, as ``silu_and_mul`` of the full product."""
+    return _launch(x, weight, gated, tiles, None, None, 0.0)
+
+
+def skinny_norm_matmul(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    *,
+    gated: bool = False,
+    tiles: Tiles | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``skinny_matmul(rms_norm(x + residual) * norm_weight, weight)`` and the new
+    residual ``x + residual`` (a new tensor; ``residual`` None: no sum, the residual is
+    ``x``). Neither input is written."""
+    if norm_weight.shape != (x.shape[1],):
+        raise ValueError(f"norm weight of shape {tuple(norm_weight.shape)} for K = {x.shape[1]}")
+    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
+        raise ValueError("the residual must be [M, K] like x, with unit inner stride")
+    new_residual = (
+        x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    )
+    out = _launch(x, weight, gated, tiles, residual, (norm_weight, new_residual), eps)
+    return out, new_residual
+
+
+def _launch(x, weight, gated, tiles, residual, norm, eps) -> torch.Tensor:
     m, k = x.shape
     if not 0 < m <= MAX_ROWS:
         raise ValueError(f"skinny_matmul takes 1 to {MAX_ROWS} rows, got {m}")
@@ -155,6 +220,8 @@ def skinny_matmul(
     if split > 1:
         width = 2 * n if gated else n
         target = torch.empty((split, m, width), dtype=torch.float32, device=x.device)
+    norm_weight, res_out = norm if norm is not None else (x, x)  # unread without NORM
+    res_in = residual if residual is not None else x
     grid = (triton.cdiv(n, tiles.block_n), split)
     _skinny_kernel[grid](
         x,
@@ -170,6 +237,13 @@ def skinny_matmul(
         BLOCK_K=tiles.block_k,
         SPLIT_K=split,
         GATED=gated,
+        res_ptr=res_in,
+        res_stride=res_in.stride(0),
+        res_out_ptr=res_out,
+        norm_w_ptr=norm_weight,
+        eps=eps,
+        NORM=norm is not None,
+        RESIDUAL=residual is not None,
         num_warps=tiles.num_warps,
     )
     if split > 1:

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 class DecoderLayer(nn.Module):
     fused_ops = False  # set by DecoderModel.use_fused_ops
+    # projection kind -> its tiling, for one-row inputs; set by DecoderModel.use_skinny.
+    # Here "qkv" and "gate_up" take the norm before them into the kernel.
+    skinny: Mapping[str, Tiles] = MappingProxyType({})
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -44,22 +47,44 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block with the residual carried separately: returns this layer's
         MLP output and the residual stream before it is added (the next norm adds it,
-        fused)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
+        fused). One-row steps with skinny projections chosen (CUDA) run each norm
+        inside the projection after it."""
+        attn, mlp = self.self_attn, self.mlp
+        one_row = hidden.shape[0] == 1
+        norm = self.input_layernorm
+        tiles = self.skinny.get("qkv") if one_row else None
+        if tiles is not None:
+            from workers.engine.layers.skinny_kernel import skinny_norm_matmul  # Triton
+
+            qkv, residual = skinny_norm_matmul(
+                hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight, tiles=tiles
+            )
         else:
-            hidden, residual = add_rms_norm(
+            if residual is None:
+                residual, hidden = hidden, norm(hidden)
+            else:
+                hidden, residual = add_rms_norm(
+                    hidden, residual, norm.weight, norm.eps, self.fused_ops
+                )
+            qkv = attn.qkv_proj(hidden)
+        hidden = attn.forward_qkv(qkv, positions, rope_cache, kv_cache, backend, metadata)
+        norm = self.post_attention_layernorm
+        tiles = self.skinny.get("gate_up") if one_row else None
+        if tiles is not None:
+            from workers.engine.layers.skinny_kernel import skinny_norm_matmul
+
+            gated, residual = skinny_norm_matmul(
                 hidden,
                 residual,
-                self.input_layernorm.weight,
-                self.input_layernorm.eps,
-                self.fused_ops,
+                norm.weight,
+                norm.eps,
+                mlp.gate_up_proj.weight,
+                gated=True,
+                tiles=tiles,
             )
-        hidden = self.self_attn(hidden, positions, rope_cache, kv_cache, backend, metadata)
-        norm = self.post_attention_layernorm
+            return mlp.down(gated), residual
         hidden, residual = add_rms_norm(hidden, residual, norm.weight, norm.eps, self.fused_ops)
-        return self.mlp(hidden), residual
+        return mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -144,7 +169,8 @@ class DecoderModel(nn.Module):
             hidden = norm(hidden)
         else:
             hidden, _ = add_rms_norm(hidden, residual, norm.weight, norm.eps, self.fused_ops)
-        _, k, v = target.self_attn.project(hidden, positions, self.rope_cache)
+        qkv = target.self_attn.qkv_proj(hidden)
+        _, k, v = target.self_attn.split_qkv(qkv, positions, self.rope_cache)
         return k, v
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
