@@ -91,3 +91,22 @@ def test_sampler_mixes_fused_and_unfused_rows():
         assert draws[0][3] == draws[1][3]
         seeded.add(draws[0][3])
     assert len(seeded) == 1
+
+
+def test_no_batch_size_or_seed_compiles_another_variant():
+    """Triton compiles a kernel variant per class of int argument; a per-call seed or
+    a per-batch span must not (a compile inside a step costs about half a second)."""
+    from workers.engine.layers.sample_kernel import _gumbel_argmax_kernel, gumbel_argmax
+
+    def variants() -> int:
+        return sum(len(entry[0]) for entry in _gumbel_argmax_kernel.device_caches.values())
+
+    logits = torch.randn((300, VOCAB), device="cuda")
+    inv = torch.ones(300, device="cuda")
+    gumbel_argmax(logits[:1], inv[:1], seed=3)
+    compiled = variants()
+    for rows in (1, 2, 3, 17, 64, 300):
+        for seed in (0, 1, 16, 17, 2**30):
+            gumbel_argmax(logits[:rows], inv[:rows], seed=seed)
+    torch.cuda.synchronize()
+    assert variants() == compiled

@@ -25,10 +25,13 @@ import triton
 import triton.language as tl
 
 MIN_SPAN, MAX_SPAN = 1024, 16384  # tokens a program scans (powers of two)
-BLOCK = 2048  # tokens a program loads at once (at most)
+BLOCK = 1024  # tokens a program loads at once (MIN_SPAN: every span a multiple)
 
 
-@triton.jit
+# Triton compiles a variant per value class of an int argument (divisible by 16, equal
+# to 1): a per-call seed or a per-batch span would compile new variants inside steps
+# (each ~0.5 s: an H200 throughput run lost 8 s to them). One variant serves every call.
+@triton.jit(do_not_specialize=["seed", "span", "spans"])
 def _gumbel_argmax_kernel(
     logits_ptr,  # [rows, vocab] float32, rows ``stride`` apart
     stride,
@@ -38,19 +41,20 @@ def _gumbel_argmax_kernel(
     best_val_ptr,  # [rows, spans] float32 out: the span's best score
     best_idx_ptr,  # [rows, spans] int32 out: its token
     spans,
-    SPAN: tl.constexpr,
+    span,  # tokens a program scans: a multiple of BLOCK
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
-    span = tl.program_id(1)
+    part = tl.program_id(1)
     inv_temp = tl.load(inv_temp_ptr + row)
     sampled = inv_temp > 0
     scale = tl.where(sampled, inv_temp, 1.0)
     base = logits_ptr + row.to(tl.int64) * stride
     best_val = float("-inf")
-    best_idx = span * SPAN
-    for i in tl.static_range(0, SPAN, BLOCK):
-        cols = span * SPAN + i + tl.arange(0, BLOCK)
+    start = part * span
+    best_idx = start
+    for i in tl.range(0, span, BLOCK):
+        cols = start + i + tl.arange(0, BLOCK)
         inside = cols < vocab
         x = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32)
         if sampled:  # greedy rows: no noise, and no time spent drawing it
@@ -60,10 +64,10 @@ def _gumbel_argmax_kernel(
         top = tl.max(x, 0)
         at = tl.argmax(x, 0)  # the first maximum
         better = top > best_val  # strict: an earlier block keeps a tie
-        best_idx = tl.where(better, span * SPAN + i + at, best_idx)
+        best_idx = tl.where(better, start + i + at, best_idx)
         best_val = tl.where(better, top, best_val)
-    tl.store(best_val_ptr + row * spans + span, best_val)
-    tl.store(best_idx_ptr + row * spans + span, best_idx)
+    tl.store(best_val_ptr + row * spans + part, best_val)
+    tl.store(best_idx_ptr + row * spans + part, best_idx)
 
 
 def span_for(rows: int, vocab: int, sms: int) -> int:
@@ -79,7 +83,7 @@ def gumbel_argmax(
 ) -> torch.Tensor:
     """One token per row (int64, on the logits' device), as the module docstring
     says. ``inv_temp``: [rows] float32 on the same device, 0 for greedy rows.
-    ``span``: tokens a program scans (a power of two); by default ``span_for``.
+    ``span``: tokens a program scans (a multiple of BLOCK); by default ``span_for``.
     The draws do not depend on it: the noise is keyed by the element's index."""
     from workers.engine.layers.skinny_kernel import sm_count
 
@@ -87,6 +91,8 @@ def gumbel_argmax(
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     if span is None:  # off CUDA (Triton's interpreter, for tests) count one SM
         span = span_for(rows, vocab, sm_count(logits.device) if logits.is_cuda else 1)
+    if span % BLOCK:
+        raise ValueError(f"span {span} is not a multiple of {BLOCK}")
     spans = triton.cdiv(vocab, span)
     best_val = torch.empty(rows, spans, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(rows, spans, dtype=torch.int32, device=logits.device)
@@ -99,8 +105,8 @@ def gumbel_argmax(
         best_val,
         best_idx,
         spans,
-        SPAN=span,
-        BLOCK=min(BLOCK, span),
+        span,
+        BLOCK=BLOCK,
     )
     best_span = best_val.argmax(dim=1, keepdim=True)  # the first span on a tie
     return best_idx.gather(1, best_span)[:, 0].long()
