@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# num_tokens changes every prefill step: not specialized, so no step compiles a variant
+@triton.jit(do_not_specialize=["num_tokens"])
 def _qkv_kernel(
     qkv_ptr,  # [T, (H + 2 * KH) * D], rows ``qkv_stride`` apart
     qkv_stride,
