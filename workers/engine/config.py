@@ -49,8 +49,9 @@ class EngineConfig:
     attention_backend: str | None = None  # None: flashinfer on cuda, torch elsewhere
     enable_cascade: bool = True  # cascade decode where the cost model says it pays
     enable_cuda_graphs: bool = True  # CUDA graphs for plain decode steps (flashinfer only)
-    # one-row steps (batch-1 decode) run a projection through the skinny Triton kernel
-    # where it measured faster than cuBLAS at start (layers/skinny_choice; fused ops only)
+    # one-row steps (batch-1 decode) run a projection (QKV and gate-up with the norm
+    # before them) through the skinny Triton kernel where it measured faster than cuBLAS
+    # at start (layers/skinny_choice; fused ops and CUDA graphs only)
     skinny_matmul: bool = True
     # queue step N+1 on the device before reading step N's tokens back (Engine); None:
     # on with CUDA, off on the CPU (where nothing runs asynchronously to overlap)
