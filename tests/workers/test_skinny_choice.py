@@ -38,6 +38,7 @@ def test_a_kind_is_chosen_only_where_the_kernel_won_by_the_margin():
     summary = choice.summary()
     assert "['qkv']" in summary and "qkv 9.0->3.0 us (4x1024 w4)" in summary
     assert "gate_up cuBLAS (kernel failed: boom)" in summary
+    assert not KindTiming("o", cublas_us=9.0, skinny_us=3.0).chosen  # no tiling: not chosen
     assert (
         decide([KindTiming("o", 2.0, 3.0)])
         .summary()
@@ -59,18 +60,23 @@ def test_models_and_engines_that_cannot_use_it_say_why(tiny_qwen3):
 
 
 def test_the_flags_leave_inputs_of_several_rows_on_the_plain_path(tiny_qwen3):
-    model = LLM(tiny_qwen3).engine.runner.model
-    layer = model.layers[0]
-    x = torch.randn(3, model.config.hidden_size)
-    plain_mlp = layer.mlp(x)
-    attn_out = torch.randn(3, layer.self_attn.q_size)
-    plain_o = layer.self_attn.o_proj(attn_out)
+    """With every kind flagged, a prefill of several tokens gives the same hidden states
+    bit for bit (on the CPU the kernel would need CUDA: taking it would raise)."""
+    import random
+
+    from tests.workers.reference import prefill_hidden
+    from workers.engine.layers.ops import project
+
+    llm = LLM(tiny_qwen3)
+    model = llm.engine.runner.model
+    prompt = random.Random(5).choices(range(10, 200), k=24)
+    plain = prefill_hidden(llm, prompt, [20, 4])
+    attn_out = torch.randn(3, model.layers[0].self_attn.q_size)
+    plain_o = model.layers[0].self_attn.o_proj(attn_out)
     model.use_skinny(dict.fromkeys(KINDS, ONE_ROW))
     try:
         assert all(f == dict.fromkeys(KINDS, ONE_ROW) for f in skinny_flags(model))
-        assert torch.equal(layer.mlp(x), plain_mlp)  # three rows: cuBLAS as before
-        from workers.engine.layers.ops import project
-
-        assert torch.equal(project(attn_out, layer.self_attn.o_proj, ONE_ROW), plain_o)
+        assert torch.equal(prefill_hidden(llm, prompt, [20, 4]), plain)
+        assert torch.equal(project(attn_out, model.layers[0].self_attn.o_proj, ONE_ROW), plain_o)
     finally:
         model.use_skinny({})

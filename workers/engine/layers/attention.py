@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 class SelfAttention(nn.Module):
     fused_ops = False  # set by DecoderModel.use_fused_ops
     # projection kind -> its tiling, for one-row inputs; set by DecoderModel.use_skinny
+    # (this module reads its output projection's; DecoderLayer the input one's, fused
+    # with the norm before it)
     skinny: Mapping[str, Tiles] = MappingProxyType({})
 
     def __init__(

@@ -91,8 +91,8 @@ def gumbel_argmax(
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     if span is None:  # off CUDA (Triton's interpreter, for tests) count one SM
         span = span_for(rows, vocab, sm_count(logits.device) if logits.is_cuda else 1)
-    if span % BLOCK:
-        raise ValueError(f"span {span} is not a multiple of {BLOCK}")
+    if span <= 0 or span % BLOCK:
+        raise ValueError(f"span {span} is not a positive multiple of {BLOCK}")
     spans = triton.cdiv(vocab, span)
     best_val = torch.empty(rows, spans, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(rows, spans, dtype=torch.int32, device=logits.device)
