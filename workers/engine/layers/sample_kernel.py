@@ -29,9 +29,9 @@ BLOCK = 1024  # tokens a program loads at once (MIN_SPAN: every span a multiple)
 
 
 # Triton compiles a variant per value class of an int argument (divisible by 16, equal
-# to 1): a per-call seed or a per-batch span would compile new variants inside steps
+# to 1): a per-call seed or a per-batch span length would compile variants inside steps
 # (each ~0.5 s: an H200 throughput run lost 8 s to them). One variant serves every call.
-@triton.jit(do_not_specialize=["seed", "span", "spans"])
+@triton.jit(do_not_specialize=["seed", "blocks", "spans"])
 def _gumbel_argmax_kernel(
     logits_ptr,  # [rows, vocab] float32, rows ``stride`` apart
     stride,
@@ -41,25 +41,26 @@ def _gumbel_argmax_kernel(
     best_val_ptr,  # [rows, spans] float32 out: the span's best score
     best_idx_ptr,  # [rows, spans] int32 out: its token
     spans,
-    span,  # tokens a program scans: a multiple of BLOCK
+    blocks,  # blocks of BLOCK tokens a program scans (passed as blocks, not tokens, so
+    # that the compiler knows each program's start is a multiple of BLOCK: vector loads)
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     part = tl.program_id(1)
     inv_temp = tl.load(inv_temp_ptr + row)
     sampled = inv_temp > 0
-    scale = tl.where(sampled, inv_temp, 1.0)
     base = logits_ptr + row.to(tl.int64) * stride
     best_val = float("-inf")
-    start = part * span
+    start = part * blocks * BLOCK
     best_idx = start
-    for i in tl.range(0, span, BLOCK):
+    for b in tl.range(0, blocks):
+        i = b * BLOCK
         cols = start + i + tl.arange(0, BLOCK)
         inside = cols < vocab
         x = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32)
         if sampled:  # greedy rows: no noise, and no time spent drawing it
             u = tl.rand(seed, row * vocab + cols)
-            x = x * scale - tl.log(-tl.log(u))
+            x = x * inv_temp - tl.log(-tl.log(u))
         x = tl.where(inside, x, float("-inf"))
         top = tl.max(x, 0)
         at = tl.argmax(x, 0)  # the first maximum
@@ -105,7 +106,7 @@ def gumbel_argmax(
         best_val,
         best_idx,
         spans,
-        span,
+        span // BLOCK,
         BLOCK=BLOCK,
     )
     best_span = best_val.argmax(dim=1, keepdim=True)  # the first span on a tie
