@@ -50,18 +50,6 @@ class SelfAttention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        kv_cache: torch.Tensor,
-        backend: AttentionBackend,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        return self.forward_qkv(qkv, positions, cos_sin_cache, kv_cache, backend, metadata)
-
-    def forward_qkv(
-        self,
         qkv: torch.Tensor,  # [T, q_size + 2 * kv_size]: qkv_proj's output
         positions: torch.Tensor,
         cos_sin_cache: torch.Tensor,
@@ -69,8 +57,9 @@ class SelfAttention(nn.Module):
         backend: AttentionBackend,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """``forward`` from the QKV projection on (one-row steps compute it with their
-        norm fused in: ``DecoderLayer``)."""
+        """Attention output (after ``o_proj``) from ``qkv_proj``'s output, which the
+        caller computes (``DecoderLayer``: one-row steps fuse the norm before it in);
+        writes the new tokens' K/V."""
         if self.fused_ops and _fused_qkv_supported(self.head_dim):  # fused ops: CUDA
             from workers.engine.layers import qkv_kernel  # Triton: CUDA only
 

@@ -67,7 +67,7 @@ class DecoderLayer(nn.Module):
                     hidden, residual, norm.weight, norm.eps, self.fused_ops
                 )
             qkv = attn.qkv_proj(hidden)
-        hidden = attn.forward_qkv(qkv, positions, rope_cache, kv_cache, backend, metadata)
+        hidden = attn(qkv, positions, rope_cache, kv_cache, backend, metadata)
         norm = self.post_attention_layernorm
         tiles = self.skinny.get("gate_up") if one_row else None
         if tiles is not None:
