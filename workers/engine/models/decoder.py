@@ -117,9 +117,10 @@ class DecoderModel(nn.Module):
         """Projections (``layers/skinny_choice.KINDS``) whose one-row inputs take the
         skinny kernel, each with its tiling: what the engine measured at start, before
         capturing graphs."""
+        shared = MappingProxyType(dict(chosen))  # one read-only map for every module
         for module in self.modules():
             if hasattr(module, "skinny"):
-                module.skinny = MappingProxyType(dict(chosen))
+                module.skinny = shared
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config says so (moving the
