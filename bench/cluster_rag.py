@@ -118,6 +118,8 @@ class RunResult:
     errors: list[str] = field(default_factory=list)
     retries: int = 0
     kill: dict | None = None  # the kill test's events
+    # per worker, per step kind: (steps, seconds in Engine.step) during the run
+    steps: dict[str, dict[str, tuple[int, float]]] = field(default_factory=dict)
 
     def summary(self) -> dict:
         return {
@@ -133,6 +135,7 @@ class RunResult:
             "ttft_ms": {q: self.ttft_ms(q) for q in (0.5, 0.9, 0.99)},
             "ttft_ms_hits": {q: self.ttft_ms(q, hits=True) for q in (0.5, 0.9)},
             "ttft_ms_misses": {q: self.ttft_ms(q, hits=False) for q in (0.5, 0.9)},
+            "steps_by_kind": self.steps,
             # per request: worker, TTFT ms, latency ms, prompt tokens, cached tokens,
             # routing reason, the router's expected wait ms, and the chosen worker as the
             # router saw it: requests, queued prefill tokens, prefill tok/s, step ms
@@ -494,9 +497,12 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
         ]
         requests = sequence[: args.requests_per_worker * count]
         bodies = make_bodies(maker, shape, requests, seed=run_index + 1, stream=True)
+        used = dict(list(actors.workers.items())[:count])
+        before = await step_tallies(used)
         run = await run_replicated(
             replicas, bodies, args.concurrency * count, f"{count} × {policy}"
         )
+        run.steps = tally_difference(before, await step_tallies(used))
         run.workers, run.policy = count, policy
         await asyncio.gather(*(r.close.remote() for r in replicas))
         for replica in replicas:
@@ -525,6 +531,24 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
         print(kill_line(run, events, len(bodies), victim), flush=True)
         runs.append(run)
     return runs
+
+
+async def step_tallies(workers: dict[str, ActorHandle]) -> dict[str, dict]:
+    """Each worker's step tally (``WorkerStatus.steps_by_kind``) now."""
+    statuses = await asyncio.gather(*(w.status.remote() for w in workers.values()))
+    return {wid: s.steps_by_kind for wid, s in zip(workers, statuses, strict=True)}
+
+
+def tally_difference(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
+    """Per worker and step kind, the steps and seconds between two tallies."""
+    return {
+        wid: {
+            kind: (n - before[wid].get(kind, (0, 0.0))[0], s - before[wid].get(kind, (0, 0.0))[1])
+            for kind, (n, s) in kinds.items()
+            if n > before[wid].get(kind, (0, 0.0))[0]
+        }
+        for wid, kinds in after.items()
+    }
 
 
 def summary_line(run: RunResult) -> str:
@@ -629,6 +653,27 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
         "What the routers saw of each worker when they chose it (medians over its requests)",
         ["workers", "policy", "worker", "requests", "in flight", "queued prefill tokens"]
         + ["prefill tok/s", "step ms", "TTFT p50 ms"],
+        rows,
+    )
+    rows = [
+        [
+            run.workers,
+            run.policy,
+            worker,
+            f"{sum(s for _, s in kinds.values()) / run.seconds:.0%}",
+            kind,
+            n,
+            1000 * s / n,
+            f"{s / run.seconds:.0%}",
+        ]
+        for run in runs
+        for worker, kinds in run.steps.items()
+        for kind, (n, s) in sorted(kinds.items(), key=lambda item: -item[1][1])
+    ]
+    print_table(
+        "Where each worker's time went: engine steps by kind (a graph or eager, and the "
+        "attention kind) during the run; busy = time inside Engine.step over the run's",
+        ["workers", "policy", "worker", "busy", "step kind", "steps", "mean ms", "of run"],
         rows,
     )
     by_key = {(r.workers, r.policy): r for r in runs}

@@ -57,6 +57,14 @@ def test_cluster_bench_answers_everything_and_survives_a_killed_worker(
                 assert set(routing) == {"sole"}
             waits = [r[-1] for r in run["requests"]]  # the router's expected wait, ms
             assert all(w >= 0 for w in waits) and any(w > 0 for w in waits)
+    for (workers, policy), run in runs.items():  # where each worker's steps went
+        if "kill" in policy:
+            continue
+        assert len(run["steps_by_kind"]) == workers
+        for kinds in run["steps_by_kind"].values():
+            assert set(kinds) == {"torch eager"}  # CPU workers: the torch backend
+            steps, seconds = kinds["torch eager"]
+            assert steps >= 4 and 0 < seconds < run["seconds"]
     assert sorted(runs[2, "round_robin"]["requests_per_worker"].values()) == [24, 24]
     assert runs[2, "chunk_aware"]["hit_rate"] > 0
     kill = runs[2, "chunk_aware (kill)"]["kill"]

@@ -106,6 +106,12 @@ def test_load_reports_backlog_rates_and_a_growing_version(loop):
     assert end.requests == 0 and end.generated_tokens_total == 4
     # a load read later is never older
     assert loop.load().version >= end.version
+    # every timed step is tallied by its kind: the CPU engine runs the torch backend
+    # eagerly; one prefill step and three decode steps, at least
+    tally = loop.step_tally()
+    assert set(tally) == {"torch eager"}, tally
+    steps, seconds = tally["torch eager"]
+    assert steps >= 4 and seconds > 0
 
 
 def test_prefill_rate_is_measured_beyond_the_decode_baseline():

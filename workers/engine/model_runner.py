@@ -129,6 +129,8 @@ class ModelRunner:
         self.model = model
         self.backend = backend
         self.page_size = page_size
+        # how the last ``run`` ran: "<attention kind> graph" or "<attention kind> eager"
+        self.last_run_kind = ""
         config = model.config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -185,8 +187,10 @@ class ModelRunner:
         if self.graphs is not None:
             logits = self.graphs.replay(input_ids, positions, layout, rows)
             if logits is not None:
+                self.last_run_kind = f"{self.backend.last_plan_kind} graph"
                 return logits
         metadata = self.backend.plan(layout)
+        self.last_run_kind = f"{self.backend.last_plan_kind} eager"
         hidden = self.model(input_ids, positions, self.kv_caches, self.backend, metadata)
         return self.model.compute_logits(hidden[rows])
 

@@ -187,6 +187,7 @@ class Worker:
             draining=self._draining,
             directory_in_sync=publisher.in_sync,
             directory_superseded=publisher.superseded,
+            steps_by_kind=self._loop.step_tally(),
         )
 
     async def health(self) -> bool:

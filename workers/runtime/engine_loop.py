@@ -30,6 +30,10 @@ Invariants:
   its prompt tokens over what it took beyond that baseline (at least
   ``MIN_PREFILL_SHARE`` of it). All are 0.0 until measured; the first measurement
   sets an average directly.
+- ``step_tally()`` counts every timed step by the kind it launched
+  (``ModelRunner.last_run_kind``: graph or eager, and the attention kind) with the
+  seconds ``Engine.step`` took: where a worker's time goes, for benchmarks and
+  operators (totals since start; differences of two snapshots give a window).
 """
 
 from __future__ import annotations
@@ -142,6 +146,8 @@ class _Counters:
     decode_seqs: int = 0
     speed: MeasuredSpeed = field(default_factory=MeasuredSpeed)
     version: int = 0
+    # per step kind: [steps, seconds in Engine.step]
+    steps_by_kind: dict[str, list[float]] = field(default_factory=dict)
 
 
 def _ewma(average: float, sample: float) -> float:
@@ -252,6 +258,11 @@ class EngineLoop:
                 version=c.version,
             )
 
+    def step_tally(self) -> dict[str, tuple[int, float]]:
+        """Per step kind, (steps, seconds) since the loop started."""
+        with self._lock:
+            return {kind: (int(n), s) for kind, (n, s) in self._counters.steps_by_kind.items()}
+
     def kv_pages(self) -> tuple[int, int]:
         """(pool size, pages in use). Read from another thread without stopping the
         loop: a snapshot that may be one step old, never torn within a count."""
@@ -304,6 +315,9 @@ class EngineLoop:
             c = self._counters
             if timed:
                 c.speed.fold(step_s, prompt_tokens)
+                tally = c.steps_by_kind.setdefault(engine.runner.last_run_kind, [0, 0.0])
+                tally[0] += 1
+                tally[1] += step_s
             c.prefill_backlog_tokens = shape.prefill_backlog_tokens
             c.decode_seqs = shape.decode_seqs
             c.version += 1

@@ -6,7 +6,7 @@ import them from here (``cluster`` imports ``workers``, never the other way).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from workers.engine.config import DEFAULT_ENTRY_SYSTEM_PROMPT, EngineConfig
 from workers.engine.reuse_info import ReuseInfo, ReuseRequest
@@ -156,3 +156,5 @@ class WorkerStatus:
     draining: bool
     directory_in_sync: bool  # the directory has every chunk event published so far
     directory_superseded: bool  # a newer epoch of this worker id exists
+    # per step kind ("decode graph", "prefill eager", ...): (steps, seconds) since start
+    steps_by_kind: dict[str, tuple[int, float]] = field(default_factory=dict)

@@ -126,6 +126,9 @@ class AttentionBackend(Protocol):
 
     name: str
     fused_ops: bool  # whether models run fused elementwise kernels (layers/ops)
+    # the attention kind the last step ran ("decode", "prefill", "cascade", ...; set by
+    # ``plan`` or a graph's replay): what step tallies call it
+    last_plan_kind: str
 
     def wants_cascade(self, layout: BatchLayout) -> bool:
         """Whether ``plan`` would run this decode batch as cascade attention."""

@@ -38,6 +38,7 @@ class TorchMetadata:
 class TorchAttentionBackend:
     name = "torch"
     fused_ops = False  # the reference: plain torch throughout
+    last_plan_kind = "torch"  # one kind of step: every sequence's attention in torch
 
     def __init__(self, shape: AttentionShape) -> None:
         self.shape = shape
