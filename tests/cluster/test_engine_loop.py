@@ -21,7 +21,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, StepOutput
 from workers.engine.reuse_info import DEFAULT_DEVIATION_RATIO, ReuseInfo, ReuseRequest
 from workers.engine.sampling_params import SamplingParams
-from workers.runtime.actor import _collect, coalesce
+from workers.runtime.actor import _collect, _Outbox, coalesce
 from workers.runtime.cache_mirror import CacheMirror
 from workers.runtime.engine_loop import (
     MIN_PREFILL_SHARE,
@@ -394,3 +394,42 @@ def test_call_runs_on_the_loop_thread_and_prefill_keeps_others_streaming(loop):
     with pytest.raises(ValueError, match="no"):
         loop.call(refuse).result(timeout=30)
     assert loop.call(lambda: 1).result(timeout=30) == 1  # the loop lives on
+
+
+def test_the_outbox_hands_a_burst_of_outputs_over_in_one_wake_up():
+    """Outputs delivered from another thread while a hand-over is pending join it;
+    each queue gets its items in order, nothing lost."""
+    wake_ups = []
+
+    class CountingLoop(asyncio.SelectorEventLoop):
+        def call_soon_threadsafe(self, callback, *args, **kwargs):
+            wake_ups.append(callback)
+            return super().call_soon_threadsafe(callback, *args, **kwargs)
+
+    async def run() -> tuple[list, list]:
+        outbox = _Outbox(asyncio.get_running_loop())
+        first, second = asyncio.Queue(), asyncio.Queue()
+        sinks = (outbox.sink(first), outbox.sink(second))
+
+        def engine_step(step: int) -> None:  # a step's outputs, from the engine thread
+            for i in range(20):
+                sinks[i % 2](_out(f"r#{i % 2}", 100 * step + i))
+
+        for step in range(3):
+            # the event loop waits while the thread delivers (as it waits for the GIL
+            # while the engine thread delivers a step): one hand-over a step
+            thread = threading.Thread(target=engine_step, args=(step,))
+            thread.start()
+            thread.join()
+            await asyncio.sleep(0)
+        got = ([], [])
+        for queue_, out in zip((first, second), got, strict=True):
+            while not queue_.empty():
+                out.extend(queue_.get_nowait().new_token_ids)
+        return got
+
+    with asyncio.Runner(loop_factory=CountingLoop) as runner:
+        first, second = runner.run(run())
+    assert first == [100 * s + i for s in range(3) for i in range(0, 20, 2)]
+    assert second == [100 * s + i for s in range(3) for i in range(1, 20, 2)]
+    assert sum(w.__name__ == "_hand_over" for w in wake_ups) == 3  # one per step, not 60

@@ -13,6 +13,8 @@ Invariants:
 - Every ``WorkerDelta`` carries the loop's load (``EngineLoad``) read when the delta
   was made, as does every ``status``: routers see queued prefill, decode count and
   measured rates with each poll and each output.
+- Outputs reach the event loop through one ``_Outbox``: a step's outputs for all
+  requests cost one wake-up of the loop.
 - A fatal engine error kills the process, so Ray restarts the actor (new epoch).
 - Registered chunks live in ``WorkerChunks``, reached only through the loop thread;
   they die with the actor (a restarted worker holds none). A chunk whose TTL ended
@@ -25,6 +27,7 @@ import asyncio
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -54,6 +57,7 @@ from workers.runtime.worker_types import (
 logger = logging.getLogger(__name__)
 
 _DRAIN_POLL_S = 0.05
+_SWITCH_INTERVAL_S = 0.0005  # see Worker.__init__
 _EXPIRE_INTERVAL_S = 1.0
 
 
@@ -90,6 +94,11 @@ class Worker:
             interval_s=spec.publish_interval_s,
         )
         self._draining = False
+        self._outbox: _Outbox | None = None
+        # The engine thread waits for the device with the GIL released; the event loop
+        # thread (streaming deltas) then holds it until it blocks or is asked to drop
+        # it, after the switch interval (5 ms by default): a wait that each step paid.
+        sys.setswitchinterval(_SWITCH_INTERVAL_S)
         self._loop.start()
         self._publisher.start()
         threading.Thread(target=self._expire_forever, name="chunk-expiry", daemon=True).start()
@@ -105,8 +114,10 @@ class Worker:
         if self._draining:
             yield WorkerRefusal("worker is draining", retryable=True)
             return
+        if self._outbox is None:  # every call runs on the actor's one event loop
+            self._outbox = _Outbox(asyncio.get_running_loop())
         outputs: asyncio.Queue[StepOutput | Rejected] = asyncio.Queue()
-        sink = _threadsafe_sink(asyncio.get_running_loop(), outputs)
+        sink = self._outbox.sink(outputs)
         ids = [f"{request.request_id}#{i}" for i in range(len(request.params))]
         for request_id, params in zip(ids, request.params, strict=True):
             self._loop.submit(
@@ -215,14 +226,36 @@ def _crash(error: BaseException) -> None:
     os._exit(1)
 
 
-def _threadsafe_sink(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue):
-    def sink(item: StepOutput | Rejected) -> None:
+class _Outbox:
+    """Hands the engine thread's outputs to the actor's event loop: outputs delivered
+    while a hand-over is pending join it, so a step's outputs for every request cost
+    the event loop one wake-up, not one each (the engine thread holds the GIL while
+    it delivers a step's outputs, so they arrive together)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, StepOutput | Rejected]] = []
+
+    def sink(self, outputs: asyncio.Queue):
+        """A sink (``EngineLoop.submit``) putting items on ``outputs``."""
+        return lambda item: self._put(outputs, item)
+
+    def _put(self, outputs: asyncio.Queue, item: StepOutput | Rejected) -> None:
+        with self._lock:
+            self._pending.append((outputs, item))
+            if len(self._pending) > 1:
+                return  # the hand-over already asked for takes this one too
         try:
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._hand_over)
         except RuntimeError:
             pass  # the event loop closed: the actor is shutting down
 
-    return sink
+    def _hand_over(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for outputs, item in pending:
+            outputs.put_nowait(item)
 
 
 async def _collect(
