@@ -192,9 +192,9 @@ def test_cuda_graph_decode_matches_eager(qwen3_06b, engines):
 
 
 def test_prefill_graphs_match_eager(qwen3_06b, engines):
-    """Prefills of up to 4,096 new tokens replay a CUDA graph: single prompts (the
-    3K-token context too), a cache hit's short tail over a long cached prefix (a
-    split-KV graph), and several prompts in one step."""
+    """Prefills of up to 1,024 new tokens replay a CUDA graph: single prompts, a cache
+    hit's short tail over a long cached prefix (a split-KV graph), and several prompts
+    in one step."""
     reuse, plain = engines
     eager = LLM(
         qwen3_06b,
@@ -229,7 +229,7 @@ def test_prefill_graphs_match_eager(qwen3_06b, engines):
         graphs.run = original
     _record("prefill_graph_vs_eager", {"prompts": len(prompts) + 3, "mismatches": mismatches})
     rows = [r for r, _ in replays]
-    assert rows.count(1) == len(prompts)  # every prompt, the 3K-token context's too
+    assert rows.count(1) >= len(prompts) - 1  # the first context request prefills 3K eagerly
     assert 3 in rows  # the batch's prompts in one step, one row each
     assert (1, True) in replays  # a cached context's tail: the split-KV graph
     assert all(d["near_tie"] for d in mismatches), mismatches

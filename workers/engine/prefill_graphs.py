@@ -2,11 +2,7 @@
 ``ROW_BUCKETS[-1]`` layout rows, where an eager forward is bound by kernel launches,
 not by the GPU: a cache hit's uncached tail, a short prompt, a few short prompts
 batched, and an approximate request's repair step (its scattered positions give one
-row per run of consecutive positions, often hundreds). Steps of a few thousand tokens
-(a missed document beside a decode batch) are graphed too: alone on a GPU their eager
-forward is bound by the GPU, but in a serving worker the engine thread shares the GIL
-with the thread streaming outputs, and every launch's Python slows with it (4 H200s,
-``bench/cluster_rag.py``: such eager steps took 35 ms, 32-39% of a worker's time).
+row per run of consecutive positions, often hundreds).
 
 One graph per (token bucket, row bucket, kernel): steps that ``prefers_split_kv`` (a
 few short rows over a long KV, at most ``max_split_kv_tokens`` new tokens) replay
@@ -46,7 +42,7 @@ from workers.engine.models.decoder import DecoderModel
 # 384, 640 and 768: an approximate request's repair step (prompt tail plus repaired
 # tokens, e.g. 288 + 227 at the default repair in bench/approx_speed.py) padded to
 # 512 or 1,024 ran its matmuls on up to twice its rows.
-TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 1024, 1536, 2048, 2560, 3072, 4096)
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 1024)
 ROW_BUCKETS = (1, 32, 1024)
 
 
