@@ -60,7 +60,13 @@ from cluster.routing_policy import (
 )
 from cluster.worker_pool import WorkerPool, abandon, settle
 from workers.engine.reuse_info import ReuseRequest
-from workers.runtime.worker_types import EngineLoad, WorkerDelta, WorkerRefusal, WorkerRequest
+from workers.runtime.worker_types import (
+    EngineLoad,
+    WorkerDelta,
+    WorkerRefusal,
+    WorkerRequest,
+    unpack_item,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -333,4 +339,4 @@ async def _next_item(
 
 async def _read_next(generator: ray.ObjectRefGenerator) -> WorkerDelta | WorkerRefusal:
     ref = await generator.__anext__()
-    return await ref
+    return unpack_item(await ref)

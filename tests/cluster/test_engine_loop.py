@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import pickle
 import queue
 import selectors
 import shutil
@@ -433,3 +434,18 @@ def test_the_outbox_hands_a_burst_of_outputs_over_in_one_wake_up():
     assert first == [100 * s + i for s in range(3) for i in range(0, 20, 2)]
     assert second == [100 * s + i for s in range(3) for i in range(1, 20, 2)]
     assert sum(w.__name__ == "_hand_over" for w in wake_ups) == 3  # one per step, not 60
+
+
+def test_stream_items_cross_as_packed_bytes():
+    """What ``Worker.generate`` yields: bytes that unpack to the same delta or
+    refusal; anything else in a worker stream is refused by name."""
+    from workers.runtime.worker_types import WorkerRefusal, pack_item, unpack_item
+
+    load = EngineLoad(3, 90, 7, 700, 600, 20, prefill_backlog_tokens=5, version=9)
+    delta = coalesce([_out("r#0", 1), _out("r#0", 2, True)], {"r#0": 0}, load)[0]
+    refusal = WorkerRefusal("worker is draining", retryable=True)
+    for item in (delta, refusal):
+        packed = pack_item(item)
+        assert isinstance(packed, bytes) and unpack_item(packed) == item
+    with pytest.raises(TypeError, match="yielded dict"):
+        unpack_item(pickle.dumps({"token_ids": (1,)}))

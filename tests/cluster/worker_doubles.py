@@ -25,6 +25,7 @@ from workers.runtime.worker_types import (
     WorkerRefusal,
     WorkerRequest,
     WorkerStatus,
+    pack_item,
 )
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -96,21 +97,23 @@ class FakeWorker:
             directory_superseded=False,
         )
 
-    async def generate(self, request: WorkerRequest) -> AsyncIterator[WorkerDelta | WorkerRefusal]:
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[bytes]:
         behaviour = await self._log.start.remote()
         if behaviour == REFUSE_AS_DRAINING:
-            yield WorkerRefusal("worker is draining", retryable=True)
+            yield pack_item(WorkerRefusal("worker is draining", retryable=True))
             return
         if behaviour == RESTART_SILENTLY:
             await self._restart_silently()
-        yield WorkerDelta(
-            index=0,
-            token_ids=(1,),
-            text="a",
-            finished=False,
-            finish_reason=None,
-            prompt_tokens=len(request.prompt_token_ids),
-            reuse=ReuseInfo("exact"),
+        yield pack_item(
+            WorkerDelta(
+                index=0,
+                token_ids=(1,),
+                text="a",
+                finished=False,
+                finish_reason=None,
+                prompt_tokens=len(request.prompt_token_ids),
+                reuse=ReuseInfo("exact"),
+            )
         )
         if behaviour == RESTART_SILENTLY_AFTER_FIRST_DELTA:
             await self._restart_silently()

@@ -52,6 +52,7 @@ from workers.runtime.worker_types import (
     WorkerSpec,
     WorkerStatus,
     directory_namespace,
+    pack_item,
 )
 
 logger = logging.getLogger(__name__)
@@ -109,10 +110,11 @@ class Worker:
             self._epoch,
         )
 
-    async def generate(self, request: WorkerRequest) -> AsyncIterator[WorkerDelta | WorkerRefusal]:
-        """Stream the request's output; call with ``.options(num_returns="streaming")``."""
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[bytes]:
+        """Stream the request's output, each item packed (``worker_types.pack_item``);
+        call with ``.options(num_returns="streaming")``."""
         if self._draining:
-            yield WorkerRefusal("worker is draining", retryable=True)
+            yield pack_item(WorkerRefusal("worker is draining", retryable=True))
             return
         if self._outbox is None:  # every call runs on the actor's one event loop
             self._outbox = _Outbox(asyncio.get_running_loop())
@@ -136,7 +138,7 @@ class Worker:
                 if not recorded and isinstance(item, WorkerDelta):
                     recorded = True  # before the client sees output: later calls see the hit
                     self._record_use(request, item.cached_tokens)
-                yield item
+                yield pack_item(item)
         finally:  # finished, failed or cancelled by the caller: free the engine's work
             for request_id in ids:
                 self._loop.abort(request_id)

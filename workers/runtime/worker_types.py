@@ -2,10 +2,17 @@
 
 Plain frozen dataclasses: they cross process boundaries by pickle, and both sides
 import them from here (``cluster`` imports ``workers``, never the other way).
+
+A worker's stream (``Worker.generate``) yields each item packed (``pack_item``: bytes),
+and routers unpack it (``unpack_item``). Ray sends bytes as they are, where a
+dataclass goes through its own serializer: measured on the 2-core VM with 24 streams,
+an actor spent 290 us of CPU per yielded ``WorkerDelta`` and 210 us per packed one. A
+loaded worker yields about a thousand a second, on the GIL its engine thread needs.
 """
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 
 from workers.engine.config import DEFAULT_ENTRY_SYSTEM_PROMPT, EngineConfig
@@ -93,6 +100,20 @@ class WorkerRefusal:
 
     message: str
     retryable: bool
+
+
+def pack_item(item: WorkerDelta | WorkerRefusal) -> bytes:
+    """A stream item as ``Worker.generate`` yields it."""
+    return pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack_item(packed: bytes) -> WorkerDelta | WorkerRefusal:
+    """A stream item from what a worker yielded (``pack_item``); a worker's stream
+    holds nothing else, and only the cluster's own actors reach it."""
+    item = pickle.loads(packed)
+    if not isinstance(item, WorkerDelta | WorkerRefusal):
+        raise TypeError(f"a worker stream yielded {type(item).__name__}, not a delta")
+    return item
 
 
 @dataclass(frozen=True)
