@@ -16,8 +16,8 @@ Invariants:
 - The board is owned by the replica that created it and dies with it; the other
   replicas then create a new one, and their next pushes restore their own counts
   (a stopped replica's counts are lost, which Prometheus reads as a counter reset).
-- Worker gauges (up, load, cached pages) are read from the workers at scrape time,
-  not summed over replicas.
+- Worker gauges (up, load, cached pages) and the workers' step counters are read
+  from the workers at scrape time, not summed over replicas.
 """
 
 from __future__ import annotations
@@ -317,6 +317,19 @@ def worker_gauges(statuses: Mapping[str, WorkerStatus | None]) -> list[Family]:
         "it prefilled anything",
         ("worker",),
     )
+    # counts since the worker (this incarnation) started: a restart reads as a reset
+    steps = Counter(
+        "chunkserve_worker_steps_total",
+        "engine steps the worker ran, by kind: a CUDA graph or eager, and the attention "
+        "kind (decode, prefill, prefill-split, cascade; torch on the CPU backend)",
+        ("worker", "kind"),
+    )
+    step_seconds = Counter(
+        "chunkserve_worker_step_seconds_total",
+        "seconds the worker's engine spent in steps, by kind (as steps_total): its rate "
+        "is how busy the engine is, and which steps take its time",
+        ("worker", "kind"),
+    )
     for worker_id, status in sorted(statuses.items()):
         up.set(0 if status is None else 1, worker_id)
         if status is not None:
@@ -327,7 +340,13 @@ def worker_gauges(statuses: Mapping[str, WorkerStatus | None]) -> list[Family]:
             kv_in_use.set(status.kv_pages_in_use, worker_id)
             backlog.set(status.load.prefill_backlog_tokens, worker_id)
             prefill_rate.set(status.load.prefill_tokens_per_s, worker_id)
-    return [up, requests, tokens, pages, kv_total, kv_in_use, backlog, prefill_rate]
+            for kind, (count, seconds) in status.steps_by_kind.items():
+                steps.inc(worker_id, kind, by=count)
+                step_seconds.inc(worker_id, kind, by=seconds)
+    return [up, requests, tokens, pages, kv_total, kv_in_use, backlog, prefill_rate] + [
+        steps,
+        step_seconds,
+    ]
 
 
 class MetricsBoard:

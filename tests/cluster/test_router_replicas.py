@@ -161,6 +161,15 @@ def test_latency_and_worker_families_after_requests(app, client):
     assert max(rates) > 0, rates
     cached = [values[f'chunkserve_worker_cached_pages{{worker="{w}"}}'] for w in workers]
     assert sum(cached) > 0, cached
+    # where each worker's engine time went: CPU workers step eagerly in torch
+    steps = [values.get(f'chunkserve_worker_steps_total{{worker="{w}",kind="torch eager"}}', 0)
+             for w in workers]  # fmt: skip
+    seconds = [
+        values.get(f'chunkserve_worker_step_seconds_total{{worker="{w}",kind="torch eager"}}', 0)
+        for w in workers
+    ]
+    assert sum(steps) > 0 and sum(seconds) > 0, (steps, seconds)
+    assert not [k for k in values if "_steps_total" in k and "torch eager" not in k]
 
 
 def test_a_stream_closed_by_the_client_counts_its_tokens(app, client):
