@@ -118,8 +118,9 @@ class RunResult:
     errors: list[str] = field(default_factory=list)
     retries: int = 0
     kill: dict | None = None  # the kill test's events
-    # per worker, per step kind: (steps, seconds in Engine.step) during the run
-    steps: dict[str, dict[str, tuple[int, float]]] = field(default_factory=dict)
+    # per worker during the run: its steps by kind, (steps, device seconds), and
+    # "busy": the engine loop's seconds inside its steps (WorkerStatus.steps_by_kind)
+    steps: dict[str, dict] = field(default_factory=dict)
 
     def summary(self) -> dict:
         return {
@@ -533,22 +534,35 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
     return runs
 
 
-async def step_tallies(workers: dict[str, ActorHandle]) -> dict[str, dict]:
-    """Each worker's step tally (``WorkerStatus.steps_by_kind``) now."""
-    statuses = await asyncio.gather(*(w.status.remote() for w in workers.values()))
-    return {wid: s.steps_by_kind for wid, s in zip(workers, statuses, strict=True)}
-
-
-def tally_difference(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
-    """Per worker and step kind, the steps and seconds between two tallies."""
+async def step_tallies(workers: dict[str, ActorHandle]) -> dict[str, dict | None]:
+    """Each worker's step tally now: its steps by kind and "busy" (None: it did not
+    answer, e.g. restarting after the kill)."""
+    statuses = await asyncio.gather(
+        *(w.status.remote() for w in workers.values()), return_exceptions=True
+    )
     return {
-        wid: {
-            kind: (n - before[wid].get(kind, (0, 0.0))[0], s - before[wid].get(kind, (0, 0.0))[1])
-            for kind, (n, s) in kinds.items()
-            if n > before[wid].get(kind, (0, 0.0))[0]
-        }
-        for wid, kinds in after.items()
+        wid: None
+        if isinstance(s, BaseException)
+        else {"kinds": s.steps_by_kind, "busy": s.engine_busy_s}
+        for wid, s in zip(workers, statuses, strict=True)
     }
+
+
+def tally_difference(before: dict[str, dict | None], after: dict[str, dict | None]) -> dict:
+    """Per worker that answered both times, its steps by kind and busy seconds between
+    the two tallies."""
+    out = {}
+    for wid, now in after.items():
+        then = before.get(wid)
+        if now is None or then is None:
+            continue
+        kinds = {}
+        for kind, (n, seconds) in now["kinds"].items():
+            n0, s0 = then["kinds"].get(kind, (0, 0.0))
+            if n > n0:
+                kinds[kind] = (n - n0, seconds - s0)
+        out[wid] = {"kinds": kinds, "busy": now["busy"] - then["busy"]}
+    return out
 
 
 def summary_line(run: RunResult) -> str:
@@ -660,20 +674,21 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
             run.workers,
             run.policy,
             worker,
-            f"{sum(s for _, s in kinds.values()) / run.seconds:.0%}",
+            f"{tally['busy'] / run.seconds:.0%}",
             kind,
             n,
             1000 * s / n,
             f"{s / run.seconds:.0%}",
         ]
         for run in runs
-        for worker, kinds in run.steps.items()
-        for kind, (n, s) in sorted(kinds.items(), key=lambda item: -item[1][1])
+        for worker, tally in run.steps.items()
+        for kind, (n, s) in sorted(tally["kinds"].items(), key=lambda item: -item[1][1])
     ]
     print_table(
-        "Where each worker's time went: engine steps by kind (a graph or eager, and the "
-        "attention kind) during the run; busy = time inside Engine.step over the run's",
-        ["workers", "policy", "worker", "busy", "step kind", "steps", "mean ms", "of run"],
+        "Where each worker's time went during the run: busy = the engine loop's time "
+        "inside its steps over the run's; steps by kind (a graph or eager, and the "
+        "attention kind) with their time on the device (each step's span there)",
+        ["workers", "policy", "worker", "busy", "step kind", "steps", "device ms", "of run"],
         rows,
     )
     by_key = {(r.workers, r.policy): r for r in runs}

@@ -7,6 +7,8 @@
 #   bash bench/gpu_run.sh bench     # benchmarks, tables printed last
 #   bash bench/gpu_run.sh cluster   # bench/cluster_rag.py on Ray (needs both ray halves)
 #   bash bench/gpu_run.sh approx    # approximate reuse: speed, its profile, reuse quality
+#   bash bench/gpu_run.sh scattered # attention layouts for scattered queries (issue 12;
+#                                   # its custom-mask kernels JIT-compile on first use)
 #   bash bench/gpu_run.sh skinny    # the skinny-matmul kernel: its tests, the tile sweep
 #                                   # against cuBLAS, batch-1 decode with and without it
 #   bash bench/gpu_run.sh http      # bench/http_rag.py: the RAG load through the HTTP app
@@ -80,6 +82,8 @@ case "${1:-all}" in
     python3 bench/approx_profile.py --model $model 2>&1 | grep -v Warning > "$out/approx_profile.txt"
     python3 bench/reuse_quality.py --examples 100 --docs 4 8 16 --hops 1 2 \
       --json "$out/reuse_quality.json" 2>&1 | grep -v " hops " | tee "$out/reuse_quality.txt" ;;
+  scattered)
+    python3 bench/scattered_attention.py 2>&1 | grep -v Warning | tee "$out/scattered_attention.txt" ;;
   skinny)
     python3 -m pytest tests/gpu/test_skinny_kernel.py -q -p no:cacheprovider 2>&1 \
       | tee "$out/skinny_tests.txt"

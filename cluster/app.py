@@ -44,7 +44,7 @@ from cluster.errors import (
     NotFound,
     PayloadTooLarge,
 )
-from cluster.metrics import Metrics, SharedMetrics, worker_gauges
+from cluster.metrics import Metrics, SharedMetrics, worker_families
 from cluster.model_store import ensure_model
 from cluster.openai_protocol import (
     ChatCompletionRequest,
@@ -205,7 +205,7 @@ class ChunkserveServer:
         pool = self._service.router.pool
         workers = sorted(pool.health())
         statuses = await asyncio.gather(*(self._worker_status(w) for w in workers))
-        text = await self._shared.render(worker_gauges(dict(zip(workers, statuses, strict=True))))
+        text = await self._shared.render(worker_families(dict(zip(workers, statuses, strict=True))))
         return Response(text, media_type=PROMETHEUS_TEXT)
 
     async def _worker_status(self, worker_id: str) -> WorkerStatus | None:

@@ -279,8 +279,9 @@ def merge(snapshots: Sequence[AgedSnapshot]) -> dict[str, Family]:
     return merged
 
 
-def worker_gauges(statuses: Mapping[str, WorkerStatus | None]) -> list[Family]:
-    """Gauges per worker from its status (None: it did not answer)."""
+def worker_families(statuses: Mapping[str, WorkerStatus | None]) -> list[Family]:
+    """Gauges and counters per worker from its status (None: it did not answer);
+    the counters are totals since the worker started (a restart reads as a reset)."""
     up = Gauge("chunkserve_worker_up", "1 if the worker answered this scrape", ("worker",))
     requests = Gauge(
         "chunkserve_worker_requests", "choices queued or running on the worker", ("worker",)
@@ -317,7 +318,6 @@ def worker_gauges(statuses: Mapping[str, WorkerStatus | None]) -> list[Family]:
         "it prefilled anything",
         ("worker",),
     )
-    # counts since the worker (this incarnation) started: a restart reads as a reset
     steps = Counter(
         "chunkserve_worker_steps_total",
         "engine steps the worker ran, by kind: a CUDA graph or eager, and the attention "
@@ -326,9 +326,15 @@ def worker_gauges(statuses: Mapping[str, WorkerStatus | None]) -> list[Family]:
     )
     step_seconds = Counter(
         "chunkserve_worker_step_seconds_total",
-        "seconds the worker's engine spent in steps, by kind (as steps_total): its rate "
-        "is how busy the engine is, and which steps take its time",
+        "the worker's steps' time by kind (as steps_total): on a GPU each step's span on "
+        "the device, from reaching its start to its tokens' copy; on the CPU its compute",
         ("worker", "kind"),
+    )
+    busy = Counter(
+        "chunkserve_worker_engine_busy_seconds_total",
+        "wall time the worker's engine loop spent inside steps (launching, waiting for "
+        "the device, emitting tokens): its rate is how busy the engine is",
+        ("worker",),
     )
     for worker_id, status in sorted(statuses.items()):
         up.set(0 if status is None else 1, worker_id)
@@ -343,9 +349,11 @@ def worker_gauges(statuses: Mapping[str, WorkerStatus | None]) -> list[Family]:
             for kind, (count, seconds) in status.steps_by_kind.items():
                 steps.inc(worker_id, kind, by=count)
                 step_seconds.inc(worker_id, kind, by=seconds)
+            busy.inc(worker_id, by=status.engine_busy_s)
     return [up, requests, tokens, pages, kv_total, kv_in_use, backlog, prefill_rate] + [
         steps,
         step_seconds,
+        busy,
     ]
 
 

@@ -168,7 +168,8 @@ def test_latency_and_worker_families_after_requests(app, client):
         values.get(f'chunkserve_worker_step_seconds_total{{worker="{w}",kind="torch eager"}}', 0)
         for w in workers
     ]
-    assert sum(steps) > 0 and sum(seconds) > 0, (steps, seconds)
+    busy = [values[f'chunkserve_worker_engine_busy_seconds_total{{worker="{w}"}}'] for w in workers]
+    assert sum(steps) > 0 and 0 < sum(seconds) <= sum(busy), (steps, seconds, busy)
     assert not [k for k in values if "_steps_total" in k and "torch eager" not in k]
 
 

@@ -236,3 +236,24 @@ def test_prompt_tokens_read_back_follow_those_launched(model):
             assert launched[:4] == [16, 16, 16, 2] and read_back[:4] == [0, 16, 16, 18]
         else:
             assert read_back == launched
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_every_launched_step_is_read_back_once_with_its_time(model, overlap):
+    """``Engine.last_resolved_steps``: each step launched is reported once, by the
+    call that reads it back (with overlap often the next one, the last by the call
+    that drains the engine), with its kind and a positive time."""
+    engine = _engine(model, overlap)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(_prompts(engine, 3, (40, 70, 25))):
+        engine.add_request(f"r{i}", prompt, params)
+    launched, resolved, late = 0, [], 0
+    while engine.has_unfinished():
+        engine.step()
+        launched += engine.last_step_seqs > 0
+        resolved += engine.last_resolved_steps
+        late += engine.last_step_seqs == 0 and bool(engine.last_resolved_steps)
+    assert len(resolved) == launched
+    assert {kind for kind, _ in resolved} == {"torch eager"}
+    assert all(seconds > 0 for _, seconds in resolved)
+    assert late == (1 if overlap else 0)  # overlapped: the last step read back by the drain

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,11 @@ class _Launched:
     logits: torch.Tensor | None  # kept only when some row asks for logprobs
     yields_first_token: bool  # some sequence samples its first output token
     prompt_tokens: int  # prompt positions it computes (``last_step_prompt_tokens``)
+    kind: str  # how the model ran it (``ModelRunner.last_run_kind``)
+    # its time (``Engine.last_resolved_steps``): on CUDA from ``started`` to ``copied``
+    # on the device; else the launch's own host time, which computed it
+    started: torch.cuda.Event | None
+    launch_s: float
     held: bool = False  # placeholders stand for the tokens in the sampling sequences
 
 
@@ -232,6 +238,11 @@ class Engine:
         self.last_step_prompt_tokens = 0
         self.last_step_seqs = 0
         self.last_read_back_prompt_tokens = 0
+        # (kind, seconds) of each step the last ``step()`` read back: its kind as
+        # ``ModelRunner.last_run_kind`` and its time on the device, from the moment the
+        # device reached its start to its tokens' copy (idle gaps while the host launched
+        # it included); without CUDA, its launch's host time (which computed it)
+        self.last_resolved_steps: list[tuple[str, float]] = []
 
     # -- requests --------------------------------------------------------------
     def namespace(self, tenant_salt: str | None = None) -> Namespace:
@@ -313,6 +324,7 @@ class Engine:
         """Schedule and run one step; returns the tokens it produced or, with
         overlapped steps, those of the step before (this one's come next call)."""
         previous, self._in_flight = self._in_flight, None
+        self.last_resolved_steps = []
         batch = self.scheduler.schedule()
         self.last_step_seqs = len(batch)
         self.last_step_prompt_tokens = 0
@@ -347,6 +359,11 @@ class Engine:
                 carried = CarriedTokens(
                     torch.tensor(rows), torch.tensor(source_rows), previous.tokens
                 )
+        started = None
+        if self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
+        launch_began = time.perf_counter()
         logits = self.runner.run(batch, carried) if carried else self.runner.run(batch)
         params = [item.seq.params for item in sampling]
         tokens = sample_on_device(logits, params, [item.seq.generator for item in sampling])
@@ -354,10 +371,11 @@ class Engine:
         if tokens.is_cuda:
             host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host_tokens.copy_(tokens, non_blocking=True)
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event(enable_timing=True)
             copied.record()
         else:
             host_tokens = tokens
+        launch_s = time.perf_counter() - launch_began
         prompt_tokens = 0  # prompt positions computed: a few integer ops per item
         published = []
         for item in batch:
@@ -386,6 +404,9 @@ class Engine:
             logits if wants_logprobs else None,
             any(item.seq.num_output_tokens == 0 for item in sampling),
             prompt_tokens,
+            self.runner.last_run_kind,
+            started,
+            launch_s,
         )
 
     def _hold(self, launched: _Launched) -> None:
@@ -402,6 +423,12 @@ class Engine:
         tokens of the sequences still running."""
         if launched.copied is not None:
             launched.copied.synchronize()
+        seconds = (
+            launched.started.elapsed_time(launched.copied) / 1000
+            if launched.started is not None and launched.copied is not None
+            else launched.launch_s
+        )
+        self.last_resolved_steps.append((launched.kind, seconds))
         tokens = launched.host_tokens.tolist()
         for item, table, (first, ready) in zip(
             launched.batch, launched.page_tables, launched.published, strict=True

@@ -14,7 +14,8 @@ Invariants:
   was made, as does every ``status``: routers see queued prefill, decode count and
   measured rates with each poll and each output.
 - Outputs reach the event loop through one ``_Outbox``: a step's outputs for all
-  requests cost one wake-up of the loop.
+  requests usually cost one wake-up of the loop, and reach each request's queue in
+  order.
 - A fatal engine error kills the process, so Ray restarts the actor (new epoch).
 - Registered chunks live in ``WorkerChunks``, reached only through the loop thread;
   they die with the actor (a restarted worker holds none). A chunk whose TTL ended
@@ -191,6 +192,7 @@ class Worker:
     async def status(self) -> WorkerStatus:
         publisher = await asyncio.to_thread(self._publisher.stats)  # may wait on a flush
         kv_total, kv_in_use = self._loop.kv_pages()
+        tally = self._loop.step_tally()
         return WorkerStatus(
             info=self._info,
             load=self._loop.load(),
@@ -200,7 +202,8 @@ class Worker:
             draining=self._draining,
             directory_in_sync=publisher.in_sync,
             directory_superseded=publisher.superseded,
-            steps_by_kind=self._loop.step_tally(),
+            steps_by_kind=tally.steps_by_kind,
+            engine_busy_s=tally.busy_s,
         )
 
     async def health(self) -> bool:
@@ -230,9 +233,10 @@ def _crash(error: BaseException) -> None:
 
 class _Outbox:
     """Hands the engine thread's outputs to the actor's event loop: outputs delivered
-    while a hand-over is pending join it, so a step's outputs for every request cost
-    the event loop one wake-up, not one each (the engine thread holds the GIL while
-    it delivers a step's outputs, so they arrive together)."""
+    while a hand-over is pending join it, so a step's outputs for every request
+    usually cost the event loop one wake-up, not one each (the engine thread holds
+    the GIL while it delivers a step's outputs; a switch mid-delivery splits them over
+    two). Each queue gets its items in the order they were delivered."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -250,8 +254,9 @@ class _Outbox:
                 return  # the hand-over already asked for takes this one too
         try:
             self._loop.call_soon_threadsafe(self._hand_over)
-        except RuntimeError:
-            pass  # the event loop closed: the actor is shutting down
+        except RuntimeError:  # the event loop closed: the actor is shutting down
+            with self._lock:
+                self._pending.clear()
 
     def _hand_over(self) -> None:
         with self._lock:

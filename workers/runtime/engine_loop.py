@@ -30,10 +30,13 @@ Invariants:
   its prompt tokens over what it took beyond that baseline (at least
   ``MIN_PREFILL_SHARE`` of it). All are 0.0 until measured; the first measurement
   sets an average directly.
-- ``step_tally()`` counts every timed step by the kind it launched
-  (``ModelRunner.last_run_kind``: graph or eager, and the attention kind) with the
-  seconds ``Engine.step`` took: where a worker's time goes, for benchmarks and
-  operators (totals since start; differences of two snapshots give a window).
+- ``step_tally()`` says where the engine's time goes, for benchmarks and operators
+  (totals since start; differences of two snapshots give a window): every step read
+  back, by its kind (``ModelRunner.last_run_kind``: graph or eager, and the attention
+  kind), with its time (``Engine.last_resolved_steps``: on CUDA, its span on the
+  device), and the wall time spent inside ``Engine.step`` (busy). With overlapped
+  steps a call's wall time is mostly the wait for the step before, so only the
+  device spans say what each kind of step costs.
 """
 
 from __future__ import annotations
@@ -135,6 +138,21 @@ class MeasuredSpeed:
 
 
 @dataclass(slots=True)
+class StepTally:
+    """Where an engine's time went since its loop started (module invariants)."""
+
+    steps_by_kind: dict[str, tuple[int, float]]  # kind -> (steps, their seconds)
+    busy_s: float  # wall time inside Engine.step
+
+    def add(self, call_s: float, resolved: list[tuple[str, float]]) -> None:
+        """One ``Engine.step`` call of ``call_s`` seconds that read back ``resolved``."""
+        self.busy_s += call_s
+        for kind, seconds in resolved:
+            steps, total = self.steps_by_kind.get(kind, (0, 0.0))
+            self.steps_by_kind[kind] = (steps + 1, total + seconds)
+
+
+@dataclass(slots=True)
 class _Counters:
     requests: int = 0
     tokens: int = 0
@@ -146,8 +164,7 @@ class _Counters:
     decode_seqs: int = 0
     speed: MeasuredSpeed = field(default_factory=MeasuredSpeed)
     version: int = 0
-    # per step kind: [steps, seconds in Engine.step]
-    steps_by_kind: dict[str, list[float]] = field(default_factory=dict)
+    tally: StepTally = field(default_factory=lambda: StepTally({}, 0.0))
 
 
 def _ewma(average: float, sample: float) -> float:
@@ -258,10 +275,11 @@ class EngineLoop:
                 version=c.version,
             )
 
-    def step_tally(self) -> dict[str, tuple[int, float]]:
-        """Per step kind, (steps, seconds) since the loop started."""
+    def step_tally(self) -> StepTally:
+        """Steps by kind and busy time since the loop started (a copy)."""
         with self._lock:
-            return {kind: (int(n), s) for kind, (n, s) in self._counters.steps_by_kind.items()}
+            tally = self._counters.tally
+            return StepTally(dict(tally.steps_by_kind), tally.busy_s)
 
     def kv_pages(self) -> tuple[int, int]:
         """(pool size, pages in use). Read from another thread without stopping the
@@ -315,9 +333,8 @@ class EngineLoop:
             c = self._counters
             if timed:
                 c.speed.fold(step_s, prompt_tokens)
-                tally = c.steps_by_kind.setdefault(engine.runner.last_run_kind, [0, 0.0])
-                tally[0] += 1
-                tally[1] += step_s
+            if step_s is not None:
+                c.tally.add(step_s, engine.last_resolved_steps)
             c.prefill_backlog_tokens = shape.prefill_backlog_tokens
             c.decode_seqs = shape.decode_seqs
             c.version += 1
