@@ -15,9 +15,9 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_triton_inter
 
 @pytest.fixture(autouse=True)
 def _sm_count(monkeypatch):
-    from workers.engine.layers import skinny_kernel
+    from workers.engine import device_properties
 
-    monkeypatch.setattr(skinny_kernel, "sm_count", lambda device: 132)  # an H200's
+    monkeypatch.setattr(device_properties, "sm_count", lambda device: 132)  # an H200's
 
 
 @pytest.mark.parametrize("gated", [False, True])

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import flashinfer
 import torch
 
+from workers.engine import device_properties
 from workers.engine.attention.base import (
     AttentionShape,
     BatchLayout,
@@ -70,7 +71,7 @@ class FlashInferBackend:
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
         self._level_wrappers: list[flashinfer.BatchPrefillWithPagedKVCacheWrapper] = []
-        self.num_sms = torch.cuda.get_device_properties(shape.device).multi_processor_count
+        self.num_sms = device_properties.sm_count(shape.device)
         # the last step's attention, planned here or by a graph (for tests, benchmarks):
         # "prefill" | "prefill-split" | "decode" | "cascade"
         self.last_plan_kind = ""

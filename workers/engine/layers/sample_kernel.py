@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.engine import device_properties
+
 MIN_SPAN, MAX_SPAN = 1024, 16384  # tokens a program scans (powers of two)
 BLOCK = 1024  # tokens a program loads at once (MIN_SPAN: every span a multiple)
 
@@ -86,12 +88,12 @@ def gumbel_argmax(
     says. ``inv_temp``: [rows] float32 on the same device, 0 for greedy rows.
     ``span``: tokens a program scans (a multiple of BLOCK); by default ``span_for``.
     The draws do not depend on it: the noise is keyed by the element's index."""
-    from workers.engine.layers.skinny_kernel import sm_count
-
     rows, vocab = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     if span is None:  # off CUDA (Triton's interpreter, for tests) count one SM
-        span = span_for(rows, vocab, sm_count(logits.device) if logits.is_cuda else 1)
+        span = span_for(
+            rows, vocab, device_properties.sm_count(logits.device) if logits.is_cuda else 1
+        )
     if span <= 0 or span % BLOCK:
         raise ValueError(f"span {span} is not a positive multiple of {BLOCK}")
     spans = triton.cdiv(vocab, span)

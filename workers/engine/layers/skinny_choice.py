@@ -164,10 +164,10 @@ def normed(
 
 
 def _measure(model: nn.Module, kind: str) -> KindTiming:
+    from workers.engine import device_properties
     from workers.engine.layers.skinny_kernel import (
         skinny_matmul,
         skinny_norm_matmul,
-        sm_count,
         tile_candidates,
     )
 
@@ -213,7 +213,7 @@ def _measure(model: nn.Module, kind: str) -> KindTiming:
     n = w0.shape[0] // 2 if gated else w0.shape[0]
     best: tuple[float, Tiles] | None = None
     note = ""
-    for tiles in tile_candidates(n, w0.shape[1], 1, sm_count(x.device)):
+    for tiles in tile_candidates(n, w0.shape[1], 1, device_properties.sm_count(x.device)):
         try:  # the first call builds it, outside a graph
             errors = [off_by(kernel(w0, layer_norms[0], tiles), want)]
             if first_layer is not None:

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.engine import device_properties
 from workers.engine.layers.skinny_choice import Tiles
 
 MAX_ROWS = 4  # rows this path takes; wider inputs go to cuBLAS
@@ -223,7 +224,7 @@ def _launch(x, weight, gated, tiles, residual, norm, eps) -> torch.Tensor:
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     rows = triton.next_power_of_2(m)
     if tiles is None:
-        tiles = default_tiles(n, k, rows, sm_count(x.device))
+        tiles = default_tiles(n, k, rows, device_properties.sm_count(x.device))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     split = tiles.split_k
     target = out
@@ -262,13 +263,3 @@ def _launch(x, weight, gated, tiles, residual, norm, eps) -> torch.Tensor:
             target, out, m, n, SPLIT_K=split, BLOCK=block, GATED=gated
         )
     return out
-
-
-_SMS_BY_DEVICE: dict[int, int] = {}
-
-
-def sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS_BY_DEVICE:
-        _SMS_BY_DEVICE[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS_BY_DEVICE[index]
