@@ -444,6 +444,7 @@ def cluster_config(args: argparse.Namespace, count: int) -> ClusterConfig:
                 "num_cpus": 1,
                 "max_restarts": 3,
                 "startup_timeout_s": 600,
+                "engine_process": args.engine_process,
             },
             "directory": {"kind": "embedded"},
             "router": {"max_requests_per_worker": 4096},
@@ -715,6 +716,11 @@ def parse_args() -> argparse.Namespace:
         "chunk_aware,recent_route_lease_s=0",
     )
     ap.add_argument("--gpus-per-worker", type=float, default=1.0, help="0: CPU workers")
+    ap.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="each worker's engine in a process of its own (workers.engine_process)",
+    )
     ap.add_argument("--pages", type=int, default=24576, help="KV pages per worker")
     ap.add_argument("--docs", type=int, default=192)
     ap.add_argument("--zipf", type=float, default=1.0)

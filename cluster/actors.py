@@ -321,6 +321,7 @@ def ensure_cluster(cfg: ClusterConfig, model_dir: Path, *, detached: bool) -> Cl
             directory=spec,
             publish_interval_s=cfg.workers.publish_interval_s,
             cpu_threads=cfg.workers.cpu_threads,
+            engine_process=cfg.workers.engine_process,
         )
         workers[worker_id] = WorkerActor.options(
             name=worker_id,

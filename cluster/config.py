@@ -121,6 +121,13 @@ class WorkersSection(_Section):
     cpu_threads: int | None = Field(
         1, gt=0, description="torch threads per worker; null keeps torch's default"
     )
+    engine_process: bool = Field(
+        False,
+        description="run each worker's engine in a process of its own, apart from the "
+        "actor's event loop that streams outputs, so the engine never waits for the GIL "
+        "behind the streaming (a loaded GPU worker spent most of its step time so); off: "
+        "a thread of the actor's process",
+    )
     max_restarts: int = Field(
         3, gt=0, description="times Ray restarts a crashed worker (each with a new epoch)"
     )

@@ -16,15 +16,19 @@ from tests.cluster.conftest import REPO
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
 def test_cluster_bench_answers_everything_and_survives_a_killed_worker(
-    ray_cluster, tiny_qwen3, tmp_path
+    ray_cluster, tiny_qwen3, tmp_path, engine_process
 ):
+    """With the engine on the actor's thread or in its own process (there, the killed
+    actor's engine process ends with it and the restarted actor starts a new one)."""
     out = tmp_path / "runs.json"
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address, "RAY_AUTH_MODE": "disabled"}
     args = ["--model", str(tiny_qwen3), "--workers", "1,2", "--gpus-per-worker", "0",
             "--pages", "400", "--docs", "12", "--system-tokens", "48", "--doc-tokens", "160",
             "--max-tokens", "4", "--requests-per-worker", "24", "--concurrency", "3",
             "--kill", "--kill-at", "0.3", "--json", str(out)]  # fmt: skip
+    args += ["--engine-process"] if engine_process else []
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "cluster_rag.py"), *args],
         env=env,

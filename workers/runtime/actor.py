@@ -1,7 +1,8 @@
 """The Ray worker actor: one engine per GPU (or CPU slot), streaming output to routers.
 
 Invariants:
-- The engine is driven only by the ``EngineLoop`` thread. Async methods only enqueue
+- The engine is driven only by the ``EngineLoop`` thread, here or in the engine's own
+  process (``WorkerSpec.engine_process``; ``engine_host``). Async methods only enqueue
   commands and await per-request asyncio queues: the actor's event loop never blocks.
 - ``epoch`` is new for every start of the actor: the wall clock in milliseconds when
   this incarnation started, so a restart (which takes far longer than a millisecond)
@@ -42,8 +43,9 @@ from workers.engine.chunk_registry import ChunkInfo
 from workers.engine.engine import Engine, StepOutput
 from workers.runtime.cache_mirror import CacheMirror
 from workers.runtime.directory_client import connect_directory
-from workers.runtime.engine_loop import EngineLoop, Rejected
-from workers.runtime.worker_chunks import ChunkFailure, Registered, WorkerChunks
+from workers.runtime.engine_host import ChildEngine, LocalEngine
+from workers.runtime.engine_loop import Rejected
+from workers.runtime.worker_chunks import ChunkFailure, Registered
 from workers.runtime.worker_types import (
     EngineLoad,
     WorkerDelta,
@@ -69,24 +71,27 @@ def new_epoch() -> int:
 
 class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
-        if spec.cpu_threads is not None:
-            torch.set_num_threads(spec.cpu_threads)
         started = time.monotonic()
         self._epoch = new_epoch()
-        engine = Engine(spec.engine, stream_text=True)
+        self._mirror = CacheMirror()
+        if spec.engine_process:
+            self._engine = ChildEngine(spec.engine, spec.cpu_threads, self._mirror.absorb, _crash)
+        else:
+            if spec.cpu_threads is not None:
+                torch.set_num_threads(spec.cpu_threads)
+            engine = Engine(spec.engine, stream_text=True)
+            self._engine = LocalEngine(engine, self._mirror.absorb, _crash)
+        facts = self._engine.facts
         self._info = WorkerInfo(
             worker_id=spec.worker_id,
             epoch=self._epoch,
-            namespace_model=engine.namespace_model,
-            max_model_len=engine.max_model_len,
-            page_size=engine.pool.page_size,
+            namespace_model=facts["namespace_model"],
+            max_model_len=facts["max_model_len"],
+            page_size=facts["page_size"],
             directory_namespace=directory_namespace(spec.directory),
             startup_s=time.monotonic() - started,
             entry_system_prompt=spec.engine.entry_system_prompt,
         )
-        self._mirror = CacheMirror()
-        self._loop = EngineLoop(engine, self._mirror.absorb, _crash)
-        self._chunks = WorkerChunks(engine, self._loop)
         self._publisher = EventPublisher(
             connect_directory(spec.directory),
             spec.worker_id,
@@ -97,11 +102,12 @@ class Worker:
         )
         self._draining = False
         self._outbox: _Outbox | None = None
-        # The engine thread waits for the device with the GIL released; the event loop
-        # thread (streaming deltas) then holds it until it blocks or is asked to drop
-        # it, after the switch interval (5 ms by default): a wait that each step paid.
+        # The engine thread (when it runs here) waits for the device with the GIL
+        # released; the event loop thread (streaming deltas) then holds it until it
+        # blocks or is asked to drop it, after the switch interval (5 ms by default): a
+        # wait that each step paid.
         sys.setswitchinterval(_SWITCH_INTERVAL_S)
-        self._loop.start()
+        self._engine.start()
         self._publisher.start()
         threading.Thread(target=self._expire_forever, name="chunk-expiry", daemon=True).start()
         logger.info(
@@ -123,7 +129,7 @@ class Worker:
         sink = self._outbox.sink(outputs)
         ids = [f"{request.request_id}#{i}" for i in range(len(request.params))]
         for request_id, params in zip(ids, request.params, strict=True):
-            self._loop.submit(
+            self._engine.submit(
                 request_id,
                 request.prompt_token_ids,
                 params,
@@ -135,23 +141,24 @@ class Worker:
             )
         recorded = not request.chunk_ids
         try:
-            async for item in _collect(outputs, ids, request.stream_interval_s, self._loop.load):
+            async for item in _collect(outputs, ids, request.stream_interval_s, self._engine.load):
                 if not recorded and isinstance(item, WorkerDelta):
                     recorded = True  # before the client sees output: later calls see the hit
                     self._record_use(request, item.cached_tokens)
                 yield pack_item(item)
         finally:  # finished, failed or cancelled by the caller: free the engine's work
             for request_id in ids:
-                self._loop.abort(request_id)
+                self._engine.abort(request_id)
 
     def _expire_forever(self) -> None:
         while True:
             time.sleep(_EXPIRE_INTERVAL_S)
-            self._loop.call(self._chunks.expire)
+            self._engine.chunks("expire")
 
     def _record_use(self, request: WorkerRequest, cached: int) -> None:
-        chunks, tenant, prompt = self._chunks, request.tenant_salt, request.prompt_token_ids
-        self._loop.call(lambda: chunks.record_use(tenant, request.chunk_ids, prompt, cached))
+        self._engine.chunks(
+            "record_use", request.tenant_salt, request.chunk_ids, request.prompt_token_ids, cached
+        )
 
     # -- registered chunks (see workers.runtime.worker_chunks) ------------------------------
     async def register_chunk(
@@ -163,39 +170,31 @@ class Worker:
         after: Sequence[str],
         mode: str = "exact",
     ) -> Registered | ChunkFailure:
-        chunks = self._chunks
         return await asyncio.wrap_future(
-            self._loop.call(lambda: chunks.register(tenant_salt, content, role, ttl_s, after, mode))
+            self._engine.chunks("register", tenant_salt, content, role, ttl_s, after, mode)
         )
 
     async def unregister_chunk(self, tenant_salt: str, chunk_id: str) -> bool:
-        chunks = self._chunks
-        return await asyncio.wrap_future(
-            self._loop.call(lambda: chunks.unregister(tenant_salt, chunk_id))
-        )
+        return await asyncio.wrap_future(self._engine.chunks("unregister", tenant_salt, chunk_id))
 
     async def list_chunks(self, tenant_salt: str) -> list[ChunkInfo]:
-        chunks = self._chunks
-        return await asyncio.wrap_future(self._loop.call(lambda: chunks.infos(tenant_salt)))
+        return await asyncio.wrap_future(self._engine.chunks("infos", tenant_salt))
 
     async def chunk_messages(
         self, tenant_salt: str, chunk_ids: Sequence[str]
     ) -> dict[str, list[Message]]:
-        chunks = self._chunks
-        return await asyncio.wrap_future(
-            self._loop.call(lambda: chunks.messages(tenant_salt, chunk_ids))
-        )
+        return await asyncio.wrap_future(self._engine.chunks("messages", tenant_salt, chunk_ids))
 
     async def info(self) -> WorkerInfo:
         return self._info
 
     async def status(self) -> WorkerStatus:
         publisher = await asyncio.to_thread(self._publisher.stats)  # may wait on a flush
-        kv_total, kv_in_use = self._loop.kv_pages()
-        tally = self._loop.step_tally()
+        kv_total, kv_in_use = self._engine.kv_pages()
+        tally = self._engine.step_tally()
         return WorkerStatus(
             info=self._info,
-            load=self._loop.load(),
+            load=self._engine.load(),
             cached_pages=self._mirror.size(),
             kv_pages_total=kv_total,
             kv_pages_in_use=kv_in_use,
@@ -214,10 +213,10 @@ class Worker:
         True if everything finished within ``timeout_s``."""
         self._draining = True
         deadline = time.monotonic() + timeout_s
-        while self._loop.load().requests and time.monotonic() < deadline:
+        while self._engine.load().requests and time.monotonic() < deadline:
             await asyncio.sleep(_DRAIN_POLL_S)
         await asyncio.to_thread(self._publisher.flush)
-        return self._loop.load().requests == 0
+        return self._engine.load().requests == 0
 
     async def resume(self) -> None:
         self._draining = False

@@ -33,6 +33,9 @@ class WorkerSpec:
     directory: DirectorySpec
     publish_interval_s: float  # chunk events and heartbeats, this often
     cpu_threads: int | None  # torch intra-op threads; None keeps torch's default
+    # the engine in a child process of its own (``engine_host.ChildEngine``), not a
+    # thread of the actor's
+    engine_process: bool = False
 
 
 @dataclass(frozen=True)

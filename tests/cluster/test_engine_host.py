@@ -1,0 +1,104 @@
+"""The engine in a process of its own (``engine_host.ChildEngine``) against the engine
+on the actor's thread (``LocalEngine``): the same outputs token for token, aborts,
+rejections, chunk calls, the snapshots, and either process ending the other."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.engine.sampling_params import SamplingParams
+from workers.runtime.engine_host import ChildEngine, LocalEngine
+from workers.runtime.engine_loop import Rejected
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def _config(model) -> EngineConfig:
+    return EngineConfig(model_dir=str(model), page_size=16, device="cpu")
+
+
+def _run(host, prompts) -> dict[str, list[int]]:
+    """Submits every prompt at once; tokens per request once all finished."""
+    items: queue.SimpleQueue = queue.SimpleQueue()
+    for i, prompt in enumerate(prompts):
+        host.submit(f"r{i}", tuple(prompt), PARAMS, "", items.put)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    finished = 0
+    while finished < len(prompts):
+        item = items.get(timeout=60)
+        assert not isinstance(item, Rejected), item
+        tokens[item.request_id] += item.new_token_ids
+        finished += item.finished
+    return tokens
+
+
+@pytest.fixture
+def child(tiny_qwen3):
+    fatal: list[BaseException] = []
+    events: list = []
+    host = ChildEngine(_config(tiny_qwen3), 1, events.extend, fatal.append)
+    host.start()
+    yield host, events, fatal
+    host.close()  # the child exits with its socket
+    assert host._process.returncode == 0
+
+
+def test_the_child_engine_answers_as_the_local_one(child, tiny_qwen3):
+    host, events, fatal = child
+    prompts = [list(range(100, 100 + n)) for n in (40, 17, 64)]
+    local = LocalEngine(Engine(_config(tiny_qwen3), stream_text=True), lambda e: None, fatal.append)
+    local.start()
+    assert _run(host, prompts) == _run(local, prompts)
+    assert host.facts == local.facts
+    # the snapshots follow: nothing running, three requests served, steps tallied
+    load = host.load()
+    assert load.requests == 0 and load.requests_total == 3
+    assert load.generated_tokens_total == 18
+    assert host.kv_pages()[0] > 0
+    tally = host.step_tally()
+    assert sum(n for n, _ in tally.steps_by_kind.values()) >= 6 and tally.busy_s > 0
+    assert events  # the pool's events came across (pages published)
+    assert not fatal
+
+
+def test_rejections_aborts_and_chunk_calls_cross(child):
+    host, _, fatal = child
+    items: queue.SimpleQueue = queue.SimpleQueue()
+    host.submit("bad", (10**9,), PARAMS, "", items.put)
+    rejected = items.get(timeout=60)
+    assert isinstance(rejected, Rejected) and "vocabulary" in rejected.message
+    # an aborted request's sink gets nothing more
+    long = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    got: list = []
+    first = threading.Event()
+    host.submit("long", tuple(range(100, 140)), long, "", lambda i: got.append(i) or first.set())
+    assert first.wait(60)
+    host.abort("long")
+    seen = len(got)
+    assert _run(host, [list(range(200, 230))])  # the engine goes on
+    assert len(got) == seen and not any(o.finished for o in got)
+    # a WorkerChunks method on the child's loop thread, its result back here
+    assert host.chunks("infos", "").result(timeout=60) == []
+    registered = host.chunks("register", "", "a system prompt", "system", None, ()).result(60)
+    assert registered.created and host.chunks("infos", "").result(60) == [registered.info]
+    assert not fatal
+
+
+def test_a_child_that_cannot_start_says_why(tmp_path):
+    with pytest.raises(RuntimeError, match="could not start"):
+        ChildEngine(EngineConfig(model_dir=str(tmp_path / "none")), None, print, print)
+
+
+def test_the_actor_learns_when_the_child_dies(tiny_qwen3):
+    fatal: list[BaseException] = []
+    died = threading.Event()
+    host = ChildEngine(_config(tiny_qwen3), 1, print, lambda e: fatal.append(e) or died.set())
+    host.start()
+    host._process.kill()
+    assert died.wait(30)
+    assert "engine process ended" in str(fatal[0])

@@ -1,0 +1,222 @@
+"""Where a worker actor's engine runs: in the actor's own process (``LocalEngine``: the
+loop thread beside the event loop that streams outputs), or in a child process of its
+own (``ChildEngine``, ``WorkerSpec.engine_process``), so that the engine's Python never
+waits for the GIL behind the streaming (4 H200s, session 27: a worker streaming to 24
+requests ran its decode steps 2-3x slower than its GPU; bench/RESULTS.md).
+
+Both give the actor one interface: ``submit`` / ``abort`` (outputs reach the sink given
+with ``submit``, as ``EngineLoop.submit`` says), ``load`` / ``kv_pages`` /
+``step_tally`` snapshots, ``chunks(method, *args)`` (a ``WorkerChunks`` method run on
+the loop thread; a future of its result), and the facts a ``WorkerInfo`` needs.
+
+Invariants of ``ChildEngine``:
+- The child (``python -m workers.runtime.engine_child``) owns the ``Engine``, its
+  ``EngineLoop`` and ``WorkerChunks``; the two processes talk over one socket pair,
+  pickled messages (``multiprocessing.connection``). The parent's messages are read
+  by the child's main thread; the child sends only from its loop thread, after every
+  iteration (``EngineLoop``'s ``on_events``): the iteration's outputs, pool events and
+  load, tally and KV-page snapshots in one message, so the parent's snapshots are at
+  most one iteration old.
+- A sink is dropped with its choice's terminal item (a finished output or a
+  rejection) or at ``abort``; what arrives for a dropped sink is discarded.
+- Either process ending ends the other: the child exits when its socket closes (the
+  actor died), and the actor's reader calls ``on_fatal`` when the child's end closes or
+  it reports an engine failure (the actor then exits and Ray restarts it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from typing import Any
+
+from chunkstore.events import CacheEvent
+from workers.engine.engine import Engine
+from workers.engine.sampling_params import SamplingParams
+from workers.runtime.engine_loop import EngineLoop, Rejected, Sink, StepTally
+from workers.runtime.worker_chunks import WorkerChunks
+from workers.runtime.worker_types import EngineLoad
+
+# the facts a WorkerInfo takes from the engine
+Facts = dict[str, Any]
+
+
+def engine_facts(engine: Engine) -> Facts:
+    return {
+        "namespace_model": engine.namespace_model,
+        "max_model_len": engine.max_model_len,
+        "page_size": engine.pool.page_size,
+    }
+
+
+class LocalEngine:
+    """The engine on a thread of the actor's process."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        on_events: Callable[[list[CacheEvent]], None],
+        on_fatal: Callable[[BaseException], None],
+    ) -> None:
+        self.facts = engine_facts(engine)
+        self._loop = EngineLoop(engine, on_events, on_fatal)
+        self._chunks = WorkerChunks(engine, self._loop)
+
+    def start(self) -> None:
+        self._loop.start()
+
+    def submit(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams,
+               tenant_salt: str, sink: Sink, **reuse) -> None:  # fmt: skip
+        self._loop.submit(request_id, prompt, params, tenant_salt, sink, **reuse)
+
+    def abort(self, request_id: str) -> None:
+        self._loop.abort(request_id)
+
+    def load(self) -> EngineLoad:
+        return self._loop.load()
+
+    def kv_pages(self) -> tuple[int, int]:
+        return self._loop.kv_pages()
+
+    def step_tally(self) -> StepTally:
+        return self._loop.step_tally()
+
+    def chunks(self, method: str, *args) -> Future:
+        chunks = self._chunks
+        return self._loop.call(lambda: getattr(chunks, method)(*args))
+
+
+class ChildEngine:
+    """The engine in a child process of its own (see the module's invariants)."""
+
+    def __init__(
+        self,
+        engine_config,
+        cpu_threads: int | None,
+        on_events: Callable[[list[CacheEvent]], None],
+        on_fatal: Callable[[BaseException], None],
+    ) -> None:
+        self._on_events = on_events
+        self._on_fatal = on_fatal
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        # the actor's import path (Ray's working directory among it) for the child
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "workers.runtime.engine_child", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            env=env,
+        )
+        theirs.close()
+        self._socket = ours  # shut down by ``close``: that wakes a blocked read, close() not
+        self._conn = Connection(os.dup(ours.fileno()))
+        self._closing = False
+        self._send_lock = threading.Lock()
+        self._send(("start", engine_config, cpu_threads))
+        reply = self._recv_start()
+        self.facts: Facts = reply
+        self._sinks: dict[str, Sink] = {}
+        self._sinks_lock = threading.Lock()
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self._snapshot: tuple[EngineLoad, tuple[int, int], StepTally] | None = None
+        self._reader = threading.Thread(target=self._read, name="engine-child-reader", daemon=True)
+
+    def _recv_start(self) -> Facts:
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            code = self._process.wait()
+            raise RuntimeError(f"the engine process exited with {code} while starting") from None
+        if kind == "failed":
+            self._process.wait()
+            raise RuntimeError(f"the engine process could not start: {value}")
+        return value
+
+    def start(self) -> None:
+        self._send(("run",))
+        self._reader.start()
+
+    def submit(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams,
+               tenant_salt: str, sink: Sink, **reuse) -> None:  # fmt: skip
+        with self._sinks_lock:
+            self._sinks[request_id] = sink
+        self._send(("submit", request_id, prompt, params, tenant_salt, reuse))
+
+    def abort(self, request_id: str) -> None:
+        with self._sinks_lock:
+            self._sinks.pop(request_id, None)  # after abort the sink gets nothing more
+        self._send(("abort", request_id))
+
+    def load(self) -> EngineLoad:
+        snapshot = self._snapshot
+        return snapshot[0] if snapshot else EngineLoad(0, 0, 0, 0, 0, 0)
+
+    def kv_pages(self) -> tuple[int, int]:
+        snapshot = self._snapshot
+        return snapshot[1] if snapshot else (0, 0)
+
+    def step_tally(self) -> StepTally:
+        snapshot = self._snapshot
+        return snapshot[2] if snapshot else StepTally({}, 0.0)
+
+    def chunks(self, method: str, *args) -> Future:
+        future: Future = Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        self._send(("chunks", call_id, method, args))
+        return future
+
+    def close(self) -> None:
+        """End the engine process (it exits as its socket closes); no ``on_fatal``."""
+        self._closing = True
+        self._socket.shutdown(socket.SHUT_RDWR)
+        self._process.wait()
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                if not self._closing:
+                    code = self._process.wait()
+                    self._on_fatal(RuntimeError(f"the engine process ended ({code})"))
+                return
+            kind = message[0]
+            if kind == "iteration":
+                _, deliveries, events, snapshot = message
+                self._snapshot = snapshot
+                for request_id, item in deliveries:
+                    with self._sinks_lock:
+                        sink = self._sinks.get(request_id)
+                        if sink is not None and _terminal(item):
+                            del self._sinks[request_id]
+                    if sink is not None:
+                        sink(item)
+                if events:
+                    self._on_events(events)
+            elif kind == "reply":
+                _, call_id, ok, value = message
+                future = self._calls.pop(call_id)
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)
+            elif kind == "fatal":
+                self._on_fatal(RuntimeError(f"the engine failed: {message[1]}"))
+                return
+
+
+def _terminal(item) -> bool:
+    return isinstance(item, Rejected) or item.finished
