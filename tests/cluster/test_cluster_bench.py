@@ -11,9 +11,17 @@ import sys
 
 import pytest
 
+from tests.chunkstore.testkit import wait_until
 from tests.cluster.conftest import REPO
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def _engine_processes() -> list[str]:
+    found = subprocess.run(
+        ["pgrep", "-f", "workers.runtime.engine_child"], capture_output=True, text=True
+    )
+    return found.stdout.split()
 
 
 @pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
@@ -37,6 +45,8 @@ def test_cluster_bench_answers_everything_and_survives_a_killed_worker(
         timeout=420,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    if engine_process:  # the killed worker's engine process and every other one ended
+        assert wait_until(lambda: not _engine_processes(), timeout_s=20), _engine_processes()
     runs = {(r["workers"], r["policy"]): r for r in json.loads(out.read_text())}
     assert set(runs) == {
         (1, "chunk_aware"), (1, "round_robin"), (2, "chunk_aware"), (2, "round_robin"),

@@ -53,8 +53,11 @@ def test_the_child_engine_answers_as_the_local_one(child, tiny_qwen3):
     prompts = [list(range(100, 100 + n)) for n in (40, 17, 64)]
     local = LocalEngine(Engine(_config(tiny_qwen3), stream_text=True), lambda e: None, fatal.append)
     local.start()
-    assert _run(host, prompts) == _run(local, prompts)
-    assert host.facts == local.facts
+    try:
+        assert _run(host, prompts) == _run(local, prompts)
+        assert host.facts == local.facts
+    finally:
+        local.close()
     # the snapshots follow: nothing running, three requests served, steps tallied
     load = host.load()
     assert load.requests == 0 and load.requests_total == 3
@@ -82,11 +85,52 @@ def test_rejections_aborts_and_chunk_calls_cross(child):
     seen = len(got)
     assert _run(host, [list(range(200, 230))])  # the engine goes on
     assert len(got) == seen and not any(o.finished for o in got)
+    # the child stopped it: nothing runs, and it made far fewer than its 500 tokens
+    assert host.load().requests == 0 and host.outstanding() == 0
+    assert host.load().generated_tokens_total < 6 + 100
     # a WorkerChunks method on the child's loop thread, its result back here
     assert host.chunks("infos", "").result(timeout=60) == []
     registered = host.chunks("register", "", "a system prompt", "system", None, ()).result(60)
     assert registered.created and host.chunks("infos", "").result(60) == [registered.info]
     assert not fatal
+
+
+def test_a_request_submitted_again_under_its_id_gets_only_its_own_outputs(child):
+    """Aborted, then submitted again at once under the same id: outputs of the first
+    submission still on their way never reach the second's sink."""
+    host, _, fatal = child
+    assert host.kv_pages()[0] > 0  # snapshots exist from the start
+    first = threading.Event()
+    long = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    host.submit("x", tuple(range(100, 140)), long, "", lambda item: first.set())
+    assert first.wait(60)
+    host.abort("x")
+    items: queue.SimpleQueue = queue.SimpleQueue()
+    short = tuple(range(300, 310))
+    host.submit("x", short, PARAMS, "", items.put)
+    outputs = [items.get(timeout=60)]
+    while not outputs[-1].finished:
+        outputs.append(items.get(timeout=60))
+    assert all(o.num_prompt_tokens == len(short) for o in outputs)
+    assert sum(len(o.new_token_ids) for o in outputs) == PARAMS.max_tokens
+    assert not fatal
+
+
+def test_a_failing_sink_ends_the_actor_not_just_the_reader(tiny_qwen3):
+    fatal: list[BaseException] = []
+    died = threading.Event()
+    host = ChildEngine(_config(tiny_qwen3), 1, print, lambda e: fatal.append(e) or died.set())
+    host.start()
+    try:
+
+        def sink(item):
+            raise KeyError("a broken sink")
+
+        host.submit("r", tuple(range(100, 120)), PARAMS, "", sink)
+        assert died.wait(60)
+        assert isinstance(fatal[0], KeyError)
+    finally:
+        host.close()
 
 
 def test_a_child_that_cannot_start_says_why(tmp_path):
@@ -102,3 +146,4 @@ def test_the_actor_learns_when_the_child_dies(tiny_qwen3):
     host._process.kill()
     assert died.wait(30)
     assert "engine process ended" in str(fatal[0])
+    host.close()

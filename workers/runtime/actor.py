@@ -40,7 +40,7 @@ import torch
 from chunkstore.chunking import Message
 from chunkstore.publisher import EventPublisher
 from workers.engine.chunk_registry import ChunkInfo
-from workers.engine.engine import Engine, StepOutput
+from workers.engine.engine import StepOutput
 from workers.runtime.cache_mirror import CacheMirror
 from workers.runtime.directory_client import connect_directory
 from workers.runtime.engine_host import ChildEngine, LocalEngine
@@ -79,6 +79,8 @@ class Worker:
         else:
             if spec.cpu_threads is not None:
                 torch.set_num_threads(spec.cpu_threads)
+            from workers.engine.engine import Engine  # the engine lives in this process
+
             engine = Engine(spec.engine, stream_text=True)
             self._engine = LocalEngine(engine, self._mirror.absorb, _crash)
         facts = self._engine.facts
@@ -213,10 +215,10 @@ class Worker:
         True if everything finished within ``timeout_s``."""
         self._draining = True
         deadline = time.monotonic() + timeout_s
-        while self._engine.load().requests and time.monotonic() < deadline:
+        while self._engine.outstanding() and time.monotonic() < deadline:
             await asyncio.sleep(_DRAIN_POLL_S)
         await asyncio.to_thread(self._publisher.flush)
-        return self._engine.load().requests == 0
+        return self._engine.outstanding() == 0
 
     async def resume(self) -> None:
         self._draining = False

@@ -18,10 +18,16 @@ Invariants of ``ChildEngine``:
   load, tally and KV-page snapshots in one message, so the parent's snapshots are at
   most one iteration old.
 - A sink is dropped with its choice's terminal item (a finished output or a
-  rejection) or at ``abort``; what arrives for a dropped sink is discarded.
-- Either process ending ends the other: the child exits when its socket closes (the
-  actor died), and the actor's reader calls ``on_fatal`` when the child's end closes or
-  it reports an engine failure (the actor then exits and Ray restarts it).
+  rejection) or at ``abort``; what arrives for a dropped sink is discarded. Each
+  submit has a number of its own, so a request aborted and submitted again under the
+  same id never receives the first one's outputs.
+- Snapshots (load, KV pages, tally) come with ``ready`` and then with every output
+  message; ``outstanding()`` counts choices on the actor's side, so a drain sees a
+  submit at once.
+- Either process ending ends the other: the child exits when its socket closes or the
+  actor's process is gone (also while its engine loads), and the actor's reader calls
+  ``on_fatal`` when the child's end closes, it reports an engine failure, or handling
+  a message fails (the actor then exits and Ray restarts it).
 """
 
 from __future__ import annotations
@@ -35,14 +41,16 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from chunkstore.events import CacheEvent
-from workers.engine.engine import Engine
 from workers.engine.sampling_params import SamplingParams
 from workers.runtime.engine_loop import EngineLoop, Rejected, Sink, StepTally
 from workers.runtime.worker_chunks import WorkerChunks
 from workers.runtime.worker_types import EngineLoad
+
+if TYPE_CHECKING:  # the actor of a ChildEngine never builds an engine itself
+    from chunkstore.events import CacheEvent
+    from workers.engine.engine import Engine
 
 # the facts a WorkerInfo takes from the engine
 Facts = dict[str, Any]
@@ -72,6 +80,10 @@ class LocalEngine:
     def start(self) -> None:
         self._loop.start()
 
+    def close(self) -> None:
+        """Stop the loop thread (the engine stays as it is)."""
+        self._loop.stop()
+
     def submit(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams,
                tenant_salt: str, sink: Sink, **reuse) -> None:  # fmt: skip
         self._loop.submit(request_id, prompt, params, tenant_salt, sink, **reuse)
@@ -87,6 +99,10 @@ class LocalEngine:
 
     def step_tally(self) -> StepTally:
         return self._loop.step_tally()
+
+    def outstanding(self) -> int:
+        """Choices queued or running."""
+        return self._loop.load().requests
 
     def chunks(self, method: str, *args) -> Future:
         chunks = self._chunks
@@ -119,26 +135,31 @@ class ChildEngine:
         self._conn = Connection(os.dup(ours.fileno()))
         self._closing = False
         self._send_lock = threading.Lock()
-        self._send(("start", engine_config, cpu_threads))
-        reply = self._recv_start()
-        self.facts: Facts = reply
-        self._sinks: dict[str, Sink] = {}
-        self._sinks_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _sinks, _submissions
+        # submission number -> sink; request id -> its live submission number
+        self._sinks: dict[int, Sink] = {}
+        self._submissions: dict[str, int] = {}
+        self._numbers = itertools.count()
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
-        self._snapshot: tuple[EngineLoad, tuple[int, int], StepTally] | None = None
+        self._send(("start", engine_config, cpu_threads))
+        self.facts, self._snapshot = self._recv_start()
         self._reader = threading.Thread(target=self._read, name="engine-child-reader", daemon=True)
 
-    def _recv_start(self) -> Facts:
+    def _recv_start(self) -> tuple[Facts, tuple[EngineLoad, tuple[int, int], StepTally]]:
         try:
-            kind, value = self._conn.recv()
-        except EOFError:
+            message = self._conn.recv()
+        except Exception as error:  # the child died or sent garbage: no engine here
+            self._process.kill()
             code = self._process.wait()
-            raise RuntimeError(f"the engine process exited with {code} while starting") from None
-        if kind == "failed":
+            self._conn.close()
+            raise RuntimeError(f"the engine process ended ({code}) while starting") from error
+        if message[0] == "failed":
             self._process.wait()
-            raise RuntimeError(f"the engine process could not start: {value}")
-        return value
+            self._conn.close()
+            raise RuntimeError(f"the engine process could not start: {message[1]}")
+        _, facts, snapshot = message
+        return facts, snapshot
 
     def start(self) -> None:
         self._send(("run",))
@@ -146,26 +167,32 @@ class ChildEngine:
 
     def submit(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams,
                tenant_salt: str, sink: Sink, **reuse) -> None:  # fmt: skip
-        with self._sinks_lock:
-            self._sinks[request_id] = sink
-        self._send(("submit", request_id, prompt, params, tenant_salt, reuse))
+        with self._lock:
+            number = next(self._numbers)
+            self._sinks[number] = sink
+            self._submissions[request_id] = number
+        self._send(("submit", number, request_id, prompt, params, tenant_salt, reuse))
 
     def abort(self, request_id: str) -> None:
-        with self._sinks_lock:
-            self._sinks.pop(request_id, None)  # after abort the sink gets nothing more
+        with self._lock:  # after abort the sink gets nothing more
+            number = self._submissions.pop(request_id, None)
+            self._sinks.pop(number, None)
         self._send(("abort", request_id))
 
     def load(self) -> EngineLoad:
-        snapshot = self._snapshot
-        return snapshot[0] if snapshot else EngineLoad(0, 0, 0, 0, 0, 0)
+        return self._snapshot[0]
+
+    def outstanding(self) -> int:
+        """Choices submitted here that have not ended (nor been aborted): unlike
+        ``load().requests`` (one message old), counts a submit at once."""
+        with self._lock:
+            return len(self._sinks)
 
     def kv_pages(self) -> tuple[int, int]:
-        snapshot = self._snapshot
-        return snapshot[1] if snapshot else (0, 0)
+        return self._snapshot[1]
 
     def step_tally(self) -> StepTally:
-        snapshot = self._snapshot
-        return snapshot[2] if snapshot else StepTally({}, 0.0)
+        return self._snapshot[2]
 
     def chunks(self, method: str, *args) -> Future:
         future: Future = Future()
@@ -179,43 +206,56 @@ class ChildEngine:
         self._closing = True
         self._socket.shutdown(socket.SHUT_RDWR)
         self._process.wait()
+        if self._reader.is_alive():
+            self._reader.join()
+        self._conn.close()
+        self._socket.close()
 
     def _send(self, message: tuple) -> None:
         with self._send_lock:
             self._conn.send(message)
 
     def _read(self) -> None:
-        while True:
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError):
-                if not self._closing:
-                    code = self._process.wait()
-                    self._on_fatal(RuntimeError(f"the engine process ended ({code})"))
-                return
-            kind = message[0]
-            if kind == "iteration":
-                _, deliveries, events, snapshot = message
-                self._snapshot = snapshot
-                for request_id, item in deliveries:
-                    with self._sinks_lock:
-                        sink = self._sinks.get(request_id)
-                        if sink is not None and _terminal(item):
-                            del self._sinks[request_id]
-                    if sink is not None:
-                        sink(item)
-                if events:
-                    self._on_events(events)
-            elif kind == "reply":
-                _, call_id, ok, value = message
-                future = self._calls.pop(call_id)
-                if ok:
-                    future.set_result(value)
-                else:
-                    future.set_exception(value)
-            elif kind == "fatal":
-                self._on_fatal(RuntimeError(f"the engine failed: {message[1]}"))
-                return
+        """The reader thread: any failure here ends the actor (``on_fatal``), as an
+        engine failure does in ``LocalEngine``."""
+        try:
+            while self._handle(self._conn.recv()):
+                pass
+        except (EOFError, OSError) as error:
+            if not self._closing:
+                code = self._process.wait()
+                self._on_fatal(RuntimeError(f"the engine process ended ({code}): {error!r}"))
+        except BaseException as error:  # noqa: BLE001 - a sink, events or a message failed
+            self._on_fatal(error)
+
+    def _handle(self, message: tuple) -> bool:
+        kind = message[0]
+        if kind == "iteration":
+            _, deliveries, events, snapshot = message
+            self._snapshot = snapshot
+            for number, item in deliveries:
+                with self._lock:
+                    sink = self._sinks.get(number)
+                    if sink is not None and _terminal(item):
+                        del self._sinks[number]
+                        if self._submissions.get(item.request_id) == number:
+                            del self._submissions[item.request_id]
+                if sink is not None:
+                    sink(item)
+            if events:
+                self._on_events(events)
+        elif kind == "reply":
+            _, call_id, ok, value = message
+            future = self._calls.pop(call_id)
+            if ok:
+                future.set_result(value)
+            else:
+                refusal, text, message_text = value
+                future.set_exception(ValueError(message_text) if refusal else RuntimeError(text))
+        elif kind == "fatal":
+            self._on_fatal(RuntimeError(f"the engine failed: {message[1]}"))
+            return False
+        return True
 
 
 def _terminal(item) -> bool:

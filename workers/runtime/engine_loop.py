@@ -180,10 +180,14 @@ class EngineLoop:
         engine: Engine,
         on_events: Callable[[list[CacheEvent]], None],
         on_fatal: Callable[[BaseException], None],
+        on_delivered: Callable[[], None] = lambda: None,
     ) -> None:
+        """``on_delivered``: called on the loop thread once a step's outputs reached
+        their sinks (steps that ``prefill`` and ``step_until`` take too)."""
         self._engine = engine
         self._on_events = on_events
         self._on_fatal = on_fatal
+        self._on_delivered = on_delivered
         self._commands: queue.SimpleQueue[_Submit | _Abort | _Call | None] = queue.SimpleQueue()
         self._prefill_ids = itertools.count()
         self._active: dict[str, _Active] = {}  # loop thread only
@@ -248,6 +252,7 @@ class EngineLoop:
                     finished = finished or output.finished
                 else:
                     self._deliver(output)
+            self._on_delivered()
 
     def step_until(self, done: Callable[[], bool]) -> None:
         """Loop thread only: step the engine, delivering every output, until
@@ -257,6 +262,7 @@ class EngineLoop:
                 raise RuntimeError("the engine ran out of work before the awaited state")
             for output in self._step():
                 self._deliver(output)
+            self._on_delivered()
 
     def load(self) -> EngineLoad:
         with self._lock:
@@ -309,6 +315,7 @@ class EngineLoop:
         if self._engine.has_unfinished():
             for output in self._step():
                 self._deliver(output)
+            self._on_delivered()
         else:
             self._update_load(None)  # commands alone may have changed it (an abort)
         self._on_events(self._engine.pool.drain_events())
