@@ -54,7 +54,7 @@ from chunkstore.events import CacheEvent
 from workers.engine.engine import Engine, StepOutput
 from workers.engine.reuse_info import ReuseRequest
 from workers.engine.sampling_params import SamplingParams
-from workers.runtime.worker_types import EngineLoad
+from workers.runtime.worker_types import EngineLoad, StepTally
 
 logger = logging.getLogger(__name__)
 
@@ -135,21 +135,6 @@ class MeasuredSpeed:
             return
         prefill_s = max(step_s - self.decode_step_s, MIN_PREFILL_SHARE * step_s)
         self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, prompt_tokens / prefill_s)
-
-
-@dataclass(slots=True)
-class StepTally:
-    """Where an engine's time went since its loop started (module invariants)."""
-
-    steps_by_kind: dict[str, tuple[int, float]]  # kind -> (steps, their seconds)
-    busy_s: float  # wall time inside Engine.step
-
-    def add(self, call_s: float, resolved: list[tuple[str, float]]) -> None:
-        """One ``Engine.step`` call of ``call_s`` seconds that read back ``resolved``."""
-        self.busy_s += call_s
-        for kind, seconds in resolved:
-            steps, total = self.steps_by_kind.get(kind, (0, 0.0))
-            self.steps_by_kind[kind] = (steps + 1, total + seconds)
 
 
 @dataclass(slots=True)

@@ -170,6 +170,23 @@ class EngineLoad:
     version: int = 0
 
 
+@dataclass(slots=True)
+class StepTally:
+    """Where an engine's time went since its loop started (``EngineLoop.step_tally``).
+    Not frozen: the loop's counters add to theirs under their lock; what leaves the
+    loop is a copy."""
+
+    steps_by_kind: dict[str, tuple[int, float]]  # kind -> (steps, their seconds)
+    busy_s: float  # wall time inside Engine.step
+
+    def add(self, call_s: float, resolved: list[tuple[str, float]]) -> None:
+        """One ``Engine.step`` call of ``call_s`` seconds that read back ``resolved``."""
+        self.busy_s += call_s
+        for kind, seconds in resolved:
+            steps, total = self.steps_by_kind.get(kind, (0, 0.0))
+            self.steps_by_kind[kind] = (steps + 1, total + seconds)
+
+
 @dataclass(frozen=True)
 class WorkerStatus:
     info: WorkerInfo
