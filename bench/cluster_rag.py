@@ -119,7 +119,7 @@ class RunResult:
     retries: int = 0
     kill: dict | None = None  # the kill test's events
     # per worker during the run: its steps by kind, (steps, device seconds), and
-    # "busy": the engine loop's seconds inside its steps (WorkerStatus.steps_by_kind)
+    # "busy": the engine loop's seconds inside its steps (WorkerStatus.step_tally)
     steps: dict[str, dict] = field(default_factory=dict)
 
     def summary(self) -> dict:
@@ -544,7 +544,7 @@ async def step_tallies(workers: dict[str, ActorHandle]) -> dict[str, dict | None
     return {
         wid: None
         if isinstance(s, BaseException)
-        else {"kinds": s.steps_by_kind, "busy": s.engine_busy_s}
+        else {"kinds": s.step_tally.steps_by_kind, "busy": s.step_tally.busy_s}
         for wid, s in zip(workers, statuses, strict=True)
     }
 

@@ -346,15 +346,14 @@ def worker_families(statuses: Mapping[str, WorkerStatus | None]) -> list[Family]
             kv_in_use.set(status.kv_pages_in_use, worker_id)
             backlog.set(status.load.prefill_backlog_tokens, worker_id)
             prefill_rate.set(status.load.prefill_tokens_per_s, worker_id)
-            for kind, (count, seconds) in status.steps_by_kind.items():
+            for kind, (count, seconds) in status.step_tally.steps_by_kind.items():
                 steps.inc(worker_id, kind, by=count)
                 step_seconds.inc(worker_id, kind, by=seconds)
-            busy.inc(worker_id, by=status.engine_busy_s)
-    return [up, requests, tokens, pages, kv_total, kv_in_use, backlog, prefill_rate] + [
-        steps,
-        step_seconds,
-        busy,
-    ]
+            busy.inc(worker_id, by=status.step_tally.busy_s)
+    return [
+        up, requests, tokens, pages, kv_total, kv_in_use, backlog, prefill_rate,
+        steps, step_seconds, busy,
+    ]  # fmt: skip
 
 
 class MetricsBoard:

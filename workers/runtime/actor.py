@@ -43,7 +43,7 @@ from workers.engine.chunk_registry import ChunkInfo
 from workers.engine.engine import StepOutput
 from workers.runtime.cache_mirror import CacheMirror
 from workers.runtime.directory_client import connect_directory
-from workers.runtime.engine_host import ChildEngine, LocalEngine
+from workers.runtime.engine_host import SWITCH_INTERVAL_S, ChildEngine, LocalEngine
 from workers.runtime.engine_loop import Rejected
 from workers.runtime.worker_chunks import ChunkFailure, Registered
 from workers.runtime.worker_types import (
@@ -61,7 +61,6 @@ from workers.runtime.worker_types import (
 logger = logging.getLogger(__name__)
 
 _DRAIN_POLL_S = 0.05
-_SWITCH_INTERVAL_S = 0.0005  # see Worker.__init__
 _EXPIRE_INTERVAL_S = 1.0
 
 
@@ -108,7 +107,7 @@ class Worker:
         # released; the event loop thread (streaming deltas) then holds it until it
         # blocks or is asked to drop it, after the switch interval (5 ms by default): a
         # wait that each step paid.
-        sys.setswitchinterval(_SWITCH_INTERVAL_S)
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._engine.start()
         self._publisher.start()
         threading.Thread(target=self._expire_forever, name="chunk-expiry", daemon=True).start()
@@ -193,7 +192,6 @@ class Worker:
     async def status(self) -> WorkerStatus:
         publisher = await asyncio.to_thread(self._publisher.stats)  # may wait on a flush
         kv_total, kv_in_use = self._engine.kv_pages()
-        tally = self._engine.step_tally()
         return WorkerStatus(
             info=self._info,
             load=self._engine.load(),
@@ -203,8 +201,7 @@ class Worker:
             draining=self._draining,
             directory_in_sync=publisher.in_sync,
             directory_superseded=publisher.superseded,
-            steps_by_kind=tally.steps_by_kind,
-            engine_busy_s=tally.busy_s,
+            step_tally=self._engine.step_tally(),
         )
 
     async def health(self) -> bool:

@@ -31,13 +31,12 @@ import torch
 
 from chunkstore.events import CacheEvent
 from workers.engine.engine import Engine
-from workers.runtime.engine_host import engine_facts
+from workers.runtime.engine_host import SWITCH_INTERVAL_S, engine_facts
 from workers.runtime.engine_loop import EngineLoop
 from workers.runtime.worker_chunks import WorkerChunks
 
 logger = logging.getLogger(__name__)
 
-SWITCH_INTERVAL_S = 0.0005  # as the actor's (actor.py)
 PARENT_CHECK_S = 1.0
 
 
@@ -60,18 +59,19 @@ def serve(conn: Connection) -> int:
         send(("failed", f"{type(error).__name__}: {error}"))
         return 1
     pending: list[tuple[int, object]] = []  # (submission, output); loop thread only
-    last: list = [None]  # the last snapshot sent
+    last = None  # the last snapshot sent
 
     def snapshot() -> tuple:
         return (loop.load(), loop.kv_pages(), loop.step_tally())
 
     def flush(events: list[CacheEvent]) -> None:
         """Loop thread: send what changed since the last message."""
+        nonlocal last
         now = snapshot()
-        if pending or events or last[0] is None or now[0].version != last[0][0].version:
+        if pending or events or last is None or now[0].version != last[0].version:
             deliveries = pending.copy()
             pending.clear()
-            last[0] = now
+            last = now
             send(("iteration", deliveries, events, now))
 
     def fatal(error: BaseException) -> None:

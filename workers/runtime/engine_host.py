@@ -10,13 +10,13 @@ with ``submit``, as ``EngineLoop.submit`` says), ``load`` / ``kv_pages`` /
 the loop thread; a future of its result), and the facts a ``WorkerInfo`` needs.
 
 Invariants of ``ChildEngine``:
-- The child (``python -m workers.runtime.engine_child``) owns the ``Engine``, its
-  ``EngineLoop`` and ``WorkerChunks``; the two processes talk over one socket pair,
-  pickled messages (``multiprocessing.connection``). The parent's messages are read
-  by the child's main thread; the child sends only from its loop thread, after every
-  iteration (``EngineLoop``'s ``on_events``): the iteration's outputs, pool events and
-  load, tally and KV-page snapshots in one message, so the parent's snapshots are at
-  most one iteration old.
+- The child (``python -m workers.runtime.engine_child``, whose docstring gives the
+  protocol) owns the ``Engine``, its ``EngineLoop`` and ``WorkerChunks``; the two
+  processes talk over one socket pair, pickled messages
+  (``multiprocessing.connection``). The parent's messages are read by the child's main
+  thread. Outputs leave the child once a step delivered them, pool events after every
+  loop iteration, each message with the load, tally and KV-page snapshots, so the
+  parent's snapshots are at most one step old.
 - A sink is dropped with its choice's terminal item (a finished output or a
   rejection) or at ``abort``; what arrives for a dropped sink is discarded. Each
   submit has a number of its own, so a request aborted and submitted again under the
@@ -54,6 +54,9 @@ if TYPE_CHECKING:  # the actor of a ChildEngine never builds an engine itself
 
 # the facts a WorkerInfo takes from the engine
 Facts = dict[str, Any]
+# the GIL switch interval of a worker's processes (Worker.__init__ says why); the
+# engine process's too, for its reading thread beside the engine's
+SWITCH_INTERVAL_S = 0.0005
 
 
 def engine_facts(engine: Engine) -> Facts:

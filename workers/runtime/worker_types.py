@@ -197,8 +197,6 @@ class WorkerStatus:
     draining: bool
     directory_in_sync: bool  # the directory has every chunk event published so far
     directory_superseded: bool  # a newer epoch of this worker id exists
-    # since the worker started (``EngineLoop.step_tally``): per step kind ("decode
-    # graph", "prefill eager", ...) (steps, their time on the device), and the engine
-    # loop's wall time inside its steps
-    steps_by_kind: dict[str, tuple[int, float]] = field(default_factory=dict)
-    engine_busy_s: float = 0.0
+    # since the worker started: steps by kind ("decode graph", "prefill eager", ...)
+    # with their time on the device, and the engine loop's wall time inside its steps
+    step_tally: StepTally = field(default_factory=lambda: StepTally({}, 0.0))
