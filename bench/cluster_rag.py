@@ -121,11 +121,13 @@ class RunResult:
     # per worker during the run: its steps by kind, (steps, device seconds), and
     # "busy": the engine loop's seconds inside its steps (WorkerStatus.step_tally)
     steps: dict[str, dict] = field(default_factory=dict)
+    open_rate: float | None = None  # open loop: the offered requests/s; None: closed loop
 
     def summary(self) -> dict:
         return {
             "workers": self.workers,
             "policy": self.policy,
+            "open_rate": self.open_rate,
             "answered": len(self.results),
             "errors": self.errors,
             "retries": self.retries,
@@ -151,6 +153,11 @@ class RunResult:
             "requests_per_worker": dict(Counter(r.worker for r in self.results)),
             "kill": self.kill,
         }
+
+    @property
+    def policy_label(self) -> str:
+        """The policy, with the offered rate of an open-loop run."""
+        return self.policy + ("" if self.open_rate is None else f" @ {self.open_rate:.0f}/s")
 
     def requests_per_s(self) -> float:
         return len(self.results) / self.seconds
@@ -291,6 +298,35 @@ async def run_workload(
     return run
 
 
+async def run_open_loop(
+    service: CompletionService, bodies: list[ChatCompletionRequest], rate: float, seed: int
+) -> RunResult:
+    """``bodies`` sent as a Poisson process of ``rate`` requests/s, each answered on a
+    task of its own, whatever is still in flight (open loop: the offered load does not
+    fall when answers slow down)."""
+    run = RunResult("open", 0, "", 0.0)
+    retries_before = service.metrics.retries.total()
+    rng = random.Random(seed)
+
+    async def one(body: ChatCompletionRequest) -> None:
+        started = time.perf_counter()
+        try:
+            run.results.append(await answer(service, body, started))
+        except APIError as error:
+            run.errors.append(f"{type(error).__name__}: {error}")
+
+    started = time.perf_counter()
+    due, tasks = started, []
+    for body in bodies:
+        due += rng.expovariate(rate)
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        tasks.append(asyncio.create_task(one(body)))
+    await asyncio.gather(*tasks)
+    run.seconds = time.perf_counter() - started
+    run.retries = int(service.metrics.retries.total() - retries_before)
+    return run
+
+
 async def answer(
     service: CompletionService, body: ChatCompletionRequest, started: float
 ) -> RequestResult:
@@ -362,22 +398,36 @@ class RouterReplica:
     async def run(self, bodies: list[ChatCompletionRequest], clients: int) -> RunResult:
         return await run_workload(self.service, bodies, clients, "replica")
 
+    async def run_open(self, bodies: list[ChatCompletionRequest], rate: float, seed: int):
+        return await run_open_loop(self.service, bodies, rate, seed)
+
     async def close(self) -> None:
         await self.service.router.pool.close()
 
 
 async def run_replicated(
-    replicas: list[ActorHandle], bodies: list[ChatCompletionRequest], clients: int, label: str
+    replicas: list[ActorHandle],
+    bodies: list[ChatCompletionRequest],
+    clients: int,
+    label: str,
+    open_rate: float | None = None,
 ) -> RunResult:
-    """The requests dealt over the replicas (clients split evenly), run at once."""
+    """The requests dealt over the replicas, run at once: closed loop with the clients
+    split evenly, or with ``open_rate`` open loop, each replica a Poisson process of
+    its share of the rate (together, one of ``open_rate``)."""
     shares = [bodies[i :: len(replicas)] for i in range(len(replicas))]
     per_replica = max(1, clients // len(replicas))
     await asyncio.gather(*(r.ready.remote() for r in replicas))
     started = time.perf_counter()
     parts = await asyncio.gather(
-        *(r.run.remote(share, per_replica) for r, share in zip(replicas, shares, strict=True))
+        *(
+            r.run.remote(share, per_replica)
+            if open_rate is None
+            else r.run_open.remote(share, open_rate / len(replicas), seed)
+            for seed, (r, share) in enumerate(zip(replicas, shares, strict=True))
+        )
     )
-    run = RunResult(label, 0, "", time.perf_counter() - started)
+    run = RunResult(label, 0, "", time.perf_counter() - started, open_rate=open_rate)
     for part in parts:
         run.results += part.results
         run.errors += part.errors
@@ -444,7 +494,7 @@ def cluster_config(args: argparse.Namespace, count: int) -> ClusterConfig:
                 "num_cpus": 1,
                 "max_restarts": 3,
                 "startup_timeout_s": 600,
-                "engine_process": args.engine_process,
+                "engine_process": {"auto": None, "process": True, "thread": False}[args.engine],
             },
             "directory": {"kind": "embedded"},
             "router": {"max_requests_per_worker": 4096},
@@ -490,20 +540,21 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
     warm_service = subset_service(cfg, args.model, actors, max(counts), "round_robin")
     await run_workload(warm_service, warm, max(counts) * 2, "warm-up")  # kernels, graphs
     await warm_service.router.pool.close()
-    runs = []
-    for run_index, (count, policy) in enumerate((c, p) for c in counts for p in args.policies):
+    runs: list[RunResult] = []
+    plan = [(c, p, None) for c in counts for p in args.policies]
+    while plan:
+        count, policy, open_rate = plan.pop(0)
         routers = max(1, round(count * args.routers_per_worker))
         replicas = [
             ray.remote(num_cpus=0)(RouterReplica).remote(cfg, args.model, actors, count, policy)
             for _ in range(routers)
         ]
         requests = sequence[: args.requests_per_worker * count]
-        bodies = make_bodies(maker, shape, requests, seed=run_index + 1, stream=True)
+        bodies = make_bodies(maker, shape, requests, seed=len(runs) + 1, stream=True)
         used = dict(list(actors.workers.items())[:count])
         before = await step_tallies(used)
-        run = await run_replicated(
-            replicas, bodies, args.concurrency * count, f"{count} × {policy}"
-        )
+        label = f"{count} × {policy}" + ("" if open_rate is None else f" @ {open_rate:.0f}/s")
+        run = await run_replicated(replicas, bodies, args.concurrency * count, label, open_rate)
         run.steps = tally_difference(before, await step_tallies(used))
         run.workers, run.policy = count, policy
         await asyncio.gather(*(r.close.remote() for r in replicas))
@@ -511,6 +562,10 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
             ray.kill(replica)
         print(summary_line(run) + f", {routers} router replica(s)", flush=True)
         runs.append(run)
+        closed = [r for r in runs if r.workers == count and r.open_rate is None]
+        if args.rate_share > 0 and open_rate is None and len(closed) == len(args.policies):
+            rate = args.rate_share * min(r.requests_per_s() for r in closed)
+            plan[:0] = [(count, p, rate) for p in args.policies]
     if args.kill:
         count = max(counts)
         service = subset_service(cfg, args.model, actors, count, "chunk_aware")
@@ -589,11 +644,12 @@ def kill_line(run: RunResult, events: dict, sent: int, victim: str) -> str:
 
 
 def report(args, shape: Shape, runs: list[RunResult]) -> None:
-    measured = [r for r in runs if r.kill is None]  # the kill run is not a scaling point
+    # neither the kill run nor an open-loop one is a scaling point
+    measured = [r for r in runs if r.kill is None and r.open_rate is None]
     base = {r.policy: r for r in measured if r.workers == min(r.workers for r in measured)}
     rows = []
     for run in runs:
-        one = base.get(run.policy) if run.kill is None else None
+        one = base.get(run.policy) if run in measured else None
         scaling = (
             run.requests_per_s() / (run.workers / one.workers * one.requests_per_s())
             if one is not None
@@ -603,6 +659,7 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
             [
                 run.workers,
                 run.policy,
+                "closed" if run.open_rate is None else f"{run.open_rate:.0f}/s",
                 len(run.results),
                 len(run.errors),
                 f"{run.hit_rate():.1%}",
@@ -624,6 +681,7 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
         [
             "workers",
             "policy",
+            "arrivals",
             "ok",
             "errors",
             "hit",
@@ -639,7 +697,7 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
         rows,
     )
     rows = [
-        [run.workers, run.policy, reason, stats["requests"], *stats["ttft_ms"]]
+        [run.workers, run.policy_label, reason, stats["requests"], *stats["ttft_ms"]]
         + (stats["past_estimate_ms"] or ["—", "—"])
         for run in runs
         for reason, stats in run.routing().items()
@@ -660,7 +718,7 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
         rows,
     )
     rows = [
-        [run.workers, run.policy, worker, *stats.values()]
+        [run.workers, run.policy_label, worker, *stats.values()]
         for run in runs
         for worker, stats in run.views().items()
     ]
@@ -673,7 +731,7 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
     rows = [
         [
             run.workers,
-            run.policy,
+            run.policy_label,
             worker,
             f"{tally['busy'] / run.seconds:.0%}",
             kind,
@@ -692,16 +750,19 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
         ["workers", "policy", "worker", "busy", "step kind", "steps", "device ms", "of run"],
         rows,
     )
-    by_key = {(r.workers, r.policy): r for r in runs}
-    for count in sorted({r.workers for r in runs}):
-        aware, rr = by_key.get((count, "chunk_aware")), by_key.get((count, "round_robin"))
-        if aware and rr:
-            print(
-                f"{count} workers: chunk-aware / round-robin = "
-                f"{aware.requests_per_s() / rr.requests_per_s():.2f}× req/s; TTFT p50 "
-                f"{aware.ttft_ms(0.5):.0f} vs {rr.ttft_ms(0.5):.0f} ms, p90 "
-                f"{aware.ttft_ms(0.9):.0f} vs {rr.ttft_ms(0.9):.0f} ms"
-            )
+    by_key = {(r.workers, r.policy, r.open_rate): r for r in runs if r.kill is None}
+    for count, rate in sorted({(k[0], k[2]) for k in by_key}, key=lambda k: (k[0], k[1] or 0)):
+        aware = by_key.get((count, "chunk_aware", rate))
+        rr = by_key.get((count, "round_robin", rate))
+        if aware is None or rr is None:
+            continue
+        loop = "closed loop" if rate is None else f"open loop at {rate:.0f} req/s"
+        print(
+            f"{count} workers, {loop}: chunk-aware / round-robin = "
+            f"{aware.requests_per_s() / rr.requests_per_s():.2f}× req/s; TTFT p50 "
+            f"{aware.ttft_ms(0.5):.0f} vs {rr.ttft_ms(0.5):.0f} ms, p90 "
+            f"{aware.ttft_ms(0.9):.0f} vs {rr.ttft_ms(0.9):.0f} ms"
+        )
 
 
 def parse_args() -> argparse.Namespace:
@@ -717,9 +778,19 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--gpus-per-worker", type=float, default=1.0, help="0: CPU workers")
     ap.add_argument(
-        "--engine-process",
-        action="store_true",
-        help="each worker's engine in a process of its own (workers.engine_process)",
+        "--engine",
+        choices=("auto", "process", "thread"),
+        default="auto",
+        help="each worker's engine in a process of its own or on a thread of the actor's "
+        "(workers.engine_process; auto: a process for GPU workers)",
+    )
+    ap.add_argument(
+        "--rate-share",
+        type=float,
+        default=0.0,
+        help="also run each policy open-loop (Poisson arrivals) at this share of the "
+        "lowest closed-loop req/s of the policies at that worker count, so that TTFT "
+        "is compared at one request rate; 0: closed loop only",
     )
     ap.add_argument("--pages", type=int, default=24576, help="KV pages per worker")
     ap.add_argument("--docs", type=int, default=192)

@@ -80,11 +80,13 @@ def plan(wrapper, layout: dict, mask: torch.Tensor | None) -> float:
     """Plans ``wrapper``; returns the plan's host seconds."""
     torch.cuda.synchronize()
     started = time.perf_counter()
+    # with a custom mask FlashInfer packs it on the device, by device indptrs
+    where = "cuda" if mask is not None else "cpu"
     wrapper.plan(
-        layout["qo_indptr"],
-        layout["kv_indptr"],
+        layout["qo_indptr"].to(where),
+        layout["kv_indptr"].to(where),
         layout["kv_indices"].cuda(),
-        layout["last_page_len"],
+        layout["last_page_len"].to(where),
         QO_HEADS,
         KV_HEADS,
         HEAD_DIM,

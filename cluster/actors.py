@@ -92,6 +92,14 @@ def worker_resources(cfg: ClusterConfig) -> dict[str, float]:
     return {"CPU": cfg.workers.num_cpus, "GPU": cfg.workers.num_gpus}
 
 
+def engine_in_process(cfg: ClusterConfig) -> bool:
+    """Whether each worker's engine runs in a process of its own (``workers.engine_process``;
+    unset: for GPU workers, whose step time a streaming thread's GIL would take)."""
+    if cfg.workers.engine_process is not None:
+        return cfg.workers.engine_process
+    return cfg.workers.num_gpus > 0
+
+
 def replica_resources(cfg: ClusterConfig) -> dict[str, float]:
     """What one router replica asks Ray for (``cluster.app.build_app``'s options)."""
     return {"CPU": cfg.server.replica_num_cpus}
@@ -321,7 +329,7 @@ def ensure_cluster(cfg: ClusterConfig, model_dir: Path, *, detached: bool) -> Cl
             directory=spec,
             publish_interval_s=cfg.workers.publish_interval_s,
             cpu_threads=cfg.workers.cpu_threads,
-            engine_process=cfg.workers.engine_process,
+            engine_process=engine_in_process(cfg),
         )
         workers[worker_id] = WorkerActor.options(
             name=worker_id,

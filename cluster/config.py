@@ -121,12 +121,13 @@ class WorkersSection(_Section):
     cpu_threads: int | None = Field(
         1, gt=0, description="torch threads per worker; null keeps torch's default"
     )
-    engine_process: bool = Field(
-        False,
+    engine_process: bool | None = Field(
+        None,
         description="run each worker's engine in a process of its own, apart from the "
         "actor's event loop that streams outputs, so the engine never waits for the GIL "
-        "behind the streaming (a loaded GPU worker spent most of its step time so); off: "
-        "a thread of the actor's process",
+        "behind the streaming (on 4 H200s it served 1.3-1.6x the requests/s of an engine "
+        "thread); false: a thread of the actor's process; null: a process for GPU "
+        "workers (num_gpus > 0), a thread for CPU workers",
     )
     max_restarts: int = Field(
         3, gt=0, description="times Ray restarts a crashed worker (each with a new epoch)"

@@ -29,14 +29,16 @@ def test_cluster_bench_answers_everything_and_survives_a_killed_worker(
     ray_cluster, tiny_qwen3, tmp_path, engine_process
 ):
     """With the engine on the actor's thread or in its own process (there, the killed
-    actor's engine process ends with it and the restarted actor starts a new one)."""
+    actor's engine process ends with it and the restarted actor starts a new one). The
+    engine-thread run also runs each policy open-loop at half the closed-loop rate."""
     out = tmp_path / "runs.json"
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address, "RAY_AUTH_MODE": "disabled"}
     args = ["--model", str(tiny_qwen3), "--workers", "1,2", "--gpus-per-worker", "0",
             "--pages", "400", "--docs", "12", "--system-tokens", "48", "--doc-tokens", "160",
             "--max-tokens", "4", "--requests-per-worker", "24", "--concurrency", "3",
             "--kill", "--kill-at", "0.3", "--json", str(out)]  # fmt: skip
-    args += ["--engine-process"] if engine_process else []
+    args += ["--engine", "process"] if engine_process else ["--engine", "thread"]
+    args += [] if engine_process else ["--rate-share", "0.5"]
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "cluster_rag.py"), *args],
         env=env,
@@ -47,11 +49,22 @@ def test_cluster_bench_answers_everything_and_survives_a_killed_worker(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     if engine_process:  # the killed worker's engine process and every other one ended
         assert wait_until(lambda: not _engine_processes(), timeout_s=20), _engine_processes()
-    runs = {(r["workers"], r["policy"]): r for r in json.loads(out.read_text())}
+    everything = json.loads(out.read_text())
+    runs = {(r["workers"], r["policy"]): r for r in everything if r["open_rate"] is None}
     assert set(runs) == {
         (1, "chunk_aware"), (1, "round_robin"), (2, "chunk_aware"), (2, "round_robin"),
         (2, "chunk_aware (kill)"),
     }  # fmt: skip
+    open_runs = {(r["workers"], r["policy"]): r for r in everything if r["open_rate"]}
+    if engine_process:
+        assert not open_runs
+    else:  # each policy again at half the slower policy's closed-loop rate
+        assert set(open_runs) == set(runs) - {(2, "chunk_aware (kill)")}
+        for (workers, _), run in open_runs.items():
+            closed = min(runs[workers, p]["requests_per_s"] for p in ("chunk_aware", "round_robin"))
+            assert run["open_rate"] == pytest.approx(0.5 * closed)
+            assert run["answered"] == 24 * workers and run["errors"] == []
+            assert sum(run["routing"][r]["requests"] for r in run["routing"]) == 24 * workers
     for (workers, _), run in runs.items():
         assert run["answered"] == 24 * workers and run["errors"] == []
         assert len(run["requests_per_worker"]) == workers
