@@ -1,5 +1,6 @@
 """Where a step's time goes: torch profiler tables (CPU and CUDA) for a warm RAG
-request's time to first token and for decode steps at batch 1 and 256 (8 consecutive
+request's time to first token, for a cache hit joining 20 decoding requests (against
+their decode step), and for decode steps at batch 1 and 256 (8 consecutive
 steps, so overlapped steps overlap as they do in service), with the wall time per
 call beside the device's kernel time.
 
@@ -22,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import bench_model, profiled_calls  # noqa: E402
 from bench.idle_gaps import idle_report  # noqa: E402
 from workers import LLM, SamplingParams  # noqa: E402
+
+HIT_BATCH = 20  # requests a loaded worker decodes (4 H200s, bench/cluster_rag.py)
 
 
 def show(title: str, fn, calls: int = 1) -> None:
@@ -65,6 +68,28 @@ def main() -> None:
     )
     engine = llm.engine
     params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    # The serving case of a chunk-aware worker (bench/cluster_rag.py): a cache hit's
+    # short tail joining a batch of decoding requests, against a decode step of that batch.
+    docs = [rng.choices(range(10, 1000), k=2560) for _ in range(HIT_BATCH)]
+    for i, doc in enumerate(docs):
+        engine.add_request(f"h{i}", doc, params)
+    for _ in range(5):
+        engine.step()
+    hits = iter(range(10**6))
+
+    def hit_step() -> None:
+        rid = f"hit{next(hits)}"
+        engine.add_request(rid, docs[0] + rng.choices(range(10, 1000), k=48), one)
+        while not any(o.request_id == rid for o in engine.step()):
+            pass
+
+    hit_step()
+    show(f"cache hit (2,560 cached + 48) joining {HIT_BATCH} decoding", hit_step)
+    show(f"decode steps, batch {HIT_BATCH}, context 2.6K", engine.step, calls=8)
+    for i in range(HIT_BATCH):
+        engine.abort(f"h{i}")
+    while engine.has_unfinished():
+        engine.step()
     for batch in (1, 256):
         for i in range(batch):
             engine.add_request(f"d{batch}-{i}", rng.choices(range(10, 1000), k=512), params)
