@@ -235,46 +235,6 @@ def test_prefill_graphs_match_eager(qwen3_06b, engines):
     assert all(d["near_tie"] for d in mismatches), mismatches
 
 
-def test_cache_hit_joining_decoding_requests_takes_the_split_graph(engines):
-    """A loaded worker's mixed step: a cache hit's short tail beside 20 decoding
-    requests over long contexts replays a split-KV (FA2) prefill graph of 21+ rows, and
-    every request's greedy tokens match a plain engine's (up to near ties)."""
-    from types import SimpleNamespace
-
-    reuse, plain = engines
-    engine = reuse.engine
-    graphs = engine.runner.graphs.prefill
-    replays, original = [], graphs.run
-    graphs.run = lambda *a: (
-        replays.append((a[2].batch_size, graphs._bucket(a[2])[2])) or original(*a)
-    )
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=TOP)
-    rng = random.Random(11)
-    decoding = [rng.choices(range(10, 1000), k=1100) for _ in range(20)]
-    hit = decoding[0] + rng.choices(range(10, 1000), k=48)  # decoding[0] is cached
-    tokens: dict[str, list[int]] = {}
-    try:
-        for i, prompt in enumerate(decoding):
-            engine.add_request(f"mixed-d{i}", prompt, params)
-        for _ in range(4):
-            for out in engine.step():
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        engine.add_request("mixed-hit", hit, params)
-        while engine.has_unfinished():
-            for out in engine.step():
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    finally:
-        graphs.run = original
-    assert any(rows >= 21 and split for rows, split in replays), replays
-    expected = plain.generate([*decoding, hit], params)
-    mismatches = []
-    for rid, ref in zip([*(f"mixed-d{i}" for i in range(20)), "mixed-hit"], expected, strict=True):
-        if tokens[rid] != ref.token_ids:
-            mismatches.append(_divergence(SimpleNamespace(token_ids=tokens[rid]), ref))
-    _record("mixed_step_split_graph", {"requests": 21, "mismatches": mismatches})
-    assert all(d["near_tie"] for d in mismatches), mismatches
-
-
 def test_scattered_recompute_over_cached_kv_matches_one_pass(engines):
     """Recomputing a random subset of positions (one causal row per run) over KV whose
     rows there were overwritten with noise restores the KV and last logits of one

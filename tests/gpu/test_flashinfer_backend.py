@@ -80,19 +80,6 @@ def test_short_rows_over_a_long_kv_take_the_split_kv_kernel():
     assert backend.last_plan_kind == "prefill-split"
 
 
-def test_a_hit_joining_decoding_rows_takes_the_split_kv_kernel():
-    """A cache hit's tail beside 20 single-token rows over long KV (more query tiles
-    than SMs, almost all empty): FA2 with the KV split, agreeing with the reference."""
-    from workers.engine.attention.flashinfer_backend import FlashInferBackend
-
-    rng = random.Random(6)
-    kv_lens = [2608] + [2600] * 20
-    layout = _layout(_random_pages(rng, 21, 163), kv_lens, [48] + [1] * 20)
-    backend = FlashInferBackend(_shape())
-    assert _compare(layout, backend) <= 1e-2
-    assert backend.last_plan_kind == "prefill-split"
-
-
 def test_decode():
     from workers.engine.attention.flashinfer_backend import FlashInferBackend
 

@@ -44,19 +44,6 @@ def test_short_kv_or_many_tiles_keep_the_default_kernel():
     assert not prefers_split_kv(_layout(repair), HEADS, SMS)
 
 
-def test_many_short_rows_over_a_long_kv_split_it():
-    """A cache hit's tail joining decoding requests: more tiles than SMs, mostly empty."""
-    assert prefers_split_kv(_layout([(48, 2608)] + [(1, 2600)] * 20), HEADS, SMS)
-    assert prefers_split_kv(_layout([(48, 2608)] * 2 + [(1, 2600)] * 60), HEADS, SMS)
-    assert prefers_split_kv(_layout([(16, 3000)] * 12), HEADS, SMS)  # 192 tiles
-    # about one wave of tiles keeps the default kernel
-    assert not prefers_split_kv(_layout([(1, 2600)] * 8), HEADS, SMS)  # 128 tiles
-    assert not prefers_split_kv(_layout([(1, 2600)] * 5), HEADS, SMS)  # 80 tiles
-    # a short KV has nothing to split; too many tokens for a split graph
-    assert not prefers_split_kv(_layout([(48, 608)] + [(1, 600)] * 20), HEADS, SMS)
-    assert not prefers_split_kv(_layout([(23, 256 + 140 * i) for i in range(30)]), HEADS, SMS)
-
-
 def test_the_split_token_bound_covers_every_split_step():
     bound = max_split_kv_tokens(HEADS, SMS)
     assert bound == 512

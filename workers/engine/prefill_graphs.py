@@ -5,10 +5,9 @@ batched, and an approximate request's repair step (its scattered positions give 
 row per run of consecutive positions, often hundreds).
 
 One graph per (token bucket, row bucket, kernel): steps that ``prefers_split_kv`` (a
-few short rows, or many rows of a few tokens, over a long KV, at most
-``max_split_kv_tokens`` new tokens) in at most ``SPLIT_GRAPH_ROWS`` rows replay graphs
-whose attention is FlashInfer's FA2 with the KV split over CTAs, the others graphs of
-the default kernel (FA3 on Hopper). The step's real tokens fill the front of
+few short rows over a long KV, at most ``max_split_kv_tokens`` new tokens) replay
+graphs whose attention is FlashInfer's FA2 with the KV split over CTAs, the others
+graphs of the default kernel (FA3 on Hopper). The step's real tokens fill the front of
 the token bucket; padding tokens compute on token 0 at position 0, write their KV only
 to the scratch page, and are never attended to. Padding rows have no query tokens and
 one scratch page of KV, so the attention kernels do no work for them. Before each
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 from workers.engine.attention.base import (
+    QUERY_TILE,
     BatchLayout,
     kv_write_rows,
     max_split_kv_tokens,
@@ -44,7 +44,6 @@ from workers.engine.models.decoder import DecoderModel
 # 512 or 1,024 ran its matmuls on up to twice its rows.
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 1024)
 ROW_BUCKETS = (1, 32, 1024)
-SPLIT_GRAPH_ROWS = 32
 
 
 @dataclass
@@ -93,11 +92,15 @@ class PrefillGraphs:
             for below, r in zip((0, *ROW_BUCKETS), ROW_BUCKETS, strict=False)
             if below < t
         ]
-        # split-KV graphs: steps of few tiles (a row or a few) and steps of many short
-        # rows (decoding requests beside a cache hit's tail) up to SPLIT_GRAPH_ROWS
-        # rows; FA2's split scratch for 1,024 rows would take a GiB of workspace
+        # a split-KV step has at most one row per query tile
         split_tokens = max_split_kv_tokens(backend.shape.num_heads, backend.num_sms)
-        keys += [(t, r, True) for t, r, _ in keys if t <= split_tokens and r <= SPLIT_GRAPH_ROWS]
+        split_rows = split_tokens // QUERY_TILE
+        keys += [
+            (t, r, True)
+            for t, r, _ in keys
+            if t <= split_tokens
+            and (r == ROW_BUCKETS[0] or ROW_BUCKETS[ROW_BUCKETS.index(r) - 1] < split_rows)
+        ]
         self.graphs = {key: self._capture(*key) for key in sorted(keys, reverse=True)}
         self.buckets = sorted(self.graphs)
         self._memo: tuple[BatchLayout, tuple[int, int, bool] | None] | None = None
@@ -107,11 +110,10 @@ class PrefillGraphs:
         if self._memo is not None and self._memo[0] is layout:
             return self._memo[1]
         n, rows = layout.num_tokens, layout.batch_size
-        fitting = [(t, r, s) for t, r, s in self.buckets if t >= n and r >= rows]
-        # split-KV graphs hold up to the rows of their row bucket; a split step with
-        # more (many decoding rows) replays the default kernel's graph
-        split = self.backend.prefers_split_kv(layout) and any(s for _, _, s in fitting)
-        key = next(((t, r, s) for t, r, s in fitting if s == split), None)
+        split = self.backend.prefers_split_kv(layout)
+        key = next(
+            ((t, r, s) for t, r, s in self.buckets if t >= n and r >= rows and s == split), None
+        )
         self._memo = (layout, key)
         return key
 

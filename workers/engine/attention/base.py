@@ -186,36 +186,20 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: tor
 # H200, qwen3-0.6b heads, one layer (bench/prefill_kernel.py): 32 queries over 4,384
 # keys 63 us with FA3, 18 us with FA2 splitting the KV; 256 + 32 queries over 256 and
 # 4,384 keys 64 against 30 us; but 8 rows of 40 over 3,000 keys (8 tiles) 51 against
-# 62 us, and a 1,024-token prompt 22 against 74 us. The other bad case is many rows of
-# a few queries each, more tiles than SMs, each walking a long KV for almost nothing:
-# a cache hit's tail joining the single-token rows of decoding requests (a loaded
-# worker's mixed step). 48 + 20 x 1 queries over 2,600 keys: 125 us with FA3, 61 us
-# with FA2; 48 + 60 x 1: 339 against 159 us (H200, session 28).
+# 62 us, and a 1,024-token prompt 22 against 74 us.
 QUERY_TILE = 128
 SPLIT_KV_MIN_KV_LEN = 1024
 
 
 def prefers_split_kv(layout: BatchLayout, num_heads: int, num_sms: int) -> bool:
-    """Whether a prefill step's attention should take the split-KV kernel (FA2): some
-    row sees at least ``SPLIT_KV_MIN_KV_LEN`` tokens of KV, the step has at most
-    ``max_split_kv_tokens`` new tokens, and its query tiles (``QUERY_TILE`` new tokens
-    of one row, per query head) fill at most half the SMs, or more than all of them.
-    Within the token bound, more tiles than SMs come only from many rows of a few tokens
-    (fewer than ``QUERY_TILE / 2`` a row on average): mostly empty tiles, each walking
-    its row's whole KV. FA3 keeps the steps whose tiles make about one full wave."""
+    """Whether a prefill step's attention should take the split-KV kernel: its query
+    tiles (``QUERY_TILE`` new tokens of one row, per query head) fill at most half the
+    SMs, and some row sees at least ``SPLIT_KV_MIN_KV_LEN`` tokens of KV."""
     rows = np.diff(layout.qo_indptr.numpy())  # host arrays: this runs on every step
-    if int(layout.kv_lens.numpy().max()) < SPLIT_KV_MIN_KV_LEN:
-        return False
-    tokens = int(rows.sum())
-    if tokens > max_split_kv_tokens(num_heads, num_sms):
-        return False
     tiles = int(((rows + QUERY_TILE - 1) // QUERY_TILE).sum()) * num_heads
-    if tiles <= num_sms // 2:
-        return True
-    return tiles > num_sms
+    return tiles <= num_sms // 2 and int(layout.kv_lens.numpy().max()) >= SPLIT_KV_MIN_KV_LEN
 
 
 def max_split_kv_tokens(num_heads: int, num_sms: int) -> int:
-    """The most new tokens a step that ``prefers_split_kv`` can have: as many as query
-    tiles filling half the SMs hold."""
+    """The most new tokens a step that ``prefers_split_kv`` can have."""
     return (num_sms // 2 // num_heads) * QUERY_TILE
