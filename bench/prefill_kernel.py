@@ -10,11 +10,13 @@ one CTA walking the row's whole KV, so such rows leave most SMs idle. Variants:
 - ``fa3 split C``: each row's KV before its chunk-aligned own part cut into chunks
   of C tokens, every chunk a non-causal row of that row's queries (queries copied),
   the own part one causal row, partial outputs merged by their log-sum-exp;
+- ``decode + fa3``: one-query rows (decoding requests) through the decode kernel, the
+  others through ``fa3``;
 - ``batch attn``: FlashInfer's persistent ``BatchAttention`` (causal).
 
 Outputs are compared with ``fa3``'s (relative L2 difference).
 
-    python bench/prefill_kernel.py
+    python bench/prefill_kernel.py [--variants fa2 fa2/32] [--shapes decodes]
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ SHAPES = [
         [(256, 256), (216, 2000), (99, 3000), (95, 4000), (32, 4384)],
     ),
     ("repair: 700 in 30 runs over 4,400", [(23, 256 + 140 * i) for i in range(30)]),
+    # a cache hit joining decoding requests: the mixed step of a loaded chunk-aware
+    # worker (bench/cluster_rag.py: system 512 + document 2,048 + question)
+    ("hit joining 20 decodes: 48 + 20 x 1 over 2,600", [(48, 2608)] + [(1, 2600)] * 20),
+    ("2 hits joining 20 decodes", [(48, 2608)] * 2 + [(1, 2600)] * 20),
+    ("hit joining 60 decodes", [(48, 2608)] + [(1, 2600)] * 60),
 ]
 
 
@@ -158,6 +165,28 @@ def build(variant, spec, layout, full, q, cache, workspaces):
                 return out
             parts, part_lse = w_chunk.run(q[source], cache, return_lse=True)
             return merge(out, lse, parts, part_lse, slot, states)
+    elif variant == "decode + fa3":  # one-query rows through the decode kernel
+        one = [r for r, (n, _) in enumerate(spec) if n == 1]
+        many = [r for r, (n, _) in enumerate(spec) if n > 1]
+        if not one or not many:
+            raise ValueError("needs both one-query and longer rows")
+        starts = full[0].tolist()
+        one_q = torch.tensor([starts[r] for r in one], device="cuda")
+        many_q = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in many]).cuda()
+        w_many = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspaces[0], "NHD")
+        plan(w_many, layout.layout([(r, spec[r][0], 0, spec[r][1]) for r in many]), causal=True)
+        _, kv_ptr, idx, last = layout.layout([(r, 1, 0, spec[r][1]) for r in one])
+        w_one = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspaces[1], "NHD")
+        w_one.plan(
+            kv_ptr.cuda(), idx, last.cuda(), HEADS, KV_HEADS, DIM, PAGE,
+            q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+        )  # fmt: skip
+
+        def fn():
+            out = torch.empty_like(q)
+            out[many_q] = w_many.run(q[many_q], cache)
+            out[one_q] = w_one.run(q[one_q], cache)
+            return out
     elif variant == "batch attn":
         w = flashinfer.BatchAttention("NHD")
         qo, kv_ptr, idx, last = full
@@ -183,19 +212,29 @@ def build(variant, spec, layout, full, q, cache, workspaces):
 
 
 def main() -> None:
+    import argparse
 
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", nargs="+", help="default: all; fa3 always runs (the base)")
+    ap.add_argument("--shapes", help="only the shapes whose name contains this")
+    args = ap.parse_args()
     workspaces = [torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda") for _ in range(2)]
     variants = [
         "fa3",
         "fa2",
         "fa2/32",
+        "decode + fa3",
         "fa3 split 256",
         "fa3 split 512",
         "fa3 split 1024",
         "batch attn",
     ]
+    if args.variants:
+        variants = ["fa3"] + [v for v in args.variants if v != "fa3"]
     rows = []
     for name, spec in SHAPES:
+        if args.shapes and args.shapes not in name:
+            continue
         layout = Rows(spec)
         cache = torch.randn(
             layout.total_pages, 2, PAGE, KV_HEADS, DIM, dtype=torch.bfloat16, device="cuda"
