@@ -1,8 +1,8 @@
 """Where a step's time goes: torch profiler tables (CPU and CUDA) for a warm RAG
-request's time to first token, for a cache hit joining 20 decoding requests (against
-their decode step), and for decode steps at batch 1 and 256 (8 consecutive
-steps, so overlapped steps overlap as they do in service), with the wall time per
-call beside the device's kernel time.
+request's time to first token, a cold 4,384-token prefill, a cache hit joining 20
+decoding requests (against their decode step), and decode steps at batch 1 and 256 (8
+consecutive steps, so overlapped steps overlap as they do in service), with the wall
+time per call beside the device's kernel time.
 
     python bench/profile_step.py [--model DIR]
 """
@@ -65,6 +65,10 @@ def main() -> None:
     show(
         "warm RAG TTFT",
         lambda: llm.generate_tokens([context + rng.choices(range(10, 1000), k=64)], one),
+    )
+    show(
+        "cold prefill, 4,384 tokens",
+        lambda: llm.generate_tokens([rng.choices(range(10, 1000), k=4384)], one),
     )
     engine = llm.engine
     params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
