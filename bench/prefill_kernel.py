@@ -10,6 +10,8 @@ one CTA walking the row's whole KV, so such rows leave most SMs idle. Variants:
 - ``fa3 split C``: each row's KV before its chunk-aligned own part cut into chunks
   of C tokens, every chunk a non-causal row of that row's queries (queries copied),
   the own part one causal row, partial outputs merged by their log-sum-exp;
+- ``ragged``, ``ragged/fa2``: rows without a cached prefix (a cold prompt) through the
+  ragged kernel, K and V contiguous (no pages), default kernel or FA2;
 - ``decode + fa3``: one-query rows (decoding requests) through the decode kernel, the
   others through ``fa3``;
 - ``batch attn``: FlashInfer's persistent ``BatchAttention`` (causal).
@@ -39,6 +41,7 @@ SHAPES = [
     ("cache-hit tail: 64 over 5,184", [(64, 5184)]),
     ("cache-hit tails: 8 x 40 over 3,000", [(40, 3040)] * 8),
     ("prompt: 1,024", [(1024, 1024)]),
+    ("prompt: 4,384", [(4384, 4384)]),
     (
         "repair: 700 in 5 runs over 4,400",
         [(256, 256), (216, 2000), (99, 3000), (95, 4000), (32, 4384)],
@@ -187,6 +190,30 @@ def build(variant, spec, layout, full, q, cache, workspaces):
             out[many_q] = w_many.run(q[many_q], cache)
             out[one_q] = w_one.run(q[one_q], cache)
             return out
+    elif variant.startswith("ragged"):  # new tokens only: K and V contiguous, no pages
+        if any(n != kv for n, kv in spec):
+            raise ValueError("ragged: only rows without a cached prefix")
+        slots = torch.cat(
+            [
+                layout.indices[layout.page_start[r] : layout.page_start[r + 1]].long()
+                for r in range(len(spec))
+            ]
+        )
+        rows_of = lambda part: torch.cat(  # noqa: E731
+            [cache[slots[layout.page_start[r] : layout.page_start[r + 1]], part]
+             .reshape(-1, KV_HEADS, DIM)[: spec[r][1]] for r in range(len(spec))]
+        )  # fmt: skip
+        k, v = rows_of(0).contiguous(), rows_of(1).contiguous()
+        backend = variant.partition("/")[2] or "auto"
+        w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspaces[0], "NHD", backend=backend)
+        qo = full[0]
+        w.plan(
+            qo, qo, HEADS, KV_HEADS, DIM, causal=True,
+            q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+        )  # fmt: skip
+
+        def fn():
+            return w.run(q, k, v)
     elif variant == "batch attn":
         w = flashinfer.BatchAttention("NHD")
         qo, kv_ptr, idx, last = full

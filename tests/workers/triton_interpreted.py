@@ -62,8 +62,9 @@ def test_skinny_norm_matmul(gated, with_residual):
         assert torch.equal(x, before[0]) and (residual is None or torch.equal(residual, before[1]))
 
 
+@pytest.mark.parametrize("block", [None, 4], ids=["a-token-a-program", "blocks-of-4"])
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
-def test_qk_norm_rope_write_kv(qk_norm):
+def test_qk_norm_rope_write_kv(qk_norm, block):
     from workers.engine.attention.base import kv_write_rows, write_kv
     from workers.engine.layers.ops import apply_rope, rms_norm
     from workers.engine.layers.qkv_kernel import qk_norm_rope_write_kv
@@ -90,7 +91,17 @@ def test_qk_norm_rope_write_kv(qk_norm):
 
     got_cache = cache.clone()
     got_q = qk_norm_rope_write_kv(
-        qkv, heads, kv_heads, positions, table, got_cache, rows, q_weight, k_weight, 1e-6
+        qkv,
+        heads,
+        kv_heads,
+        positions,
+        table,
+        got_cache,
+        rows,
+        q_weight,
+        k_weight,
+        1e-6,
+        block_tokens=block,  # 5 tokens in blocks of 4: the last block is part empty
     )
     torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_cache, want_cache, rtol=1e-5, atol=1e-5)  # nothing else

@@ -38,19 +38,22 @@ def _qkv_kernel(
     KH: tl.constexpr,
     HALF: tl.constexpr,
     QK_NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # tokens per program
 ):
-    t = tl.program_id(0).to(tl.int64)
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    live = tokens < num_tokens
     head = tl.program_id(1)  # 0..H-1: a query head; H..H+KH-1: a key head and its values
     is_query = head < H
     dim: tl.constexpr = 2 * HALF
-    pairs = tl.arange(0, HALF)
-    row = qkv_ptr + t * qkv_stride
+    pairs = tl.arange(0, HALF)[None, :]
+    mask = live[:, None]
+    row = qkv_ptr + tokens[:, None] * qkv_stride
     src = row + head * dim  # query heads, then key heads: contiguous in the projection
-    lo = tl.load(src + pairs).to(tl.float32)
-    hi = tl.load(src + HALF + pairs).to(tl.float32)
+    lo = tl.load(src + pairs, mask=mask, other=0.0).to(tl.float32)
+    hi = tl.load(src + HALF + pairs, mask=mask, other=0.0).to(tl.float32)
     out_ty = q_ptr.dtype.element_ty
     if QK_NORM:
-        inv = 1.0 / tl.sqrt((tl.sum(lo * lo, 0) + tl.sum(hi * hi, 0)) / dim + eps)
+        inv = 1.0 / tl.sqrt((tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1)) / dim + eps)[:, None]
         if is_query:
             w_lo = tl.load(q_weight_ptr + pairs).to(tl.float32)
             w_hi = tl.load(q_weight_ptr + HALF + pairs).to(tl.float32)
@@ -59,24 +62,33 @@ def _qkv_kernel(
             w_hi = tl.load(k_weight_ptr + HALF + pairs).to(tl.float32)
         lo = (lo * inv * w_lo).to(out_ty).to(tl.float32)
         hi = (hi * inv * w_hi).to(out_ty).to(tl.float32)
-    position = tl.load(positions_ptr + t).to(tl.int64)
-    cos = tl.load(table_ptr + position * dim + pairs)
-    sin = tl.load(table_ptr + position * dim + HALF + pairs)
+    position = tl.load(positions_ptr + tokens, mask=live, other=0).to(tl.int64)[:, None]
+    cos = tl.load(table_ptr + position * dim + pairs, mask=mask, other=0.0)
+    sin = tl.load(table_ptr + position * dim + HALF + pairs, mask=mask, other=0.0)
     out_lo = (lo * cos - hi * sin).to(out_ty)
     out_hi = (hi * cos + lo * sin).to(out_ty)
     if is_query:
-        dst = q_ptr + (t * H + head) * dim
-        tl.store(dst + pairs, out_lo)
-        tl.store(dst + HALF + pairs, out_hi)
+        dst = q_ptr + (tokens[:, None] * H + head) * dim
+        tl.store(dst + pairs, out_lo, mask=mask)
+        tl.store(dst + HALF + pairs, out_hi, mask=mask)
     else:
         kv_head = head - H
-        key = kv_ptr + tl.load(kv_rows_ptr + t) * (KH * dim) + kv_head * dim
-        tl.store(key + pairs, out_lo)
-        tl.store(key + HALF + pairs, out_hi)
-        elements = tl.arange(0, dim)
-        value = tl.load(row + (H + KH + kv_head) * dim + elements)
-        dst = kv_ptr + tl.load(kv_rows_ptr + num_tokens + t) * (KH * dim) + kv_head * dim
-        tl.store(dst + elements, value)
+        key_row = tl.load(kv_rows_ptr + tokens, mask=live, other=0)[:, None]
+        key = kv_ptr + key_row * (KH * dim) + kv_head * dim
+        tl.store(key + pairs, out_lo, mask=mask)
+        tl.store(key + HALF + pairs, out_hi, mask=mask)
+        elements = tl.arange(0, dim)[None, :]
+        value = tl.load(row + (H + KH + kv_head) * dim + elements, mask=mask)
+        value_row = tl.load(kv_rows_ptr + num_tokens + tokens, mask=live, other=0)[:, None]
+        dst = kv_ptr + value_row * (KH * dim) + kv_head * dim
+        tl.store(dst + elements, value, mask=mask)
+
+
+# A program per (token, head) for decode-sized steps; from BLOCKED_MIN_TOKENS tokens a
+# program per (BLOCK_TOKENS tokens, head): one per token and head made a 4,384-token
+# prefill's kernel 85 us a layer on an H200, where it moves about 90 MB (bench/profile_step.py).
+BLOCKED_MIN_TOKENS = 128
+BLOCK_TOKENS = 16
 
 
 def qk_norm_rope_write_kv(
@@ -90,6 +102,7 @@ def qk_norm_rope_write_kv(
     q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None,
     eps: float,
+    block_tokens: int | None = None,  # tokens per program; None: by the step's size
 ) -> torch.Tensor:
     """Queries [T, H, D], normed (when weights are given) and rotated; the keys, so
     treated, and the values are written to ``kv_cache`` at ``kv_rows``."""
@@ -103,7 +116,10 @@ def qk_norm_rope_write_kv(
     if tokens == 0:
         return q
     norm = q_weight is not None
-    _qkv_kernel[(tokens, num_heads + num_kv_heads)](
+    if block_tokens is None:
+        block_tokens = BLOCK_TOKENS if tokens >= BLOCKED_MIN_TOKENS else 1
+    grid = (triton.cdiv(tokens, block_tokens), num_heads + num_kv_heads)
+    _qkv_kernel[grid](
         qkv,
         qkv.stride(0),
         q,
@@ -119,5 +135,6 @@ def qk_norm_rope_write_kv(
         KH=num_kv_heads,
         HALF=head_dim // 2,
         QK_NORM=norm,
+        BLOCK_T=block_tokens,
     )
     return q
