@@ -8,6 +8,9 @@ the embedded chunk directory, and the project's router and completion service
 replicas, each an actor of its own as the HTTP app's replicas are, and a closed loop
 of clients (``--concurrency`` per worker, split over the replicas) sends streamed chat
 requests; TTFT is measured where the client would see it (the router's first delta).
+With ``--rate-share S`` each policy also runs open-loop: the same requests arriving as a
+Poisson process at S times the slower policy's closed-loop rate, so that the policies'
+TTFTs are compared at one offered load (a closed loop compares them at different ones).
 
 Workload: each request is a system prompt (one of 3) + one document (of ``--docs``,
 drawn Zipf(``--zipf``)) as a content part + a unique question part, the shape of
@@ -89,6 +92,10 @@ class RequestResult:
     seen: tuple[int, int, float, float] = (0, 0, 0.0, 0.0)
 
 
+def rate_text(rate: float) -> str:
+    return f"{rate:.3g}/s"
+
+
 def ttft_quantile_ms(results: Sequence[RequestResult], q: float, hits: bool | None = None) -> float:
     """The ``q`` quantile of TTFT in ms over all requests, or over hits (at least
     ``HIT_SHARE`` of the prompt cached) or misses only; NaN with none."""
@@ -157,7 +164,7 @@ class RunResult:
     @property
     def policy_label(self) -> str:
         """The policy, with the offered rate of an open-loop run."""
-        return self.policy + ("" if self.open_rate is None else f" @ {self.open_rate:.0f}/s")
+        return self.policy + ("" if self.open_rate is None else f" @ {rate_text(self.open_rate)}")
 
     def requests_per_s(self) -> float:
         return len(self.results) / self.seconds
@@ -304,7 +311,7 @@ async def run_open_loop(
     """``bodies`` sent as a Poisson process of ``rate`` requests/s, each answered on a
     task of its own, whatever is still in flight (open loop: the offered load does not
     fall when answers slow down)."""
-    run = RunResult("open", 0, "", 0.0)
+    run = RunResult("replica", 0, "", 0.0)
     retries_before = service.metrics.retries.total()
     rng = random.Random(seed)
 
@@ -411,6 +418,7 @@ async def run_replicated(
     clients: int,
     label: str,
     open_rate: float | None = None,
+    seed: int = 0,
 ) -> RunResult:
     """The requests dealt over the replicas, run at once: closed loop with the clients
     split evenly, or with ``open_rate`` open loop, each replica a Poisson process of
@@ -423,8 +431,8 @@ async def run_replicated(
         *(
             r.run.remote(share, per_replica)
             if open_rate is None
-            else r.run_open.remote(share, open_rate / len(replicas), seed)
-            for seed, (r, share) in enumerate(zip(replicas, shares, strict=True))
+            else r.run_open.remote(share, open_rate / len(replicas), seed + i)
+            for i, (r, share) in enumerate(zip(replicas, shares, strict=True))
         )
     )
     run = RunResult(label, 0, "", time.perf_counter() - started, open_rate=open_rate)
@@ -553,10 +561,12 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
         bodies = make_bodies(maker, shape, requests, seed=len(runs) + 1, stream=True)
         used = dict(list(actors.workers.items())[:count])
         before = await step_tallies(used)
-        label = f"{count} × {policy}" + ("" if open_rate is None else f" @ {open_rate:.0f}/s")
-        run = await run_replicated(replicas, bodies, args.concurrency * count, label, open_rate)
+        run = await run_replicated(
+            replicas, bodies, args.concurrency * count, "", open_rate, seed=args.seed * 1000
+        )
         run.steps = tally_difference(before, await step_tallies(used))
         run.workers, run.policy = count, policy
+        run.label = f"{count} × {run.policy_label}"
         await asyncio.gather(*(r.close.remote() for r in replicas))
         for replica in replicas:
             ray.kill(replica)
@@ -565,7 +575,10 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
         closed = [r for r in runs if r.workers == count and r.open_rate is None]
         if args.rate_share > 0 and open_rate is None and len(closed) == len(args.policies):
             rate = args.rate_share * min(r.requests_per_s() for r in closed)
-            plan[:0] = [(count, p, rate) for p in args.policies]
+            if rate > 0:  # a policy that answered nothing leaves no rate to offer
+                plan[:0] = [(count, p, rate) for p in args.policies]
+            else:
+                print(f"{count} workers: no open-loop runs (a closed-loop run answered nothing)")
     if args.kill:
         count = max(counts)
         service = subset_service(cfg, args.model, actors, count, "chunk_aware")
@@ -649,7 +662,8 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
     base = {r.policy: r for r in measured if r.workers == min(r.workers for r in measured)}
     rows = []
     for run in runs:
-        one = base.get(run.policy) if run in measured else None
+        scaling_point = run.kill is None and run.open_rate is None
+        one = base.get(run.policy) if scaling_point else None
         scaling = (
             run.requests_per_s() / (run.workers / one.workers * one.requests_per_s())
             if one is not None
@@ -659,7 +673,7 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
             [
                 run.workers,
                 run.policy,
-                "closed" if run.open_rate is None else f"{run.open_rate:.0f}/s",
+                "closed" if run.open_rate is None else rate_text(run.open_rate),
                 len(run.results),
                 len(run.errors),
                 f"{run.hit_rate():.1%}",
@@ -756,10 +770,15 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
         rr = by_key.get((count, "round_robin", rate))
         if aware is None or rr is None:
             continue
-        loop = "closed loop" if rate is None else f"open loop at {rate:.0f} req/s"
+        served = (
+            f"chunk-aware / round-robin = {aware.requests_per_s() / rr.requests_per_s():.2f}× req/s"
+            if rate is None
+            else f"offered {rate_text(rate)}, served {aware.requests_per_s():.3g} / "
+            f"{rr.requests_per_s():.3g} req/s"
+        )
+        loop = "closed loop" if rate is None else "open loop"
         print(
-            f"{count} workers, {loop}: chunk-aware / round-robin = "
-            f"{aware.requests_per_s() / rr.requests_per_s():.2f}× req/s; TTFT p50 "
+            f"{count} workers, {loop}: {served}; TTFT p50 "
             f"{aware.ttft_ms(0.5):.0f} vs {rr.ttft_ms(0.5):.0f} ms, p90 "
             f"{aware.ttft_ms(0.9):.0f} vs {rr.ttft_ms(0.9):.0f} ms"
         )

@@ -118,6 +118,8 @@ def qk_norm_rope_write_kv(
     norm = q_weight is not None
     if block_tokens is None:
         block_tokens = BLOCK_TOKENS if tokens >= BLOCKED_MIN_TOKENS else 1
+    elif block_tokens < 1 or block_tokens & (block_tokens - 1):
+        raise ValueError(f"block_tokens must be a power of two, got {block_tokens}")
     grid = (triton.cdiv(tokens, block_tokens), num_heads + num_kv_heads)
     _qkv_kernel[grid](
         qkv,
