@@ -287,14 +287,7 @@ async def run_workload(
 
     async def client() -> None:
         while queue:
-            body = queue.pop()
-            started = time.perf_counter()
-            try:
-                result = await answer(service, body, started)
-            except APIError as error:
-                run.errors.append(f"{type(error).__name__}: {error}")
-            else:
-                run.results.append(result)
+            await answer_into(run, service, queue.pop())
             if on_answered is not None:
                 await on_answered(len(run.results) + len(run.errors))
 
@@ -314,24 +307,24 @@ async def run_open_loop(
     run = RunResult("replica", 0, "", 0.0)
     retries_before = service.metrics.retries.total()
     rng = random.Random(seed)
-
-    async def one(body: ChatCompletionRequest) -> None:
-        started = time.perf_counter()
-        try:
-            run.results.append(await answer(service, body, started))
-        except APIError as error:
-            run.errors.append(f"{type(error).__name__}: {error}")
-
     started = time.perf_counter()
     due, tasks = started, []
     for body in bodies:
         due += rng.expovariate(rate)
         await asyncio.sleep(max(0.0, due - time.perf_counter()))
-        tasks.append(asyncio.create_task(one(body)))
+        tasks.append(asyncio.create_task(answer_into(run, service, body)))
     await asyncio.gather(*tasks)
     run.seconds = time.perf_counter() - started
     run.retries = int(service.metrics.retries.total() - retries_before)
     return run
+
+
+async def answer_into(run: RunResult, service: CompletionService, body: ChatCompletionRequest):
+    """Sends ``body`` now; its result, or its error, goes into ``run``."""
+    try:
+        run.results.append(await answer(service, body, time.perf_counter()))
+    except APIError as error:
+        run.errors.append(f"{type(error).__name__}: {error}")
 
 
 async def answer(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import pstats
 import random
 import sys
@@ -79,7 +80,7 @@ def main() -> None:
         engine.add_request(f"h{i}", doc, params)
     for _ in range(5):
         engine.step()
-    hits = iter(range(10**6))
+    hits = itertools.count()
 
     def hit_step() -> None:
         rid = f"hit{next(hits)}"

@@ -149,7 +149,7 @@ class _Counters:
     decode_seqs: int = 0
     speed: MeasuredSpeed = field(default_factory=MeasuredSpeed)
     version: int = 0
-    tally: StepTally = field(default_factory=lambda: StepTally({}, 0.0))
+    tally: StepTally = field(default_factory=StepTally)
 
 
 def _ewma(average: float, sample: float) -> float:

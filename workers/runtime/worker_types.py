@@ -176,8 +176,9 @@ class StepTally:
     Not frozen: the loop's counters add to theirs under their lock; what leaves the
     loop is a copy."""
 
-    steps_by_kind: dict[str, tuple[int, float]]  # kind -> (steps, their seconds)
-    busy_s: float  # wall time inside Engine.step
+    # kind -> (steps, their seconds)
+    steps_by_kind: dict[str, tuple[int, float]] = field(default_factory=dict)
+    busy_s: float = 0.0  # wall time inside Engine.step
 
     def add(self, call_s: float, resolved: list[tuple[str, float]]) -> None:
         """One ``Engine.step`` call of ``call_s`` seconds that read back ``resolved``."""
@@ -199,4 +200,4 @@ class WorkerStatus:
     directory_superseded: bool  # a newer epoch of this worker id exists
     # since the worker started: steps by kind ("decode graph", "prefill eager", ...)
     # with their time on the device, and the engine loop's wall time inside its steps
-    step_tally: StepTally = field(default_factory=lambda: StepTally({}, 0.0))
+    step_tally: StepTally = field(default_factory=StepTally)
