@@ -7,13 +7,16 @@ layouts on qwen3-0.6b attention shapes (16 query heads, 8 KV heads, head dim 128
   (what the engine does now; FlashInfer's default kernel, FA3 on Hopper);
 - ``masked``: every query in one row over the whole KV, a custom mask (FA2);
 - ``grouped G``: the queries, in position order, split into G rows of equal size, each
-  over the KV up to its last query, a custom mask each (FA2).
+  over the KV up to its last query, a custom mask each (FA2);
+- ``Triton kernel``: ``layers/scattered_kernel`` (every query masked by its position,
+  no plan: what the engine runs after an approximate request's selection layer), in
+  the configurations ``--triton`` names.
 
 The layout question for issue 12: a layout whose plan does not depend on which
 positions were selected (masked, grouped) lets the selection stay on the device.
 
     python bench/scattered_attention.py [--kv 4384] [--placed 4096] [--repair 227]
-        [--tail 288] [--groups 4 8] [--reps 20]
+        [--system 256] [--tail 32] [--groups 4 8] [--reps 20] [--triton 32x64k512w4s2 ...]
 
 Prints per layout: rows, the attention's device time per call (profiler kernel sum),
 the host time of its plan, and the largest error against the reference.
@@ -38,12 +41,13 @@ QO_HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 16
 
 
 def query_positions(args, rng: np.random.Generator) -> np.ndarray:
-    """Sorted positions: ``repair`` of the placed tokens (after a system prompt) and the
-    last ``tail`` positions of the prompt."""
+    """Sorted positions: the first ``system`` positions (a system prompt computed, not
+    matched), ``repair`` of the placed tokens after it and the last ``tail`` positions
+    of the prompt."""
     system = args.kv - args.placed - args.tail
     repaired = rng.choice(args.placed, size=args.repair, replace=False) + system
     tail = np.arange(args.kv - args.tail, args.kv)
-    return np.sort(np.concatenate((repaired, tail)))
+    return np.sort(np.concatenate((np.arange(args.system), repaired, tail)))
 
 
 def runs_of(positions: np.ndarray) -> list[tuple[int, int]]:
@@ -130,12 +134,30 @@ def main() -> None:
     ap.add_argument("--kv", type=int, default=4384, help="prompt tokens (the KV)")
     ap.add_argument("--placed", type=int, default=4096, help="placed tokens among them")
     ap.add_argument("--repair", type=int, default=227, help="placed tokens recomputed")
-    ap.add_argument("--tail", type=int, default=288, help="prompt tail computed")
-    ap.add_argument("--groups", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--tail", type=int, default=32, help="prompt tail computed")
+    ap.add_argument(
+        "--system",
+        type=int,
+        default=256,
+        help="computed positions at the start (<= kv - placed - tail)",
+    )
+    ap.add_argument("--groups", type=int, nargs="*", default=[4, 8])
+    ap.add_argument(
+        "--runs-only",
+        action="store_true",
+        help="of FlashInfer's layouts only runs (the masked ones compile on first use)",
+    )
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument(
+        "--triton",
+        nargs="*",
+        default=["32x64k512w4s2"],
+        help="configs of the Triton kernel (layers/scattered_kernel): "
+        "<queries a program>x<keys a step>k<keys a split>w<warps>s<stages>",
+    )
     args = ap.parse_args()
-    if args.placed + args.tail > args.kv:
-        ap.error("--placed + --tail must be at most --kv")
+    if args.placed + args.tail + args.system > args.kv:
+        ap.error("--system + --placed + --tail must be at most --kv")
     import flashinfer
 
     torch.manual_seed(0)
@@ -152,8 +174,9 @@ def main() -> None:
     runs = runs_of(positions_np)
     layouts.append(("runs (causal, default kernel)", "auto", rows_layout([e + 1 for _, e in runs], [e - s + 1 for s, e in runs]), None))  # fmt: skip
     whole = [(0, m, args.kv)]
-    layouts.append(("masked, one row (FA2)", "fa2", rows_layout([args.kv], [m]), whole))
-    for g in args.groups:
+    if not args.runs_only:
+        layouts.append(("masked, one row (FA2)", "fa2", rows_layout([args.kv], [m]), whole))
+    for g in [] if args.runs_only else args.groups:
         bounds = np.linspace(0, m, g + 1).astype(int)
         rows = [(int(a), int(b - a), int(positions_np[b - 1]) + 1) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]  # fmt: skip
         layout = rows_layout([r[2] for r in rows], [r[1] for r in rows])
@@ -169,9 +192,30 @@ def main() -> None:
         us = device_us(lambda w=wrapper: w.run(q, kv), args.reps)
         table.append([name, len(layout["qo_indptr"]) - 1, us, 1e6 * plan_s, f"{error:.2e}"])
         print(f"{name}: {us:.1f} us, plan {1e6 * plan_s:.0f} us, max error {error:.2e}", flush=True)
+    from workers.engine.layers.scattered_kernel import scattered_attention
+
+    table_ids = torch.arange(pages, dtype=torch.int32, device="cuda")
+    for config in args.triton:
+        block_m, rest = config.split("x")
+        block_n, rest = rest.split("k")
+        split, rest = rest.split("w")
+        warps, stages = rest.split("s")
+        knobs = dict(block_m=int(block_m), block_n=int(block_n), split=int(split))
+        knobs.update(num_warps=int(warps), num_stages=int(stages))
+
+        def run(knobs=knobs):
+            scale = HEAD_DIM**-0.5
+            return scattered_attention(q, kv, positions, table_ids, scale, args.kv, **knobs)
+
+        error = (run().float() - expected).abs().max().item()
+        us = device_us(run, args.reps)
+        name = f"Triton kernel {config} (queries by position)"
+        table.append([name, 1, us, 0.0, f"{error:.2e}"])
+        print(f"{name}: {us:.1f} us, max error {error:.2e}", flush=True)
     print_table(
-        f"Scattered-query attention, one layer: {m} queries ({args.repair} of {args.placed} "
-        f"placed tokens + a {args.tail}-token tail) over {args.kv} tokens of KV; "
+        f"Scattered-query attention, one layer: {m} queries ({args.system} at the start, "
+        f"{args.repair} of {args.placed} placed tokens, a {args.tail}-token tail) over "
+        f"{args.kv} tokens of KV; "
         f"{torch.cuda.get_device_name()}",
         ["layout", "rows", "device us", "plan us (host)", "max error vs float32"],
         table,

@@ -173,3 +173,32 @@ def test_a_one_row_step_through_every_skinny_path_matches_the_plain_path(tiny_qw
         model.use_skinny({})
     torch.testing.assert_close(skinny, plain, rtol=1e-4, atol=1e-4 * plain.abs().max().item())
     assert not torch.equal(skinny, plain)  # a different float32 sum order: it ran
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (12, 6)])  # 12: padded in merging
+def test_scattered_attention_matches_attention_by_position(heads, kv_heads):
+    """Queries at scattered positions (a partial last block, a walk over many key
+    blocks, GQA, a shuffled page table) against the torch path the CPU runs. In
+    float32: the interpreter's ``tl.dot`` of bfloat16 operands returns garbage
+    (tests/gpu/test_scattered_attention.py checks bfloat16 on the GPU)."""
+    dtype = torch.float32
+    from workers.engine.attention.base import AttentionShape
+    from workers.engine.attention.scattered import ScatteredAttention, attend_by_position
+    from workers.engine.layers.scattered_kernel import scattered_attention
+
+    gen = torch.Generator().manual_seed(5)
+    head_dim, page_size, kv_len = 32, 4, 45
+    shape = AttentionShape(heads, kv_heads, head_dim, page_size, dtype, torch.device("cpu"))
+    num_pages = 20
+    cache = torch.randn((num_pages, 2, page_size, kv_heads, head_dim), generator=gen).to(dtype)
+    table = torch.randperm(num_pages, generator=gen)[: -(-kv_len // page_size)].to(torch.int32)
+    positions = torch.tensor([0, 3, 4, 9, 17, 18, 30, 41, 42, 43, 44])
+    q = torch.randn((len(positions), heads, head_dim), generator=gen).to(dtype)
+    attention = ScatteredAttention(shape, use_kernel=False)
+    slots = torch.zeros(len(positions), dtype=torch.int64)  # unused by attend
+    want = attend_by_position(q, cache, attention.metadata(positions, slots, table, kv_len), shape)
+    # one split and several (each a key block, or two; some past a block's queries)
+    for block_m, block_n, split in ((4, 8, 8), (8, 16, 32), (16, 16, 64)):
+        knobs = dict(block_m=block_m, block_n=block_n, split=split)
+        got = scattered_attention(q, cache, positions, table, shape.scale, kv_len, **knobs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

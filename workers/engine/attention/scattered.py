@@ -1,0 +1,84 @@
+"""Attention for the rows an approximate request keeps after its selection layer
+(``DecoderModel.forward_kept``, from ``ModelRunner.repair_selecting``): queries at
+scattered positions of one sequence, chosen on the device, each attending causally
+by position over the sequence's paged KV. No host plan exists for rows the host never sees, so this is
+not an ``AttentionBackend``'s ``plan``; it offers the two calls ``SelfAttention``
+makes (``forward``, ``attend``) over ``ScatteredMetadata`` built from device tensors.
+
+On CUDA with fused ops the Triton kernel (``layers/scattered_kernel``) attends; else
+plain torch, the same math as ``TorchAttentionBackend`` (the CPU path's reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.attention.base import AttentionShape, kv_write_rows, write_kv
+
+
+@dataclass(frozen=True)
+class ScatteredMetadata:
+    """Invariants: ``positions`` are ascending, each below ``kv_len``; ``page_table``
+    covers ``kv_len`` positions; every position up to the last one holds KV or is
+    among ``positions`` (written before attending)."""
+
+    kv_rows: torch.Tensor  # [2N] int64, device: kv_write_rows of the rows' slots
+    positions: torch.Tensor  # [N] int64, device
+    page_table: torch.Tensor  # [ceil(kv_len / page_size)] int32, device
+    kv_len: int
+
+
+class ScatteredAttention:
+    name = "scattered"
+
+    def __init__(self, shape: AttentionShape, use_kernel: bool) -> None:
+        self.shape = shape
+        self.use_kernel = use_kernel  # the Triton kernel (CUDA only)
+
+    def metadata(
+        self, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor, kv_len: int
+    ) -> ScatteredMetadata:
+        """For rows at ``positions`` (device, ascending) whose K/V go to ``slots``."""
+        rows = kv_write_rows(slots, self.shape.page_size)
+        return ScatteredMetadata(rows, positions, page_table, kv_len)
+
+    def forward(self, q, k, v, kv_cache, metadata: ScatteredMetadata) -> torch.Tensor:
+        write_kv(kv_cache, k, v, metadata.kv_rows)
+        return self.attend(q, kv_cache, metadata)
+
+    def attend(self, q, kv_cache, metadata: ScatteredMetadata) -> torch.Tensor:
+        if self.use_kernel:
+            from workers.engine.layers.scattered_kernel import scattered_attention  # Triton
+
+            return scattered_attention(
+                q,
+                kv_cache,
+                metadata.positions,
+                metadata.page_table,
+                self.shape.scale,
+                metadata.kv_len,
+            )
+        return attend_by_position(q, kv_cache, metadata, self.shape)
+
+
+def attend_by_position(
+    q: torch.Tensor, kv_cache: torch.Tensor, metadata: ScatteredMetadata, shape: AttentionShape
+) -> torch.Tensor:
+    """Plain torch: every query over the sequence's first ``kv_len`` positions, masked
+    to those up to its own, softmax in float32."""
+    page_size = shape.page_size
+    kv_len = metadata.kv_len
+    position = torch.arange(kv_len, device=q.device)
+    pages = metadata.page_table.long()[position // page_size]
+    offsets = position % page_size
+    group = shape.num_heads // shape.num_kv_heads
+    ks = kv_cache[pages, 0, offsets].transpose(0, 1).repeat_interleave(group, dim=0)
+    vs = kv_cache[pages, 1, offsets].transpose(0, 1).repeat_interleave(group, dim=0)
+    qs = q.transpose(0, 1)  # [H, N, D]
+    scores = (qs.float() @ ks.float().transpose(1, 2)) * shape.scale
+    allowed = position[None, :] <= metadata.positions[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return (probs @ vs.float()).to(q.dtype).transpose(0, 1).contiguous()

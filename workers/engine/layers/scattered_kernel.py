@@ -1,0 +1,212 @@
+"""Attention of queries at scattered positions of one sequence over its paged KV, on
+CUDA (Triton): the layers after an approximate request's selection, whose query rows
+(the deviating tokens, the gaps, the question) were chosen on the device, so no host
+plan exists for them (``attention/scattered.py``).
+
+A query at position p attends to the sequence's KV positions 0..p (masked by
+position, so the queries need not be consecutive). One program per (block of
+``BLOCK_M`` queries, KV head, split of ``SPLIT`` keys), over the query heads that
+share that KV head: it walks its split's keys up to the largest position in its
+block, ``BLOCK_N`` at a time through the page table, with the online softmax in
+float32, and writes its partial result; a second kernel merges the splits. Splitting
+the keys matters: one program per query block walking 4K keys took 115-140 us a
+layer on an H200 (qwen3-0.6b heads, 515 queries), bound by the walk's latency, not
+by the GPU's throughput. Queries sorted by position keep each block's walk short.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Keys per split: at least MIN_SPLIT_KEYS, at most MAX_SPLITS splits (the partial
+# results take splits x queries x heads x head_dim floats). On an H200 (qwen3-0.6b
+# heads, 4,384 keys, 493 queries as an approximate request leaves them) one split took
+# 103 us, 256 keys 94, 512 keys 73, 1,024 keys 68 (bench/scattered_attention.py).
+MIN_SPLIT_KEYS = 1024
+MAX_SPLITS = 8
+
+
+def key_split(kv_len: int, block_n: int = 64) -> int:
+    """Keys per split for a KV of ``kv_len`` keys: a multiple of ``block_n``."""
+    split = max(MIN_SPLIT_KEYS, triton.cdiv(kv_len, MAX_SPLITS))
+    return triton.cdiv(split, block_n) * block_n
+
+
+@triton.jit(do_not_specialize=["num_queries", "split_keys"])
+def _scattered_kernel(
+    q_ptr,  # [N, heads, D]
+    acc_ptr,  # [splits, N, heads, D] float32: unnormalized outputs of each key split
+    stat_ptr,  # [splits, N, heads, 2] float32: running max (log2 units), then sum
+    pos_ptr,  # [N] int64, positions of the queries
+    table_ptr,  # [pages] int32, the sequence's page table
+    kv_ptr,  # [num_pages, 2, PAGE, kv_heads, D], contiguous
+    num_queries,
+    scale_log2,  # softmax scale times log2(e)
+    q_stride_t,
+    q_stride_h,
+    split_keys,  # keys per split (a multiple of BLOCK_N)
+    GROUP: tl.constexpr,  # query heads per KV head
+    KV_HEADS: tl.constexpr,
+    PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # queries per program; the tile has BLOCK_M * GROUP rows
+    BLOCK_N: tl.constexpr,
+):
+    block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    # tile row r: query block * BLOCK_M + r // GROUP, query head kv_head * GROUP + r % GROUP
+    # (the heads that share this KV head read each key tile once)
+    tile = tl.arange(0, BLOCK_M * GROUP)
+    rows = block * BLOCK_M + tile // GROUP
+    heads = kv_head * GROUP + tile % GROUP
+    row_ok = rows < num_queries
+    pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
+    last = tl.max(pos, axis=0)
+    first_key = split * split_keys
+    end_key = tl.minimum(first_key + split_keys, last + 1)  # empty when the split is past all
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + (rows * q_stride_t + heads * q_stride_h)[:, None] + dims[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    row_width: tl.constexpr = KV_HEADS * HEAD_DIM
+    values_offset: tl.constexpr = PAGE * row_width  # K then V within a page
+    m_i = tl.full([BLOCK_M * GROUP], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M * GROUP], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP, HEAD_DIM], dtype=tl.float32)
+    for start in range(first_key, end_key, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_ok = keys < end_key
+        page = tl.load(table_ptr + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
+        base = (page * 2 * PAGE + keys % PAGE) * row_width + kv_head * HEAD_DIM
+        k = tl.load(kv_ptr + base[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale_log2
+        scores = tl.where(keys[None, :] <= pos[:, None], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # a row that sees no key yet keeps max -inf: subtract 0 there, not -inf
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(scores - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            kv_ptr + values_offset + base[:, None] + dims[None, :],
+            mask=key_ok[:, None],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # only rows that see a key of this split (the merge reads no other)
+    stored = row_ok & (pos >= first_key)
+    at = (split * num_queries + rows) * (GROUP * KV_HEADS) + heads  # (split, row, head)
+    tl.store(acc_ptr + at[:, None] * HEAD_DIM + dims[None, :], acc, mask=stored[:, None])
+    tl.store(stat_ptr + at * 2, m_i, mask=stored)
+    tl.store(stat_ptr + at * 2 + 1, l_i, mask=stored)
+
+
+@triton.jit(do_not_specialize=["num_queries", "split_keys"])
+def _merge_kernel(
+    acc_ptr,  # [splits, N, heads, D] float32
+    stat_ptr,  # [splits, N, heads, 2] float32
+    pos_ptr,  # [N] int64
+    out_ptr,  # [N, heads, D], contiguous
+    num_queries,
+    split_keys,
+    HEADS: tl.constexpr,
+    HEADS_P2: tl.constexpr,  # a power of two >= HEADS
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,  # a power of two >= the splits
+):
+    """One query, all heads at once (one round of loads: a loop over heads waited on
+    each in turn, 26 us a layer): the partial softmaxes of the splits holding keys up
+    to its position combined (split 0 holds key 0, so each head's max is finite)."""
+    row = tl.program_id(0)
+    used = tl.load(pos_ptr + row) // split_keys + 1
+    heads = tl.arange(0, HEADS_P2)[:, None]  # [H, 1]
+    parts = tl.arange(0, SPLITS)[None, :]  # [1, S]
+    ok = (parts < used) & (heads < HEADS)
+    at = (parts * num_queries + row) * HEADS + heads  # [H, S]
+    m = tl.load(stat_ptr + at * 2, mask=ok, other=float("-inf"))
+    l_sum = tl.load(stat_ptr + at * 2 + 1, mask=ok, other=0.0)
+    m_max = tl.max(m, axis=1)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # padding heads
+    weight = tl.math.exp2(m - m_max[:, None])  # 0 for the splits not read
+    dims = tl.arange(0, HEAD_DIM)[None, None, :]
+    acc = tl.load(acc_ptr + at[:, :, None] * HEAD_DIM + dims, mask=ok[:, :, None], other=0.0)
+    total = tl.sum(l_sum * weight, axis=1)
+    total = tl.where(total == 0.0, 1.0, total)  # padding heads
+    out = tl.sum(acc * weight[:, :, None], axis=1) / total[:, None]  # [H, D]
+    head_rows = tl.arange(0, HEADS_P2)[:, None]
+    tl.store(
+        out_ptr + (row * HEADS + head_rows) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=head_rows < HEADS,
+    )
+
+
+def scattered_attention(
+    q: torch.Tensor,  # [N, heads, D]
+    kv_cache: torch.Tensor,  # [num_pages, 2, page_size, kv_heads, D], contiguous
+    positions: torch.Tensor,  # [N] int64, ascending (any order is correct, slower)
+    page_table: torch.Tensor,  # [pages] int32, covering every position in ``positions``
+    scale: float,
+    kv_len: int,  # above every position: bounds the key splits
+    block_m: int = 32,
+    block_n: int = 64,
+    split: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Attention outputs [N, heads, D]: each query over KV positions up to its own.
+    ``split``: keys per split (a multiple of ``block_n``); by default ``key_splits``."""
+    tokens, heads, head_dim = q.shape
+    _, _, page_size, kv_heads, _ = kv_cache.shape
+    assert kv_cache.is_contiguous() and heads % kv_heads == 0 and q.stride(2) == 1
+    split = split or key_split(kv_len, block_n)
+    assert split % block_n == 0, "a split is whole key blocks"
+    out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return out
+    splits = triton.cdiv(kv_len, split)
+    acc = torch.empty((splits, tokens, heads, head_dim), dtype=torch.float32, device=q.device)
+    stats = torch.empty((splits, tokens, heads, 2), dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(tokens, block_m), kv_heads, splits)
+    _scattered_kernel[grid](
+        q,
+        acc,
+        stats,
+        positions,
+        page_table,
+        kv_cache,
+        tokens,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        split,
+        GROUP=heads // kv_heads,
+        KV_HEADS=kv_heads,
+        PAGE=page_size,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    _merge_kernel[(tokens,)](
+        acc,
+        stats,
+        positions,
+        out,
+        tokens,
+        split,
+        HEADS=heads,
+        HEADS_P2=triton.next_power_of_2(heads),
+        HEAD_DIM=head_dim,
+        SPLITS=triton.next_power_of_2(splits),
+        num_warps=8,
+    )
+    return out
