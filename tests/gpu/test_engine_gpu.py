@@ -293,6 +293,58 @@ def test_scattered_recompute_over_cached_kv_matches_one_pass(engines):
         assert r["kv_rel"] <= 2e-2 and r["logit_rel"] <= 2e-2, results
 
 
+def test_selecting_forward_finds_and_restores_deviating_kv(engines):
+    """``repair_selecting`` over a prompt whose KV is right except at 120 positions
+    (noise at every layer), told that every position before the question is placed
+    and to keep 120: the device picks exactly the noisy ones at the selection layer,
+    and the one forward through the scattered-query kernel (in a CUDA graph, and
+    eagerly) restores the KV and the last logits of one plain pass, within bf16 noise."""
+    import numpy as np
+
+    from workers.engine.request import Sequence
+    from workers.engine.sampling_params import SamplingParams
+    from workers.engine.scheduler import ScheduledSeq
+
+    engine = engines[0].engine
+    page = engine.pool.page_size
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(10, 50_000, size=2000).tolist()
+    seq = Sequence("gpu-selecting", 0, tokens, SamplingParams(max_tokens=1), engine.namespace())
+    seq.page_ids = array("i", engine.pool.allocate(-(-len(tokens) // page)))
+    table = torch.tensor(list(seq.page_ids), device="cuda").repeat_interleave(page)
+    rows = (table[: len(tokens)], torch.arange(len(tokens), device="cuda") % page)
+
+    def kv():
+        return torch.stack([c[rows[0], :, rows[1]].float() for c in engine.runner.kv_caches])
+
+    runner = engine.runner
+    plain_logits = runner.run([ScheduledSeq(seq, 0, len(tokens))])[0].float()
+    plain_kv = kv()
+    tail, last = len(tokens) - 40, len(tokens) - 1
+    noisy = torch.from_numpy(np.sort(rng.choice(tail, size=120, replace=False))).cuda()
+    graphs = runner.kept_graphs
+    assert graphs is not None and graphs.layer == engine.deviation_layer
+    results = {}
+    for path in ("graph", "eager"):  # 39 + 120 rows over 1,999 keys: a graph fits
+        for cache in runner.kv_caches:
+            cache[rows[0][noisy], :, rows[1][noisy]] = 5 * torch.randn_like(
+                cache[rows[0][noisy], :, rows[1][noisy]]
+            )
+        runner.kept_graphs = graphs if path == "graph" else None
+        try:
+            runner.repair_selecting(seq, 0, last, np.arange(tail), 120, engine.deviation_layer)
+        finally:
+            runner.kept_graphs = graphs
+        logits = runner.run([ScheduledSeq(seq, last, 1)])[0].float()
+        kv_rel = ((kv() - plain_kv).norm() / plain_kv.norm()).item()
+        results[path] = {"kv_rel": kv_rel, "logit_rel": _rel_full(logits, plain_logits)}
+    assert (256, 4096) in graphs.graphs  # the graph path ran
+    engine.pool.release(seq.page_ids)
+    _record("selecting_forward", results)
+    for r in results.values():
+        assert r["kv_rel"] <= 2e-2 and r["logit_rel"] <= 2e-2, results
+
+
 def test_overlapped_steps_match_plain_steps(qwen3_06b, engines):
     """Overlapped steps (on by default with CUDA) against plain ones: the same greedy
     tokens, up to near ties. Every request ends on the same step, so both runs

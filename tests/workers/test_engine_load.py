@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from workers.engine.approximate import BRIDGE_SHARE
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, LoadShape
 from workers.engine.reuse_info import ReuseInfo, ReuseRequest
@@ -112,7 +111,8 @@ def test_entry_fills_and_scattered_repairs_count_as_prefill(tiny_qwen3):
         backlog = now
     assert backlog == 0
     prompt = list(range(500, 520)) + docs[1] + docs[0] + list(range(400, 410))
-    approximate = ReuseRequest("approximate", first_tokens=0, deviation_ratio=0.1)
+    # repair without a deviation ratio: the first tokens are pending, computed in steps
+    approximate = ReuseRequest("approximate", first_tokens=4, deviation_ratio=0.0)
     engine.add_request(
         "b",
         prompt,
@@ -122,12 +122,8 @@ def test_entry_fills_and_scattered_repairs_count_as_prefill(tiny_qwen3):
     )
     engine.step()  # admission: both chunks placed, then 4 positions computed
     seq = engine._sequences["b"]
-    # 4 repaired in each chunk, plus placed tokens joining nearby repair runs
-    recomputed = seq.reuse.recomputed_tokens
+    recomputed = 8  # 4 in each chunk
     assert seq.reuse == ReuseInfo("approximate", 80, recomputed)
-    assert 8 <= recomputed <= 8 + int(BRIDGE_SHARE * 80)
-    # still to compute: the 20-token gap before the chunks and the repairs (all
-    # scattered, pending) less the 4 the admitting step took; then the 10-token tail
     assert len(seq.pending) == 20 + recomputed - 4
     backlog = engine.load_shape().prefill_backlog_tokens
     assert backlog == len(seq.pending) + 10
@@ -142,6 +138,20 @@ def test_entry_fills_and_scattered_repairs_count_as_prefill(tiny_qwen3):
     # the scattered positions first, then the tail, 4 a step
     assert steps == [4] * (total // 4) + ([total % 4] if total % 4 else [])
     assert engine.load_shape() == LoadShape(0, 0)  # its one token came with the prompt
+    # with a deviation ratio, admission's one forward computes every position but the
+    # last (outside the step's budget); the first step computes the last one
+    selecting = ReuseRequest("approximate", first_tokens=0, deviation_ratio=0.1)
+    prompt = list(range(600, 620)) + docs[0] + docs[1] + list(range(400, 410))
+    engine.add_request(
+        "c",
+        prompt,
+        SamplingParams(max_tokens=1),
+        placeable=((20, 60), (60, 100)),
+        reuse=selecting,
+    )
+    assert [out.request_id for out in engine.step()] == ["c"]
+    assert engine.last_step_prompt_tokens == 1
+    assert engine.load_shape() == LoadShape(0, 0)
 
 
 def test_a_wrong_hint_changes_no_token(tiny_qwen3):

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.engine.attention.base import AttentionBackend, BatchLayout
+from workers.engine.attention.base import AttentionBackend, AttentionShape, BatchLayout
+from workers.engine.attention.scattered import ScatteredAttention
 from workers.engine.layers.skinny_choice import SkinnyChoice
 from workers.engine.layers.skinny_choice import choose as choose_skinny
 from workers.engine.models.decoder import DecoderModel
@@ -105,6 +106,10 @@ def _add_row(tables, counts, ends, row_tokens, table, end, num_tokens, page_size
     row_tokens.append(num_tokens)
 
 
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 def _int32(page_ids) -> np.ndarray:
     if isinstance(page_ids, array):
         return np.frombuffer(page_ids, dtype=np.int32)
@@ -142,6 +147,16 @@ class ModelRunner:
         )
         self.kv_caches = list(self.kv_stack.unbind(0))
         model.use_fused_ops(backend.fused_ops)
+        # rows kept past an approximate request's selection layer (repair_selecting)
+        head_dim, group = config.head_dim, config.num_heads // config.num_kv_heads
+        self.scattered = ScatteredAttention(
+            AttentionShape(
+                config.num_heads, config.num_kv_heads, head_dim, page_size, self.dtype, self.device
+            ),
+            # the Triton kernel: CUDA with fused ops; its tiles (tl.arange) need a
+            # power-of-two head and query heads per KV head
+            use_kernel=backend.fused_ops and _power_of_two(head_dim) and _power_of_two(group),
+        )
         # before any graph is captured: graphs bake the projections' path in
         if not skinny_matmul:
             self.skinny = SkinnyChoice(error="off in the engine config")
@@ -152,6 +167,8 @@ class ModelRunner:
         else:
             self.skinny = choose_skinny(model)
             model.use_skinny(self.skinny.chosen)
+        self.max_pages_per_seq = -(-max_model_len // page_size)
+        self.kept_graphs = None  # use_kept_graphs
         # CUDA graphs are the backend's (None: it has none, or they are off)
         self.graphs = (
             backend.capture_graphs(
@@ -159,7 +176,7 @@ class ModelRunner:
                 self.kv_caches,
                 scratch_page=num_pages,
                 max_batch_size=max_num_seqs,
-                max_pages_per_seq=-(-max_model_len // page_size),
+                max_pages_per_seq=self.max_pages_per_seq,
             )
             if enable_cuda_graphs
             else None
@@ -195,28 +212,62 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
-    def kv_deviation(self, seq, start: int, end: int, probe: np.ndarray, layer: int) -> np.ndarray:
-        """For each position in ``probe`` (within ``[start, end)``), the squared
-        distance between the K/V that layer ``layer`` computes for it in ``seq``'s
-        context and the K/V its cache rows hold now. Runs the layers before ``layer``
-        on positions ``[start, end)`` (every position below ``start`` must hold KV),
-        writing their KV."""
+    def repair_selecting(
+        self, seq, start: int, end: int, candidates: np.ndarray, keep: int, layer: int
+    ) -> None:
+        """Compute positions ``[start, end)`` of ``seq`` in context, where every position
+        below ``start`` holds KV and those in ``candidates`` hold placed KV: the layers
+        before ``layer`` over all of them; from ``layer`` on, all but the candidates
+        plus the ``keep`` candidates whose K/V at ``layer`` deviate most (squared
+        distance) from the placed K/V. The other candidates keep their placed KV from
+        ``layer`` on. One forward, chosen on the device: nothing waits for it."""
         inputs = build_inputs([ScheduledSeq(seq, start, end - start)], self.page_size)
-        metadata = self.backend.plan(inputs.layout)
-        device = self.device
-        k, v = self.model.kv_at_layer(
+        device, page_size = self.device, self.page_size
+        positions = inputs.positions.to(device, non_blocking=True)
+        slots = inputs.layout.slot_mapping.to(device, non_blocking=True).long()
+        table = inputs.layout.kv_page_indices.to(device, non_blocking=True)
+        others = np.ones(end - start, dtype=bool)
+        others[candidates - start] = False
+        probe = torch.from_numpy(candidates - start).to(device, non_blocking=True)
+        always = torch.from_numpy(np.flatnonzero(others)).to(device, non_blocking=True)
+        qkv, residual, k, v = self.model.selection_input(
             inputs.input_ids.to(device, non_blocking=True),
-            inputs.positions.to(device, non_blocking=True),
+            positions,
             self.kv_caches,
             self.backend,
-            metadata,
+            self.backend.plan_aside(inputs.layout),  # a step may be in flight
             layer,
         )
-        rows = torch.from_numpy(probe - start).to(device, non_blocking=True)
-        slots = inputs.layout.slot_mapping.to(device, non_blocking=True).long()[rows]
         cache = self.kv_caches[layer]
-        pages, offsets = slots // self.page_size, slots % self.page_size
-        cached_k, cached_v = cache[pages, 0, offsets].float(), cache[pages, 1, offsets].float()
-        deviation = (k[rows].float() - cached_k).square().sum((1, 2))
-        deviation += (v[rows].float() - cached_v).square().sum((1, 2))
-        return deviation.cpu().numpy()
+        pages, offsets = slots[probe] // page_size, slots[probe] % page_size
+        placed_k, placed_v = cache[pages, 0, offsets].float(), cache[pages, 1, offsets].float()
+        deviation = (k[probe].float() - placed_k).square().sum((1, 2))
+        deviation += (v[probe].float() - placed_v).square().sum((1, 2))
+        worst = probe[torch.topk(deviation, keep, sorted=False).indices]
+        rows = torch.cat((always, worst)).sort().values
+        qkv, residual, positions, slots = qkv[rows], residual[rows], positions[rows], slots[rows]
+        if self.kept_graphs is not None and self.kept_graphs.layer == layer:
+            ran = self.kept_graphs.run(qkv, residual, positions, slots, table, end)
+            if ran is not None:
+                return
+        metadata = self.scattered.metadata(positions, slots, table, end)
+        self.model.forward_kept(
+            qkv, residual, positions, self.kv_caches, layer, self.scattered, metadata
+        )
+
+    def use_kept_graphs(self, layer: int) -> None:
+        """Run ``repair_selecting``'s kept rows through CUDA graphs (captured on first
+        use) when they select at ``layer``: where CUDA graphs are on and the scattered
+        kernel runs (CUDA, fused ops)."""
+        if self.graphs is None or not self.scattered.use_kernel:
+            return
+        from workers.engine.kept_graphs import KeptRowsGraphs  # CUDA only
+
+        self.kept_graphs = KeptRowsGraphs(
+            self.model,
+            self.kv_caches,
+            self.scattered,
+            layer,
+            scratch_page=self.kv_stack.shape[1] - 1,
+            max_pages_per_seq=self.max_pages_per_seq,
+        )

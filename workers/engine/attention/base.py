@@ -136,6 +136,12 @@ class AttentionBackend(Protocol):
 
     def plan(self, layout: BatchLayout) -> AttentionMetadata: ...
 
+    def plan_aside(self, layout: BatchLayout) -> AttentionMetadata:
+        """A plan for a forward queued outside the engine's steps (at admission, while
+        a step may still be in flight): it must not disturb the plans of steps, nor
+        those of other forwards queued aside before it."""
+        ...
+
     def capture_graphs(
         self,
         model,

@@ -30,6 +30,7 @@ from workers.engine.attention.cascade_plan import (
 )
 
 WORKSPACE_BYTES = 256 * 2**20
+ASIDE_PLANS = 2  # plan_aside's ring: forwards queued at once before one waits
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ class FlashInferBackend:
         # "prefill" | "prefill-split" | "decode" | "cascade"
         self.last_plan_kind = ""
         self._memo: tuple[BatchLayout, CascadePlan | None] | None = None
+        # plan_aside's wrappers (FA3, FA2 split) and the event after each one's last plan
+        self._aside: list[list] = []
+        self._aside_next = 0
 
     def _saved_tokens_worth(self, saved_bytes_per_layer: float) -> int:
         s = self.shape
@@ -116,6 +120,39 @@ class FlashInferBackend:
             return FlashInferMetadata(slots, self.decode)
         self.last_plan_kind = "cascade"
         return self._plan_cascade(layout, cascade, slots)
+
+    def plan_aside(self, layout: BatchLayout) -> FlashInferMetadata:
+        """A prefill plan for a forward queued outside the steps (an approximate
+        request's selection forward, at admission): wrappers of its own, in a ring.
+        FlashInfer copies a plan to the device from a pinned host buffer, queued on
+        the stream; planning the same wrapper again before that copy ran rewrites the
+        buffer under it, and the earlier forward runs on the later plan (an illegal
+        memory access, seen with two admissions queued back to back). So a step's plan
+        never shares these wrappers, and a wrapper is planned again only after the
+        copy of its previous plan ran (an event recorded after it)."""
+        if not self._aside:
+            for _ in range(ASIDE_PLANS):
+                self._aside.append(
+                    [
+                        flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD"),
+                        flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                            self.workspace, "NHD", backend="fa2"
+                        ),
+                        None,
+                    ]
+                )
+        slot = self._aside[self._aside_next]
+        self._aside_next = (self._aside_next + 1) % ASIDE_PLANS
+        if slot[2] is not None:
+            slot[2].synchronize()
+        wrapper = slot[1] if self.prefers_split_kv(layout) else slot[0]
+        plan_prefill(wrapper, layout, self.shape)
+        slot[2] = torch.cuda.Event()
+        slot[2].record()
+        slots = kv_write_rows(layout.slot_mapping, layout.page_size).to(
+            self.shape.device, non_blocking=True
+        )
+        return FlashInferMetadata(slots, wrapper)
 
     def capture_graphs(
         self,

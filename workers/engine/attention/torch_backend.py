@@ -72,6 +72,10 @@ class TorchAttentionBackend:
         rows = kv_write_rows(layout.slot_mapping, layout.page_size).to(device)
         return TorchMetadata(rows, tuple(plans))
 
+    def plan_aside(self, layout: BatchLayout) -> TorchMetadata:
+        """Plans here share nothing: a forward queued aside takes a plain plan."""
+        return self.plan(layout)
+
     def forward(
         self,
         q: torch.Tensor,

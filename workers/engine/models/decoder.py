@@ -49,27 +49,31 @@ class DecoderLayer(nn.Module):
         MLP output and the residual stream before it is added (the next norm adds it,
         fused). One-row steps with skinny projections chosen (CUDA) run each norm
         inside the projection after it."""
-        attn, mlp = self.self_attn, self.mlp
-        one_row = hidden.shape[0] == 1
-        norm = self.input_layernorm
-        tiles = self.skinny.get("qkv") if one_row else None
+        qkv, residual = self.attention_input(hidden, residual)
+        hidden = self.self_attn(qkv, positions, rope_cache, kv_cache, backend, metadata)
+        return self.feed_forward(hidden, residual)
+
+    def attention_input(self, hidden, residual) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input norm (adding the residual) and the QKV projection: ``qkv_proj``'s
+        output and the residual stream."""
+        attn, norm = self.self_attn, self.input_layernorm
+        tiles = self.skinny.get("qkv") if hidden.shape[0] == 1 else None
         if tiles is not None:
             from workers.engine.layers.skinny_kernel import skinny_norm_matmul  # Triton
 
-            qkv, residual = skinny_norm_matmul(
+            return skinny_norm_matmul(
                 hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight, tiles=tiles
             )
+        if residual is None:
+            residual, hidden = hidden, norm(hidden)
         else:
-            if residual is None:
-                residual, hidden = hidden, norm(hidden)
-            else:
-                hidden, residual = add_rms_norm(
-                    hidden, residual, norm.weight, norm.eps, self.fused_ops
-                )
-            qkv = attn.qkv_proj(hidden)
-        hidden = attn(qkv, positions, rope_cache, kv_cache, backend, metadata)
-        norm = self.post_attention_layernorm
-        tiles = self.skinny.get("gate_up") if one_row else None
+            hidden, residual = add_rms_norm(hidden, residual, norm.weight, norm.eps, self.fused_ops)
+        return attn.qkv_proj(hidden), residual
+
+    def feed_forward(self, hidden, residual) -> tuple[torch.Tensor, torch.Tensor]:
+        """The post-attention norm (adding the residual) and the MLP."""
+        mlp, norm = self.mlp, self.post_attention_layernorm
+        tiles = self.skinny.get("gate_up") if hidden.shape[0] == 1 else None
         if tiles is not None:
             from workers.engine.layers.skinny_kernel import skinny_norm_matmul
 
@@ -146,33 +150,55 @@ class DecoderModel(nn.Module):
         hidden, _ = add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps, self.fused_ops)
         return hidden
 
-    def kv_at_layer(
+    def selection_input(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
         kv_caches: list[torch.Tensor],
         backend: AttentionBackend,
         metadata: AttentionMetadata,
         layer: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values that layer ``layer`` computes for the new tokens, running
-        (and writing the KV of) only the layers before it: the cheap probe of how far
-        cached KV is from what this context gives."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first half of a forward whose token set shrinks at ``layer`` (>= 1): runs
+        the layers before it over every new token (writing their KV), then ``layer``'s
+        input norm and QKV projection. Returns ``qkv_proj``'s output and the residual
+        stream (what ``forward_kept`` takes, for the rows that go on) and the keys and
+        values ``layer`` computes for every new token (nothing written at ``layer``)."""
         hidden = self.embed_tokens(input_ids)
         residual = None
         for block, kv_cache in zip(self.layers[:layer], kv_caches, strict=False):
             hidden, residual = block(
                 hidden, residual, positions, self.rope_cache, kv_cache, backend, metadata
             )
-        target = self.layers[layer]
-        norm = target.input_layernorm
-        if residual is None:
-            hidden = norm(hidden)
-        else:
-            hidden, _ = add_rms_norm(hidden, residual, norm.weight, norm.eps, self.fused_ops)
-        qkv = target.self_attn.qkv_proj(hidden)
-        _, k, v = target.self_attn.split_qkv(qkv, positions, self.rope_cache)
-        return k, v
+        block = self.layers[layer]
+        qkv, residual = block.attention_input(hidden, residual)
+        _, k, v = block.self_attn.split_qkv(qkv, positions, self.rope_cache)
+        return qkv, residual, k, v
+
+    def forward_kept(
+        self,
+        qkv: torch.Tensor,  # [N, q + 2 kv]: layer ``layer``'s projection of the kept rows
+        residual: torch.Tensor,  # [N, hidden]; overwritten (fused ops add in place)
+        positions: torch.Tensor,  # [N]
+        kv_caches: list[torch.Tensor],
+        layer: int,
+        backend,  # ``forward`` / ``attend`` over the kept rows (attention/scattered)
+        metadata,
+    ) -> torch.Tensor:
+        """The second half: the kept rows through ``layer``'s attention and every layer
+        after it (writing their KV there; other positions' KV is left as the cache holds
+        it). Final hidden states [N, hidden]."""
+        block = self.layers[layer]
+        hidden = block.self_attn(
+            qkv, positions, self.rope_cache, kv_caches[layer], backend, metadata
+        )
+        hidden, residual = block.feed_forward(hidden, residual)
+        for block, kv_cache in zip(self.layers[layer + 1 :], kv_caches[layer + 1 :], strict=True):
+            hidden, residual = block(
+                hidden, residual, positions, self.rope_cache, kv_cache, backend, metadata
+            )
+        hidden, _ = add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps, self.fused_ops)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits. On CUDA the bf16 matmul writes float32 directly, so logits
