@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     layer, layers = result["selection_layer"]
     print(
         f"deviating tokens selected at layer {layer} of {layers}: layers 0-{layer - 1} of "
-        "every placed token run once more (not counted as recomputed)"
+        "every position up to the last placed chunk run in context (not counted as recomputed)"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

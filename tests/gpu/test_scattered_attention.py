@@ -13,9 +13,15 @@ from workers.engine.layers.scattered_kernel import scattered_attention
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_queries", [1, 515])
-def test_scattered_attention_equals_the_torch_path(dtype, num_queries):
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(16, 8, 128), (32, 8, 128), (40, 8, 128), (24, 8, 64), (16, 4, 256)],
+)
+def test_scattered_attention_equals_the_torch_path(dtype, num_queries, heads, kv_heads, head_dim):
+    """qwen3-0.6b's heads; groups of 4 and 5 (padded tiles, Qwen3-14B's shape);
+    64- and 256-dim heads."""
     gen = torch.Generator(device="cuda").manual_seed(num_queries)
-    heads, kv_heads, head_dim, page_size, kv_len = 16, 8, 128, 16, 4383
+    page_size, kv_len = 16, 4383
     device = torch.device("cuda")
     shape = AttentionShape(heads, kv_heads, head_dim, page_size, dtype, device)
     num_pages = 400
@@ -24,10 +30,12 @@ def test_scattered_attention_equals_the_torch_path(dtype, num_queries):
     ).to(dtype)
     table = torch.randperm(num_pages, generator=gen, device=device)[: -(-kv_len // page_size)]
     table = table.to(torch.int32)
-    # a question's run at the end and repairs scattered before it
-    tail = torch.arange(kv_len - min(num_queries, 288), kv_len, device=device)
-    spread = torch.randperm(kv_len - 288, generator=gen, device=device)[: num_queries - len(tail)]
-    positions = torch.cat((spread, tail)).sort().values
+    # a system prompt's run first, repairs scattered after it, a question's run last
+    head = torch.arange(min(num_queries, 256), device=device)
+    tail = torch.arange(kv_len - min(num_queries - len(head), 32), kv_len, device=device)
+    middle = torch.randperm(kv_len - 288, generator=gen, device=device) + 256
+    spread = middle[: num_queries - len(head) - len(tail)]
+    positions = torch.cat((head, spread, tail)).sort().values
     q = torch.randn((num_queries, heads, head_dim), generator=gen, device=device).to(dtype)
     metadata = ScatteredAttention(shape, use_kernel=False).metadata(
         positions, positions, table, kv_len
@@ -35,6 +43,3 @@ def test_scattered_attention_equals_the_torch_path(dtype, num_queries):
     want = attend_by_position(q, cache, metadata, shape).float()
     got = scattered_attention(q, cache, positions, table, shape.scale, kv_len).float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-    # the engine's path: the kernel through ScatteredAttention
-    kernel = ScatteredAttention(shape, use_kernel=True)
-    assert torch.equal(kernel.attend(q, cache, metadata).float(), got)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import shutil
+from array import array
 
 import numpy as np
 import pytest
+import torch
 
 from chunkstore.chunking import chunk_conversation, placeable_spans
 from chunkstore.events import EventKind
@@ -16,8 +18,10 @@ from chunkstore.hashing import position_free_key
 from workers import LLM
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, resolve_deviation_layer
+from workers.engine.request import Sequence
 from workers.engine.reuse_info import ReuseRequest
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.scheduler import ScheduledSeq
 
 PAGE = 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
@@ -104,6 +108,9 @@ def test_recomputing_every_placed_token_equals_plain_generation(model, parts):
             matched + placed,
             placed,
         )
+        # nothing placed is left: every full page is exact, published for exact requests
+        _, _, info = _run(engine, prompt, spans, ReuseRequest("exact"))
+        assert info.reused_tokens == (len(prompt) - 1) // PAGE * PAGE
 
 
 def test_an_entry_is_its_chunk_computed_after_the_entry_context(model, parts):
@@ -184,6 +191,30 @@ def test_deviation_ratio_recomputes_the_most_deviating_share(model, parts):
     _, _, info = _run(engine, prompt, spans, ReuseRequest("approximate", 2, 0.25))
     placed = sum(DOCS)
     assert info.recomputed_tokens == 2 * len(DOCS) + round(0.25 * placed)
+
+
+def test_selection_finds_the_deviating_tokens_on_the_device(model, parts):
+    """``repair_selecting`` over a prompt whose KV is right except at some positions
+    (noise at every layer), told that every position is placed and to keep as many as
+    are noisy: it picks exactly those at the selection layer (their K/V deviate most)
+    and restores the KV of one plain pass."""
+    engine = _engine(model, enable_reuse=False)
+    runner, page = engine.runner, PAGE
+    tokens = [t for doc in parts["docs"] for t in doc]
+    seq = Sequence("selecting", 0, tokens, GREEDY, engine.namespace())
+    seq.page_ids = array("i", engine.pool.allocate(-(-len(tokens) // page)))
+    runner.run([ScheduledSeq(seq, 0, len(tokens))])
+    pages = torch.tensor(seq.page_ids, dtype=torch.long)[torch.arange(len(tokens)) // page]
+    offsets = torch.arange(len(tokens)) % page
+    plain = [cache[pages, :, offsets].clone() for cache in runner.kv_caches]
+    noisy = torch.from_numpy(np.random.default_rng(2).choice(len(tokens), 13, replace=False))
+    for cache in runner.kv_caches:
+        cache[pages[noisy], :, offsets[noisy]] = 5 * torch.randn(cache[:13, :, 0].shape)
+    candidates = np.arange(len(tokens))
+    runner.repair_selecting(seq, 0, len(tokens), candidates, len(noisy), engine.deviation_layer)
+    for layer, cache in enumerate(runner.kv_caches):
+        torch.testing.assert_close(cache[pages, :, offsets], plain[layer], atol=1e-5, rtol=1e-5)
+    assert runner.take_aside_tokens() == len(noisy) and runner.take_aside_tokens() == 0
 
 
 def test_deviation_layer_defaults_to_layer_3_within_the_model():

@@ -138,8 +138,9 @@ def test_entry_fills_and_scattered_repairs_count_as_prefill(tiny_qwen3):
     # the scattered positions first, then the tail, 4 a step
     assert steps == [4] * (total // 4) + ([total % 4] if total % 4 else [])
     assert engine.load_shape() == LoadShape(0, 0)  # its one token came with the prompt
-    # with a deviation ratio, admission's one forward computes every position but the
-    # last (outside the step's budget); the first step computes the last one
+    # with a deviation ratio, admission's one forward computes the 20 positions before
+    # the chunks and the 8 selected (outside the step's budget), counted in the step it
+    # admits into, with the 4 of the tail that step takes
     selecting = ReuseRequest("approximate", first_tokens=0, deviation_ratio=0.1)
     prompt = list(range(600, 620)) + docs[0] + docs[1] + list(range(400, 410))
     engine.add_request(
@@ -149,9 +150,15 @@ def test_entry_fills_and_scattered_repairs_count_as_prefill(tiny_qwen3):
         placeable=((20, 60), (60, 100)),
         reuse=selecting,
     )
-    assert [out.request_id for out in engine.step()] == ["c"]
-    assert engine.last_step_prompt_tokens == 1
-    assert engine.load_shape() == LoadShape(0, 0)
+    assert engine.step() == []
+    assert engine.last_step_prompt_tokens == 20 + 8 + 4
+    assert engine._sequences["c"].reuse == ReuseInfo("approximate", 80, 8)
+    assert engine.load_shape() == LoadShape(6, 0)  # the rest of the tail
+    steps = []
+    while engine.has_unfinished():
+        engine.step()
+        steps.append(engine.last_step_prompt_tokens)
+    assert steps == [4, 2]
 
 
 def test_a_wrong_hint_changes_no_token(tiny_qwen3):

@@ -175,8 +175,9 @@ def test_a_one_row_step_through_every_skinny_path_matches_the_plain_path(tiny_qw
     assert not torch.equal(skinny, plain)  # a different float32 sum order: it ran
 
 
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (12, 6)])  # 12: padded in merging
-def test_scattered_attention_matches_attention_by_position(heads, kv_heads):
+# 12 heads: padded in merging; 3 heads a KV head and a 48-dim head: padded tiles
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 32), (12, 6, 32), (6, 2, 48)])
+def test_scattered_attention_matches_attention_by_position(heads, kv_heads, head_dim):
     """Queries at scattered positions (a partial last block, a walk over many key
     blocks, GQA, a shuffled page table) against the torch path the CPU runs. In
     float32: the interpreter's ``tl.dot`` of bfloat16 operands returns garbage
@@ -187,7 +188,7 @@ def test_scattered_attention_matches_attention_by_position(heads, kv_heads):
     from workers.engine.layers.scattered_kernel import scattered_attention
 
     gen = torch.Generator().manual_seed(5)
-    head_dim, page_size, kv_len = 32, 4, 45
+    page_size, kv_len = 4, 45
     shape = AttentionShape(heads, kv_heads, head_dim, page_size, dtype, torch.device("cpu"))
     num_pages = 20
     cache = torch.randn((num_pages, 2, page_size, kv_heads, head_dim), generator=gen).to(dtype)
@@ -202,3 +203,6 @@ def test_scattered_attention_matches_attention_by_position(heads, kv_heads):
         knobs = dict(block_m=block_m, block_n=block_n, split=split)
         got = scattered_attention(q, cache, positions, table, shape.scale, kv_len, **knobs)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the defaults (tile rows by the group, splits by the KV and the workspace)
+    got = scattered_attention(q, cache, positions, table, shape.scale, kv_len)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

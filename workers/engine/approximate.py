@@ -16,13 +16,14 @@ Admission of an approximate request:
    ``deviation_ratio`` share of placed tokens whose K/V at layer ``deviation_layer``
    (``EngineConfig.deviation_layer``) in this context deviates most from the placed
    K/V, are computed again, in context. With a deviation ratio, admission queues one
-   forward over every position after the exact prefix but the last
-   (``ModelRunner.repair_selecting``): the layers before ``deviation_layer`` run over
-   all of them, keeping the KV they write (those layers of the placed tokens are
-   in-context KV); at that layer the deviating tokens are chosen on the device, and
-   only they and the positions not placed (first tokens, missed chunks, the question)
-   go on through the rest of the model, attending by position to scattered KV. The
-   last position is then the request's first step. Without one, the first tokens are
+   forward over the positions from the end of the exact prefix to the end of the last
+   placed chunk (``ModelRunner.repair_selecting``; nothing waits for it): the layers
+   before ``deviation_layer`` run over all of them, keeping the KV they write (those
+   layers of the placed tokens are in-context KV); at that layer the deviating tokens
+   are chosen on the device, and only they and the positions not placed (an unmatched
+   system prompt, first tokens, missed chunks) go on through the rest of the model,
+   attending by position to scattered KV. The rest of the prompt (the question) is
+   then computed in steps, as usual. Without a deviation ratio, the first tokens are
    ``pending``: computed in the request's first step(s), one attention row per run.
 4. Taint: ``exact_until`` is the first placed token that is not recomputed (with a
    deviation ratio, the first candidate for selection: which ones the device kept is
@@ -110,7 +111,6 @@ class ChunkReuse:
         page_size = self.pool.page_size
         matched = seq.num_computed
         placed_end = hits[-1][1]
-        last = len(seq.token_ids) - 1
         kept = np.zeros(placed_end, dtype=bool)  # KV taken from an entry, as placed
         for start, end, _ in hits:
             kept[start + min(seq.reuse_request.first_tokens, end - start) : end] = True
@@ -118,9 +118,7 @@ class ChunkReuse:
         recomputed = placed_total - int(kept.sum())
         ratio = seq.reuse_request.deviation_ratio
         keep = min(int(round(ratio * placed_total)), int(kept.sum())) if ratio > 0 else 0
-        # selecting computes every position but the last one at admission
-        covered = len(seq.token_ids) if keep else placed_end
-        needed = -(-covered // page_size) - len(seq.page_ids)
+        needed = -(-placed_end // page_size) - len(seq.page_ids)
         for _, _, entry in hits:
             self.pool.hold_entry(entry)  # not evicted by our own allocation
         try:
@@ -143,14 +141,17 @@ class ChunkReuse:
                 self.pool.drop_entry(entry)
         if keep:
             candidates = np.flatnonzero(kept)
-            self.runner.repair_selecting(seq, matched, last, candidates, keep, self.deviation_layer)
-            seq.num_computed, seq.pending = last, np.empty(0, dtype=np.int64)
+            self.runner.repair_selecting(
+                seq, matched, placed_end, candidates, keep, self.deviation_layer
+            )
+            seq.num_computed, seq.pending = placed_end, np.empty(0, dtype=np.int64)
             # which candidates were kept is known only on the device: from the first
-            # one on, the KV may be placed
-            seq.exact_until = int(candidates[0])
+            # one on, the KV may be placed (unless every one was kept)
+            if keep < len(candidates):
+                seq.exact_until = int(candidates[0])
             # queued on the device's one stream before any later step: every reader
             # of these pages runs after it
-            self.publish(seq, matched, last)
+            self.publish(seq, matched, placed_end)
             return recomputed + keep
         pending = ~kept
         pending[:matched] = False

@@ -92,6 +92,7 @@ class _Launched:
     # on the device; else the launch's own host time, which computed it
     started: torch.cuda.Event | None
     launch_s: float
+    behind_aside: bool = False  # admission queued work aside just before it (Engine.step)
     held: bool = False  # placeholders stand for the tokens in the sampling sequences
 
 
@@ -325,15 +326,24 @@ class Engine:
         overlapped steps, those of the step before (this one's come next call)."""
         previous, self._in_flight = self._in_flight, None
         self.last_resolved_steps = []
+        # from before admission: forwards it queues aside are this step's work
+        began, started = time.perf_counter(), None
+        if self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
         batch = self.scheduler.schedule()
         self.last_step_seqs = len(batch)
         self.last_step_prompt_tokens = 0
-        launched = self._launch(batch, previous) if batch else None
+        launched = self._launch(batch, previous, began, started) if batch else None
         outputs, read_back = [], 0
         if previous is not None:
             outputs, read_back = self._resolve(previous), previous.prompt_tokens
         if launched is not None:
-            if self.overlap and not launched.yields_first_token:
+            # A step launched behind work admission queued aside (an approximate
+            # request's selection forward) is read back now: held, its plan's copy to
+            # the device could still be queued when the next step plans its wrapper
+            # again, and would copy that plan (FlashInfer plans from a pinned buffer).
+            if self.overlap and not launched.yields_first_token and not launched.behind_aside:
                 self._hold(launched)
                 self._in_flight = launched
             else:
@@ -342,7 +352,13 @@ class Engine:
         self.last_read_back_prompt_tokens = read_back
         return outputs
 
-    def _launch(self, batch: list[ScheduledSeq], previous: _Launched | None) -> _Launched:
+    def _launch(
+        self,
+        batch: list[ScheduledSeq],
+        previous: _Launched | None,
+        began: float,
+        started: torch.cuda.Event | None,
+    ) -> _Launched:
         """Queue ``batch``'s model work and sampling on the device and advance its
         sequences past what it computes; nothing waits for the device."""
         sampling = [item for item in batch if item.samples]
@@ -359,11 +375,8 @@ class Engine:
                 carried = CarriedTokens(
                     torch.tensor(rows), torch.tensor(source_rows), previous.tokens
                 )
-        started = None
-        if self.device.type == "cuda":
-            started = torch.cuda.Event(enable_timing=True)
-            started.record()
-        launch_began = time.perf_counter()
+        # prompt positions admission computed aside (repair_selecting) count here
+        aside = self.runner.take_aside_tokens()
         logits = self.runner.run(batch, carried) if carried else self.runner.run(batch)
         params = [item.seq.params for item in sampling]
         tokens = sample_on_device(logits, params, [item.seq.generator for item in sampling])
@@ -375,8 +388,8 @@ class Engine:
             copied.record()
         else:
             host_tokens = tokens
-        launch_s = time.perf_counter() - launch_began
-        prompt_tokens = 0  # prompt positions computed: a few integer ops per item
+        launch_s = time.perf_counter() - began
+        prompt_tokens = aside  # prompt positions computed: a few integer ops per item
         published = []
         for item in batch:
             seq = item.seq
@@ -407,6 +420,7 @@ class Engine:
             self.runner.last_run_kind,
             started,
             launch_s,
+            behind_aside=aside > 0,
         )
 
     def _hold(self, launched: _Launched) -> None:

@@ -106,10 +106,6 @@ def _add_row(tables, counts, ends, row_tokens, table, end, num_tokens, page_size
     row_tokens.append(num_tokens)
 
 
-def _power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def _int32(page_ids) -> np.ndarray:
     if isinstance(page_ids, array):
         return np.frombuffer(page_ids, dtype=np.int32)
@@ -147,16 +143,22 @@ class ModelRunner:
         )
         self.kv_caches = list(self.kv_stack.unbind(0))
         model.use_fused_ops(backend.fused_ops)
-        # rows kept past an approximate request's selection layer (repair_selecting)
-        head_dim, group = config.head_dim, config.num_heads // config.num_kv_heads
+        # rows kept past an approximate request's selection layer (repair_selecting):
+        # the Triton kernel on CUDA (fused ops), plain torch elsewhere
         self.scattered = ScatteredAttention(
             AttentionShape(
-                config.num_heads, config.num_kv_heads, head_dim, page_size, self.dtype, self.device
+                config.num_heads,
+                config.num_kv_heads,
+                config.head_dim,
+                page_size,
+                self.dtype,
+                self.device,
             ),
-            # the Triton kernel: CUDA with fused ops; its tiles (tl.arange) need a
-            # power-of-two head and query heads per KV head
-            use_kernel=backend.fused_ops and _power_of_two(head_dim) and _power_of_two(group),
+            use_kernel=backend.fused_ops,
         )
+        # prompt positions repair_selecting computed since the engine last asked
+        # (take_aside_tokens): work queued outside the steps
+        self.aside_tokens = 0
         # before any graph is captured: graphs bake the projections' path in
         if not skinny_matmul:
             self.skinny = SkinnyChoice(error="off in the engine config")
@@ -237,15 +239,17 @@ class ModelRunner:
             self.backend,
             self.backend.plan_aside(inputs.layout),  # a step may be in flight
             layer,
+            probe,
         )
         cache = self.kv_caches[layer]
         pages, offsets = slots[probe] // page_size, slots[probe] % page_size
         placed_k, placed_v = cache[pages, 0, offsets].float(), cache[pages, 1, offsets].float()
-        deviation = (k[probe].float() - placed_k).square().sum((1, 2))
-        deviation += (v[probe].float() - placed_v).square().sum((1, 2))
+        deviation = (k.float() - placed_k).square().sum((1, 2))
+        deviation += (v.float() - placed_v).square().sum((1, 2))
         worst = probe[torch.topk(deviation, keep, sorted=False).indices]
         rows = torch.cat((always, worst)).sort().values
         qkv, residual, positions, slots = qkv[rows], residual[rows], positions[rows], slots[rows]
+        self.aside_tokens += len(always) + keep
         if self.kept_graphs is not None and self.kept_graphs.layer == layer:
             ran = self.kept_graphs.run(qkv, residual, positions, slots, table, end)
             if ran is not None:
@@ -254,6 +258,13 @@ class ModelRunner:
         self.model.forward_kept(
             qkv, residual, positions, self.kv_caches, layer, self.scattered, metadata
         )
+
+    def take_aside_tokens(self) -> int:
+        """Prompt positions ``repair_selecting`` computed (through every layer) since the
+        last call: work queued outside the steps, which the engine counts in the step
+        it launches next."""
+        taken, self.aside_tokens = self.aside_tokens, 0
+        return taken
 
     def use_kept_graphs(self, layer: int) -> None:
         """Run ``repair_selecting``'s kept rows through CUDA graphs (captured on first

@@ -1,8 +1,9 @@
 """CUDA graphs for prefill steps of up to ``TOKEN_BUCKETS[-1]`` new tokens in up to
 ``ROW_BUCKETS[-1]`` layout rows, where an eager forward is bound by kernel launches,
 not by the GPU: a cache hit's uncached tail, a short prompt, a few short prompts
-batched, and an approximate request's repair step (its scattered positions give one
-row per run of consecutive positions, often hundreds).
+batched, and an approximate request's first-token repair (``first_tokens`` without a
+deviation ratio: one row per placed chunk's first tokens). Repairs chosen by deviation
+run at admission instead (``kept_graphs``).
 
 One graph per (token bucket, row bucket, kernel): steps that ``prefers_split_kv`` (a
 few short rows over a long KV, at most ``max_split_kv_tokens`` new tokens) replay
@@ -39,9 +40,9 @@ from workers.engine.cuda_graphs import capture
 from workers.engine.graph_inputs import load_step
 from workers.engine.models.decoder import DecoderModel
 
-# 384, 640 and 768: an approximate request's repair step (prompt tail plus repaired
-# tokens, e.g. 288 + 227 at the default repair in bench/approx_speed.py) padded to
-# 512 or 1,024 ran its matmuls on up to twice its rows.
+# 384, 640 and 768: steps of a few hundred tokens (a cache hit's tail; before session
+# 29, an approximate request's repair step of 288 + 227 tokens) padded to 512 or 1,024
+# ran their matmuls on up to twice their rows.
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 1024)
 ROW_BUCKETS = (1, 32, 1024)
 

@@ -17,6 +17,9 @@ Invariants every implementation keeps:
   positions ``[0, seq.num_computed)`` except ``seq.pending`` (sorted positions still to
   compute), at least one token uncomputed (its logits give the next token), and
   ``seq.exact_until`` set: positions before it hold the KV plain generation computes.
+  "Holds KV" includes KV whose computation is queued on the device's stream (an
+  approximate request's selection forward, at admission): every later reader of the
+  pages runs on that stream after it.
 - Only pages lying wholly before ``seq.exact_until`` are published under chain keys;
   the pool refuses to key a page marked inexact.
 """
@@ -111,7 +114,8 @@ class ExactPrefixReuse:
 def publish_exact_pages(pool: KVPool, seq: Sequence, start: int, end: int) -> None:
     """Key the full pages among positions ``[start, end)`` that lie wholly before
     ``seq.exact_until``; pages from there to ``end`` are marked inexact in the pool.
-    Every position in ``[start, end)`` must hold its final KV."""
+    Every position in ``[start, end)`` must hold its final KV (or have it queued on the
+    device's stream: see the invariants above)."""
     page_size = pool.page_size
     first, last = start // page_size, end // page_size
     exact_pages = min(last, seq.exact_until // page_size)

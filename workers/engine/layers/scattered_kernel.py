@@ -21,17 +21,22 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-# Keys per split: at least MIN_SPLIT_KEYS, at most MAX_SPLITS splits (the partial
-# results take splits x queries x heads x head_dim floats). On an H200 (qwen3-0.6b
-# heads, 4,384 keys, 493 queries as an approximate request leaves them) one split took
-# 103 us, 256 keys 94, 512 keys 73, 1,024 keys 68 (bench/scattered_attention.py).
+# Keys per split: at least MIN_SPLIT_KEYS, at most MAX_SPLITS splits, and the partial
+# results (splits x queries x heads x head_dim floats) within WORKSPACE_BYTES. On an
+# H200 (qwen3-0.6b heads, 4,384 keys, 493 queries as an approximate request leaves them)
+# one split took 103 us, 256 keys 94, 512 keys 73, 1,024 keys 68
+# (bench/scattered_attention.py).
 MIN_SPLIT_KEYS = 1024
 MAX_SPLITS = 8
+WORKSPACE_BYTES = 256 * 2**20
+TILE_ROWS = 64  # query rows of a program's tile: queries x (query heads of a KV head)
 
 
-def key_split(kv_len: int, block_n: int = 64) -> int:
-    """Keys per split for a KV of ``kv_len`` keys: a multiple of ``block_n``."""
-    split = max(MIN_SPLIT_KEYS, triton.cdiv(kv_len, MAX_SPLITS))
+def key_split(kv_len: int, queries: int, heads: int, head_dim: int, block_n: int = 64) -> int:
+    """Keys per split for ``queries`` over ``kv_len`` keys: a multiple of ``block_n``."""
+    per_split = max(1, queries * heads * head_dim * 4)
+    splits = max(1, min(MAX_SPLITS, WORKSPACE_BYTES // per_split))
+    split = max(MIN_SPLIT_KEYS, triton.cdiv(kv_len, splits))
     return triton.cdiv(split, block_n) * block_n
 
 
@@ -49,42 +54,47 @@ def _scattered_kernel(
     q_stride_h,
     split_keys,  # keys per split (a multiple of BLOCK_N)
     GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_P2: tl.constexpr,  # a power of two >= GROUP (tile rows of padding heads)
     KV_HEADS: tl.constexpr,
     PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # queries per program; the tile has BLOCK_M * GROUP rows
+    DIM_P2: tl.constexpr,  # a power of two >= HEAD_DIM
+    BLOCK_M: tl.constexpr,  # queries per program; the tile has BLOCK_M * GROUP_P2 rows
     BLOCK_N: tl.constexpr,
 ):
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # tile row r: query block * BLOCK_M + r // GROUP, query head kv_head * GROUP + r % GROUP
-    # (the heads that share this KV head read each key tile once)
-    tile = tl.arange(0, BLOCK_M * GROUP)
-    rows = block * BLOCK_M + tile // GROUP
-    heads = kv_head * GROUP + tile % GROUP
-    row_ok = rows < num_queries
+    # tile row r: query block * BLOCK_M + r // GROUP_P2, query head kv_head * GROUP +
+    # r % GROUP_P2 (the heads that share this KV head read each key tile once)
+    tile = tl.arange(0, BLOCK_M * GROUP_P2)
+    rows = block * BLOCK_M + tile // GROUP_P2
+    in_group = tile % GROUP_P2
+    heads = kv_head * GROUP + in_group
+    row_ok = (rows < num_queries) & (in_group < GROUP)
     pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
     last = tl.max(pos, axis=0)
     first_key = split * split_keys
     end_key = tl.minimum(first_key + split_keys, last + 1)  # empty when the split is past all
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, DIM_P2)
+    dim_ok = dims < HEAD_DIM
     q = tl.load(
-        q_ptr + (rows * q_stride_t + heads * q_stride_h)[:, None] + dims[None, :],
-        mask=row_ok[:, None],
+        q_ptr + (rows.to(tl.int64) * q_stride_t + heads * q_stride_h)[:, None] + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )
     row_width: tl.constexpr = KV_HEADS * HEAD_DIM
     values_offset: tl.constexpr = PAGE * row_width  # K then V within a page
-    m_i = tl.full([BLOCK_M * GROUP], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M * GROUP], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M * GROUP, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M * GROUP_P2], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M * GROUP_P2], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_P2, DIM_P2], dtype=tl.float32)
     for start in range(first_key, end_key, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < end_key
         page = tl.load(table_ptr + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
         base = (page * 2 * PAGE + keys % PAGE) * row_width + kv_head * HEAD_DIM
-        k = tl.load(kv_ptr + base[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(kv_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k)) * scale_log2
         scores = tl.where(keys[None, :] <= pos[:, None], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -93,17 +103,18 @@ def _scattered_kernel(
         p = tl.math.exp2(scores - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            kv_ptr + values_offset + base[:, None] + dims[None, :],
-            mask=key_ok[:, None],
-            other=0.0,
-        )
+        v = tl.load(kv_ptr + values_offset + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     # only rows that see a key of this split (the merge reads no other)
     stored = row_ok & (pos >= first_key)
-    at = (split * num_queries + rows) * (GROUP * KV_HEADS) + heads  # (split, row, head)
-    tl.store(acc_ptr + at[:, None] * HEAD_DIM + dims[None, :], acc, mask=stored[:, None])
+    # (split, row, head), in int64: splits x N x heads x D may pass 2^31
+    at = (split.to(tl.int64) * num_queries + rows) * (GROUP * KV_HEADS) + heads
+    tl.store(
+        acc_ptr + at[:, None] * HEAD_DIM + dims[None, :],
+        acc,
+        mask=stored[:, None] & dim_ok[None, :],
+    )
     tl.store(stat_ptr + at * 2, m_i, mask=stored)
     tl.store(stat_ptr + at * 2 + 1, l_i, mask=stored)
 
@@ -119,12 +130,13 @@ def _merge_kernel(
     HEADS: tl.constexpr,
     HEADS_P2: tl.constexpr,  # a power of two >= HEADS
     HEAD_DIM: tl.constexpr,
+    DIM_P2: tl.constexpr,  # a power of two >= HEAD_DIM
     SPLITS: tl.constexpr,  # a power of two >= the splits
 ):
     """One query, all heads at once (one round of loads: a loop over heads waited on
     each in turn, 26 us a layer): the partial softmaxes of the splits holding keys up
     to its position combined (split 0 holds key 0, so each head's max is finite)."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     used = tl.load(pos_ptr + row) // split_keys + 1
     heads = tl.arange(0, HEADS_P2)[:, None]  # [H, 1]
     parts = tl.arange(0, SPLITS)[None, :]  # [1, S]
@@ -135,16 +147,21 @@ def _merge_kernel(
     m_max = tl.max(m, axis=1)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # padding heads
     weight = tl.math.exp2(m - m_max[:, None])  # 0 for the splits not read
-    dims = tl.arange(0, HEAD_DIM)[None, None, :]
-    acc = tl.load(acc_ptr + at[:, :, None] * HEAD_DIM + dims, mask=ok[:, :, None], other=0.0)
+    dims = tl.arange(0, DIM_P2)
+    dim_ok = dims < HEAD_DIM
+    acc = tl.load(
+        acc_ptr + at[:, :, None] * HEAD_DIM + dims[None, None, :],
+        mask=ok[:, :, None] & dim_ok[None, None, :],
+        other=0.0,
+    )
     total = tl.sum(l_sum * weight, axis=1)
     total = tl.where(total == 0.0, 1.0, total)  # padding heads
     out = tl.sum(acc * weight[:, :, None], axis=1) / total[:, None]  # [H, D]
     head_rows = tl.arange(0, HEADS_P2)[:, None]
     tl.store(
-        out_ptr + (row * HEADS + head_rows) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :],
+        out_ptr + (row * HEADS + head_rows) * HEAD_DIM + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=head_rows < HEADS,
+        mask=(head_rows < HEADS) & dim_ok[None, :],
     )
 
 
@@ -155,18 +172,24 @@ def scattered_attention(
     page_table: torch.Tensor,  # [pages] int32, covering every position in ``positions``
     scale: float,
     kv_len: int,  # above every position: bounds the key splits
-    block_m: int = 32,
-    block_n: int = 64,
+    block_m: int | None = None,
+    block_n: int | None = None,
     split: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """Attention outputs [N, heads, D]: each query over KV positions up to its own.
-    ``split``: keys per split (a multiple of ``block_n``); by default ``key_splits``."""
+    ``block_m``: queries a program (default: ``TILE_ROWS`` tile rows); ``block_n``: keys
+    a step (64; 32 for heads over 128); ``split``: keys a split (a multiple of
+    ``block_n``; by default ``key_split``)."""
     tokens, heads, head_dim = q.shape
     _, _, page_size, kv_heads, _ = kv_cache.shape
     assert kv_cache.is_contiguous() and heads % kv_heads == 0 and q.stride(2) == 1
-    split = split or key_split(kv_len, block_n)
+    group = heads // kv_heads
+    group_p2, dim_p2 = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
+    block_m = block_m or max(1, TILE_ROWS // group_p2)
+    block_n = block_n or (64 if dim_p2 <= 128 else 32)
+    split = split or key_split(kv_len, tokens, heads, head_dim, block_n)
     assert split % block_n == 0, "a split is whole key blocks"
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     if tokens == 0:
@@ -187,10 +210,12 @@ def scattered_attention(
         q.stride(0),
         q.stride(1),
         split,
-        GROUP=heads // kv_heads,
+        GROUP=group,
+        GROUP_P2=group_p2,
         KV_HEADS=kv_heads,
         PAGE=page_size,
         HEAD_DIM=head_dim,
+        DIM_P2=dim_p2,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
@@ -206,6 +231,7 @@ def scattered_attention(
         HEADS=heads,
         HEADS_P2=triton.next_power_of_2(heads),
         HEAD_DIM=head_dim,
+        DIM_P2=dim_p2,
         SPLITS=triton.next_power_of_2(splits),
         num_warps=8,
     )

@@ -158,12 +158,14 @@ class DecoderModel(nn.Module):
         backend: AttentionBackend,
         metadata: AttentionMetadata,
         layer: int,
+        probe: torch.Tensor,  # int64 rows of the new tokens
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The first half of a forward whose token set shrinks at ``layer`` (>= 1): runs
         the layers before it over every new token (writing their KV), then ``layer``'s
         input norm and QKV projection. Returns ``qkv_proj``'s output and the residual
         stream (what ``forward_kept`` takes, for the rows that go on) and the keys and
-        values ``layer`` computes for every new token (nothing written at ``layer``)."""
+        values ``layer`` computes for the ``probe`` rows (nothing written at ``layer``;
+        computed on a copy of their rows, so ``qkv`` stays unrotated)."""
         hidden = self.embed_tokens(input_ids)
         residual = None
         for block, kv_cache in zip(self.layers[:layer], kv_caches, strict=False):
@@ -172,7 +174,7 @@ class DecoderModel(nn.Module):
             )
         block = self.layers[layer]
         qkv, residual = block.attention_input(hidden, residual)
-        _, k, v = block.self_attn.split_qkv(qkv, positions, self.rope_cache)
+        _, k, v = block.self_attn.split_qkv(qkv[probe], positions[probe], self.rope_cache)
         return qkv, residual, k, v
 
     def forward_kept(
