@@ -235,27 +235,36 @@ def test_prefill_graphs_match_eager(qwen3_06b, engines):
     assert all(d["near_tie"] for d in mismatches), mismatches
 
 
+def _sequence_with_pages(engine, name: str, tokens: list[int]):
+    """A sequence holding pages for ``tokens`` (not yet computed); its KV rows (page,
+    offset) per position; and a function stacking every layer's K/V at them."""
+    from workers.engine.request import Sequence
+    from workers.engine.sampling_params import SamplingParams
+
+    page = engine.pool.page_size
+    seq = Sequence(name, 0, tokens, SamplingParams(max_tokens=1), engine.namespace())
+    seq.page_ids = array("i", engine.pool.allocate(-(-len(tokens) // page)))
+    table = torch.tensor(list(seq.page_ids), device="cuda").repeat_interleave(page)
+    rows = (table[: len(tokens)], torch.arange(len(tokens), device="cuda") % page)
+
+    def kv() -> torch.Tensor:
+        return torch.stack([c[rows[0], :, rows[1]].float() for c in engine.runner.kv_caches])
+
+    return seq, rows, kv
+
+
 def test_scattered_recompute_over_cached_kv_matches_one_pass(engines):
     """Recomputing a random subset of positions (one causal row per run) over KV whose
     rows there were overwritten with noise restores the KV and last logits of one
     plain pass, within bf16 noise."""
     import numpy as np
 
-    from workers.engine.request import Sequence
-    from workers.engine.sampling_params import SamplingParams
     from workers.engine.scheduler import ScheduledSeq
 
     engine = engines[0].engine
-    page = engine.pool.page_size
     rng = np.random.default_rng(0)
     tokens = rng.integers(10, 50_000, size=700).tolist()
-    seq = Sequence("gpu-scattered", 0, tokens, SamplingParams(max_tokens=1), engine.namespace())
-    seq.page_ids = array("i", engine.pool.allocate(-(-len(tokens) // page)))
-    table = torch.tensor(list(seq.page_ids), device="cuda").repeat_interleave(page)
-    rows = (table[: len(tokens)], torch.arange(len(tokens), device="cuda") % page)
-
-    def kv():
-        return torch.stack([c[rows[0], :, rows[1]].float() for c in engine.runner.kv_caches])
+    seq, rows, kv = _sequence_with_pages(engine, "gpu-scattered", tokens)
 
     plain_logits = engine.runner.run([ScheduledSeq(seq, 0, len(tokens))])[0].float()
     plain_kv = kv()
@@ -301,21 +310,12 @@ def test_selecting_forward_finds_and_restores_deviating_kv(engines):
     eagerly) restores the KV and the last logits of one plain pass, within bf16 noise."""
     import numpy as np
 
-    from workers.engine.request import Sequence
-    from workers.engine.sampling_params import SamplingParams
     from workers.engine.scheduler import ScheduledSeq
 
     engine = engines[0].engine
-    page = engine.pool.page_size
     rng = np.random.default_rng(1)
     tokens = rng.integers(10, 50_000, size=2000).tolist()
-    seq = Sequence("gpu-selecting", 0, tokens, SamplingParams(max_tokens=1), engine.namespace())
-    seq.page_ids = array("i", engine.pool.allocate(-(-len(tokens) // page)))
-    table = torch.tensor(list(seq.page_ids), device="cuda").repeat_interleave(page)
-    rows = (table[: len(tokens)], torch.arange(len(tokens), device="cuda") % page)
-
-    def kv():
-        return torch.stack([c[rows[0], :, rows[1]].float() for c in engine.runner.kv_caches])
+    seq, rows, kv = _sequence_with_pages(engine, "gpu-selecting", tokens)
 
     runner = engine.runner
     plain_logits = runner.run([ScheduledSeq(seq, 0, len(tokens))])[0].float()

@@ -94,6 +94,9 @@ def test_a_decoding_request_and_a_prefill_in_one_step(tiny_qwen3):
     assert engine.load_shape() == LoadShape(100 - 31, 1)
 
 
+PLACED = ((20, 60), (60, 100))
+
+
 def test_entry_fills_and_scattered_repairs_count_as_prefill(tiny_qwen3):
     """Entry fills are prefill work; an approximate request's pending (scattered)
     positions are in its backlog, and each step's computed prompt tokens account for
@@ -110,16 +113,16 @@ def test_entry_fills_and_scattered_repairs_count_as_prefill(tiny_qwen3):
         assert backlog - now == engine.last_step_prompt_tokens == min(4, backlog)
         backlog = now
     assert backlog == 0
-    prompt = list(range(500, 520)) + docs[1] + docs[0] + list(range(400, 410))
+
+    def add(request_id: str, first: int, order: tuple[int, int], reuse: ReuseRequest) -> None:
+        """20 new tokens, the two documents placed (20-60, 60-100), a 10-token tail."""
+        head, tail = list(range(first, first + 20)), list(range(400, 410))
+        prompt = head + docs[order[0]] + docs[order[1]] + tail
+        params = SamplingParams(max_tokens=1)
+        engine.add_request(request_id, prompt, params, placeable=PLACED, reuse=reuse)
+
     # repair without a deviation ratio: the first tokens are pending, computed in steps
-    approximate = ReuseRequest("approximate", first_tokens=4, deviation_ratio=0.0)
-    engine.add_request(
-        "b",
-        prompt,
-        SamplingParams(max_tokens=1),
-        placeable=((20, 60), (60, 100)),
-        reuse=approximate,
-    )
+    add("b", 500, (1, 0), ReuseRequest("approximate", first_tokens=4, deviation_ratio=0.0))
     engine.step()  # admission: both chunks placed, then 4 positions computed
     seq = engine._sequences["b"]
     recomputed = 8  # 4 in each chunk
@@ -141,15 +144,7 @@ def test_entry_fills_and_scattered_repairs_count_as_prefill(tiny_qwen3):
     # with a deviation ratio, admission's one forward computes the 20 positions before
     # the chunks and the 8 selected (outside the step's budget), counted in the step it
     # admits into, with the 4 of the tail that step takes
-    selecting = ReuseRequest("approximate", first_tokens=0, deviation_ratio=0.1)
-    prompt = list(range(600, 620)) + docs[0] + docs[1] + list(range(400, 410))
-    engine.add_request(
-        "c",
-        prompt,
-        SamplingParams(max_tokens=1),
-        placeable=((20, 60), (60, 100)),
-        reuse=selecting,
-    )
+    add("c", 600, (0, 1), ReuseRequest("approximate", first_tokens=0, deviation_ratio=0.1))
     assert engine.step() == []
     assert engine.last_step_prompt_tokens == 20 + 8 + 4
     assert engine._sequences["c"].reuse == ReuseInfo("approximate", 80, 8)
