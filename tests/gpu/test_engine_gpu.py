@@ -339,7 +339,7 @@ def test_selecting_forward_finds_and_restores_deviating_kv(engines):
         kv_rel = ((kv() - plain_kv).norm() / plain_kv.norm()).item()
         results[path] = {"kv_rel": kv_rel, "logit_rel": _rel_full(logits, plain_logits)}
     assert (256, 4096) in graphs.graphs  # the graph path ran
-    assert runner.take_aside_tokens() == 2 * (39 + 120)
+    assert runner.take_aside().tokens == 2 * (39 + 120)
     engine.pool.release(seq.page_ids)
     _record("selecting_forward", results)
     for r in results.values():

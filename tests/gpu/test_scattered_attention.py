@@ -31,7 +31,7 @@ def test_scattered_attention_equals_the_torch_path(dtype, num_queries, heads, kv
     table = torch.randperm(num_pages, generator=gen, device=device)[: -(-kv_len // page_size)]
     table = table.to(torch.int32)
     # a system prompt's run first, repairs scattered after it, a question's run last
-    head = torch.arange(min(num_queries, 256), device=device)
+    head = torch.arange(min(num_queries - 1, 256), device=device)  # one query: the last
     tail = torch.arange(kv_len - min(num_queries - len(head), 32), kv_len, device=device)
     middle = torch.randperm(kv_len - 288, generator=gen, device=device) + 256
     spread = middle[: num_queries - len(head) - len(tail)]
@@ -43,3 +43,6 @@ def test_scattered_attention_equals_the_torch_path(dtype, num_queries, heads, kv
     want = attend_by_position(q, cache, metadata, shape).float()
     got = scattered_attention(q, cache, positions, table, shape.scale, kv_len).float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    # the engine's route: the kernel through ScatteredAttention, with its defaults
+    routed = ScatteredAttention(shape, use_kernel=True).attend(q, cache, metadata)
+    assert torch.equal(routed.float(), got)

@@ -214,7 +214,7 @@ def test_selection_finds_the_deviating_tokens_on_the_device(model, parts):
     runner.repair_selecting(seq, 0, len(tokens), candidates, len(noisy), engine.deviation_layer)
     for layer, cache in enumerate(runner.kv_caches):
         torch.testing.assert_close(cache[pages, :, offsets], plain[layer], atol=1e-5, rtol=1e-5)
-    assert runner.take_aside_tokens() == len(noisy) and runner.take_aside_tokens() == 0
+    assert runner.take_aside().tokens == len(noisy) and runner.take_aside() is None
 
 
 def test_deviation_layer_defaults_to_layer_3_within_the_model():

@@ -16,10 +16,14 @@ BUDGET = 32  # max_num_batched_tokens: a 100-token prompt takes four steps
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-def _engine(model_dir, budget: int = BUDGET) -> Engine:
-    return Engine(
-        EngineConfig(model_dir=str(model_dir), page_size=PAGE, max_num_batched_tokens=budget)
+def _engine(model_dir, budget: int = BUDGET, overlap: bool | None = None) -> Engine:
+    config = EngineConfig(
+        model_dir=str(model_dir),
+        page_size=PAGE,
+        max_num_batched_tokens=budget,
+        overlap_scheduling=overlap,
     )
+    return Engine(config)
 
 
 def _run(engine: Engine) -> dict[str, list[int]]:
@@ -176,3 +180,62 @@ def test_a_worker_request_refuses_a_negative_hint():
     for bad in (-1, 1.5, None):
         with pytest.raises(ValueError, match="expected_cached_tokens must be an integer >= 0"):
             WorkerRequest("r", (1, 2), params, "", expected_cached_tokens=bad)
+
+
+def test_an_approximate_admission_that_cannot_get_its_pages_queues_no_forward(tiny_qwen3):
+    """Selecting takes pages for the whole prompt before it queues its forward: when the
+    pool cannot give them, the request waits and nothing was computed aside; once pages
+    free up, one forward runs and counts in the step it admits into."""
+    engine = _engine(tiny_qwen3, budget=32)
+    docs = [list(range(200, 240)), list(range(300, 340))]
+    keys = [engine.fill_entry(doc) for doc in docs]
+    while engine.has_unfinished():
+        engine.step()
+    pool = engine.pool
+    for key in keys:  # registered chunks: pinned, never evicted for room
+        pool.hold_entry(pool.entry(key), pin=True)
+    # room for the 100 positions up to the last placed chunk, not for the 30-token tail
+    others = pool.allocate(pool.num_available - 7)
+    forwards = []
+    repair = engine.runner.repair_selecting
+
+    def counted(*args, **kwargs):
+        forwards.append(args[1:3])
+        return repair(*args, **kwargs)
+
+    engine.runner.repair_selecting = counted
+    prompt = list(range(600, 620)) + docs[0] + docs[1] + list(range(400, 430))
+    selecting = ReuseRequest("approximate", first_tokens=0, deviation_ratio=0.1)
+    params = SamplingParams(max_tokens=1)
+    engine.add_request("c", prompt, params, placeable=PLACED, reuse=selecting)
+    for _ in range(3):
+        engine.step()
+        assert not forwards and engine.runner.take_aside() is None
+        assert [seq.request_id for seq in engine.scheduler.waiting] == ["c"]
+    pool.release(others)
+    engine.step()
+    assert forwards == [(0, 100)]
+    assert engine.last_step_prompt_tokens == 20 + 8 + 30  # the kept rows, then the tail
+
+
+def test_a_step_behind_an_admission_forward_is_read_back_at_once(tiny_qwen3):
+    """With overlapped steps a step is held (read back on the next call) unless it
+    yields a first token; one launched behind a forward that admission queued aside is
+    read back at once (held, the next step's plan could rewrite its plan's pinned
+    buffer before the copy to the device ran)."""
+    engine = _engine(tiny_qwen3, budget=4, overlap=True)
+    docs = [list(range(200, 240)), list(range(300, 340))]
+    for doc in docs:
+        engine.fill_entry(doc)
+    while engine.has_unfinished():
+        engine.step()
+    prompt = list(range(600, 620)) + docs[0] + docs[1] + list(range(400, 410))
+    selecting = ReuseRequest("approximate", first_tokens=0, deviation_ratio=0.1)
+    params = SamplingParams(max_tokens=2)
+    engine.add_request("c", prompt, params, placeable=PLACED, reuse=selecting)
+    engine.step()  # admission's forward, then 4 of the 10 tail tokens: no token yet
+    assert engine._in_flight is None and engine.last_read_back_prompt_tokens == 20 + 8 + 4
+    engine.step()  # 4 more, no forward aside: held
+    assert engine._in_flight is not None
+    while engine.has_unfinished():
+        engine.step()

@@ -118,7 +118,10 @@ class ChunkReuse:
         recomputed = placed_total - int(kept.sum())
         ratio = seq.reuse_request.deviation_ratio
         keep = min(int(round(ratio * placed_total)), int(kept.sum())) if ratio > 0 else 0
-        needed = -(-placed_end // page_size) - len(seq.page_ids)
+        # selecting: pages for the whole prompt, so that nothing fails after the forward
+        # is queued (the scheduler's allocation for the first step then needs none)
+        covered = len(seq.token_ids) if keep else placed_end
+        needed = -(-covered // page_size) - len(seq.page_ids)
         for _, _, entry in hits:
             self.pool.hold_entry(entry)  # not evicted by our own allocation
         try:

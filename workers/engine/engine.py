@@ -326,15 +326,10 @@ class Engine:
         overlapped steps, those of the step before (this one's come next call)."""
         previous, self._in_flight = self._in_flight, None
         self.last_resolved_steps = []
-        # from before admission: forwards it queues aside are this step's work
-        began, started = time.perf_counter(), None
-        if self.device.type == "cuda":
-            started = torch.cuda.Event(enable_timing=True)
-            started.record()
         batch = self.scheduler.schedule()
         self.last_step_seqs = len(batch)
         self.last_step_prompt_tokens = 0
-        launched = self._launch(batch, previous, began, started) if batch else None
+        launched = self._launch(batch, previous) if batch else None
         outputs, read_back = [], 0
         if previous is not None:
             outputs, read_back = self._resolve(previous), previous.prompt_tokens
@@ -356,8 +351,6 @@ class Engine:
         self,
         batch: list[ScheduledSeq],
         previous: _Launched | None,
-        began: float,
-        started: torch.cuda.Event | None,
     ) -> _Launched:
         """Queue ``batch``'s model work and sampling on the device and advance its
         sequences past what it computes; nothing waits for the device."""
@@ -375,8 +368,16 @@ class Engine:
                 carried = CarriedTokens(
                     torch.tensor(rows), torch.tensor(source_rows), previous.tokens
                 )
-        # prompt positions admission computed aside (repair_selecting) count here
-        aside = self.runner.take_aside_tokens()
+        # forwards admission queued aside (repair_selecting) are this step's work:
+        # their positions, and their time from the first one's start
+        aside = self.runner.take_aside()
+        if aside is not None:
+            began, started = aside.began, aside.started
+        else:
+            began, started = time.perf_counter(), None
+            if self.device.type == "cuda":
+                started = torch.cuda.Event(enable_timing=True)
+                started.record()
         logits = self.runner.run(batch, carried) if carried else self.runner.run(batch)
         params = [item.seq.params for item in sampling]
         tokens = sample_on_device(logits, params, [item.seq.generator for item in sampling])
@@ -389,7 +390,8 @@ class Engine:
         else:
             host_tokens = tokens
         launch_s = time.perf_counter() - began
-        prompt_tokens = aside  # prompt positions computed: a few integer ops per item
+        # prompt positions computed: a few integer ops per item
+        prompt_tokens = aside.tokens if aside is not None else 0
         published = []
         for item in batch:
             seq = item.seq
@@ -420,7 +422,7 @@ class Engine:
             self.runner.last_run_kind,
             started,
             launch_s,
-            behind_aside=aside > 0,
+            behind_aside=aside is not None,
         )
 
     def _hold(self, launched: _Launched) -> None:

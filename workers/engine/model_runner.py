@@ -3,6 +3,7 @@ per step, runs the forward pass, returns logits of the sequences that sample."""
 
 from __future__ import annotations
 
+import time
 from array import array
 from dataclasses import dataclass
 
@@ -23,6 +24,18 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     layout: BatchLayout
     logits_indices: torch.Tensor  # [S] rows of the last token of each sampling sequence
+
+
+@dataclass
+class AsideWork:
+    """Forwards queued outside the steps (``ModelRunner.repair_selecting``, at
+    admission) since the engine last took them: the prompt positions they computed
+    through every layer, and when the first began (on the device where there is one;
+    on the host)."""
+
+    tokens: int
+    started: torch.cuda.Event | None
+    began: float  # time.perf_counter()
 
 
 @dataclass(frozen=True)
@@ -156,9 +169,8 @@ class ModelRunner:
             ),
             use_kernel=backend.fused_ops,
         )
-        # prompt positions repair_selecting computed since the engine last asked
-        # (take_aside_tokens): work queued outside the steps
-        self.aside_tokens = 0
+        # what repair_selecting queued since the engine last asked (take_aside)
+        self.aside: AsideWork | None = None
         # before any graph is captured: graphs bake the projections' path in
         if not skinny_matmul:
             self.skinny = SkinnyChoice(error="off in the engine config")
@@ -223,6 +235,12 @@ class ModelRunner:
         plus the ``keep`` candidates whose K/V at ``layer`` deviate most (squared
         distance) from the placed K/V. The other candidates keep their placed KV from
         ``layer`` on. One forward, chosen on the device: nothing waits for it."""
+        if self.aside is None:  # the first since the engine last took the aside work
+            started = None
+            if self.device.type == "cuda":
+                started = torch.cuda.Event(enable_timing=True)
+                started.record()
+            self.aside = AsideWork(0, started, time.perf_counter())
         inputs = build_inputs([ScheduledSeq(seq, start, end - start)], self.page_size)
         device, page_size = self.device, self.page_size
         positions = inputs.positions.to(device, non_blocking=True)
@@ -249,7 +267,7 @@ class ModelRunner:
         worst = probe[torch.topk(deviation, keep, sorted=False).indices]
         rows = torch.cat((always, worst)).sort().values
         qkv, residual, positions, slots = qkv[rows], residual[rows], positions[rows], slots[rows]
-        self.aside_tokens += len(always) + keep
+        self.aside.tokens += len(always) + keep
         if self.kept_graphs is not None and self.kept_graphs.layer == layer:
             ran = self.kept_graphs.run(qkv, residual, positions, slots, table, end)
             if ran is not None:
@@ -259,11 +277,10 @@ class ModelRunner:
             qkv, residual, positions, self.kv_caches, layer, self.scattered, metadata
         )
 
-    def take_aside_tokens(self) -> int:
-        """Prompt positions ``repair_selecting`` computed (through every layer) since the
-        last call: work queued outside the steps, which the engine counts in the step
-        it launches next."""
-        taken, self.aside_tokens = self.aside_tokens, 0
+    def take_aside(self) -> AsideWork | None:
+        """What ``repair_selecting`` queued since the last call (None: nothing): work
+        outside the steps, which the engine counts in the step it launches next."""
+        taken, self.aside = self.aside, None
         return taken
 
     def use_kept_graphs(self, layer: int) -> None:
