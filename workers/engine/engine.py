@@ -347,11 +347,7 @@ class Engine:
         self.last_read_back_prompt_tokens = read_back
         return outputs
 
-    def _launch(
-        self,
-        batch: list[ScheduledSeq],
-        previous: _Launched | None,
-    ) -> _Launched:
+    def _launch(self, batch: list[ScheduledSeq], previous: _Launched | None) -> _Launched:
         """Queue ``batch``'s model work and sampling on the device and advance its
         sequences past what it computes; nothing waits for the device."""
         sampling = [item for item in batch if item.samples]

@@ -182,13 +182,14 @@ class ModelRunner:
             self.skinny = choose_skinny(model)
             model.use_skinny(self.skinny.chosen)
         self.max_pages_per_seq = -(-max_model_len // page_size)
+        self.scratch_page = num_pages  # the page after the pool's: padding rows use it
         self.kept_graphs = None  # use_kept_graphs
         # CUDA graphs are the backend's (None: it has none, or they are off)
         self.graphs = (
             backend.capture_graphs(
                 model,
                 self.kv_caches,
-                scratch_page=num_pages,
+                scratch_page=self.scratch_page,
                 max_batch_size=max_num_seqs,
                 max_pages_per_seq=self.max_pages_per_seq,
             )
@@ -260,7 +261,8 @@ class ModelRunner:
             probe,
         )
         cache = self.kv_caches[layer]
-        pages, offsets = slots[probe] // page_size, slots[probe] % page_size
+        probed = slots[probe]
+        pages, offsets = probed // page_size, probed % page_size
         placed_k, placed_v = cache[pages, 0, offsets].float(), cache[pages, 1, offsets].float()
         deviation = (k.float() - placed_k).square().sum((1, 2))
         deviation += (v.float() - placed_v).square().sum((1, 2))
@@ -296,6 +298,6 @@ class ModelRunner:
             self.kv_caches,
             self.scattered,
             layer,
-            scratch_page=self.kv_stack.shape[1] - 1,
+            scratch_page=self.scratch_page,
             max_pages_per_seq=self.max_pages_per_seq,
         )

@@ -33,6 +33,21 @@ WORKSPACE_BYTES = 256 * 2**20
 ASIDE_PLANS = 2  # plan_aside's ring: forwards queued at once before one waits
 
 
+class _PrefillWrappers:
+    """A paged prefill wrapper of each kernel: FlashInfer's default (FA3 on Hopper),
+    and FA2, which splits a row's KV over several CTAs (``base.prefers_split_kv`` says
+    when). ``planned``: in ``plan_aside``'s ring, an event recorded after the last
+    plan's copy to the device was queued."""
+
+    def __init__(self, workspace: torch.Tensor) -> None:
+        self.default = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self.split = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+        self.planned: torch.cuda.Event | None = None
+
+    def pick(self, split: bool):
+        return self.split if split else self.default
+
+
 @dataclass(frozen=True)
 class FlashInferMetadata:
     kv_rows: torch.Tensor  # [2T] int64 on the device, see kv_write_rows
@@ -63,11 +78,7 @@ class FlashInferBackend:
             else min_saved_tokens
         )
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=shape.device)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        # FA2 splits a row's KV over several CTAs (base.prefers_split_kv says when)
-        self.prefill_split = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend="fa2"
-        )
+        self.prefill = _PrefillWrappers(self.workspace)  # the steps'
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
@@ -77,8 +88,7 @@ class FlashInferBackend:
         # "prefill" | "prefill-split" | "decode" | "cascade"
         self.last_plan_kind = ""
         self._memo: tuple[BatchLayout, CascadePlan | None] | None = None
-        # plan_aside's wrappers (FA3, FA2 split) and the event after each one's last plan
-        self._aside: list[list] = []
+        self._aside: list[_PrefillWrappers] = []  # plan_aside's ring
         self._aside_next = 0
 
     def _saved_tokens_worth(self, saved_bytes_per_layer: float) -> int:
@@ -104,15 +114,13 @@ class FlashInferBackend:
         return self._memo[1]
 
     def plan(self, layout: BatchLayout) -> FlashInferMetadata:
-        slots = kv_write_rows(layout.slot_mapping, layout.page_size).to(
-            self.shape.device, non_blocking=True
-        )
         if not layout.is_decode:
             split = self.prefers_split_kv(layout)
             self.last_plan_kind = "prefill-split" if split else "prefill"
-            wrapper = self.prefill_split if split else self.prefill
-            plan_prefill(wrapper, layout, self.shape)
-            return FlashInferMetadata(slots, wrapper)
+            return self._plan_prefill(layout, self.prefill.pick(split))
+        slots = kv_write_rows(layout.slot_mapping, layout.page_size).to(
+            self.shape.device, non_blocking=True
+        )
         cascade = self.cascade_plan(layout)
         if cascade is None:
             self._plan_decode(layout)
@@ -131,27 +139,21 @@ class FlashInferBackend:
         never shares these wrappers, and a wrapper is planned again only after the
         copy of its previous plan ran (an event recorded after it)."""
         if not self._aside:
-            for _ in range(ASIDE_PLANS):
-                self._aside.append(
-                    [
-                        flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD"),
-                        flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                            self.workspace, "NHD", backend="fa2"
-                        ),
-                        None,
-                    ]
-                )
-        slot = self._aside[self._aside_next]
+            self._aside = [_PrefillWrappers(self.workspace) for _ in range(ASIDE_PLANS)]
+        aside = self._aside[self._aside_next]
         self._aside_next = (self._aside_next + 1) % ASIDE_PLANS
-        if slot[2] is not None:
-            slot[2].synchronize()
-        wrapper = slot[1] if self.prefers_split_kv(layout) else slot[0]
-        plan_prefill(wrapper, layout, self.shape)
-        slot[2] = torch.cuda.Event()
-        slot[2].record()
+        if aside.planned is not None:
+            aside.planned.synchronize()
+        metadata = self._plan_prefill(layout, aside.pick(self.prefers_split_kv(layout)))
+        aside.planned = torch.cuda.Event()
+        aside.planned.record()
+        return metadata
+
+    def _plan_prefill(self, layout: BatchLayout, wrapper) -> FlashInferMetadata:
         slots = kv_write_rows(layout.slot_mapping, layout.page_size).to(
             self.shape.device, non_blocking=True
         )
+        plan_prefill(wrapper, layout, self.shape)
         return FlashInferMetadata(slots, wrapper)
 
     def capture_graphs(

@@ -1,12 +1,13 @@
 """Attention for the rows an approximate request keeps after its selection layer
 (``DecoderModel.forward_kept``, from ``ModelRunner.repair_selecting``): queries at
 scattered positions of one sequence, chosen on the device, each attending causally
-by position over the sequence's paged KV. No host plan exists for rows the host never sees, so this is
-not an ``AttentionBackend``'s ``plan``; it offers the two calls ``SelfAttention``
-makes (``forward``, ``attend``) over ``ScatteredMetadata`` built from device tensors.
+by position over the sequence's paged KV. No host plan exists for rows the host never
+sees, so this is not an ``AttentionBackend``'s ``plan``; it offers the two calls
+``SelfAttention`` makes (``forward``, ``attend``) over ``ScatteredMetadata`` built
+from device tensors.
 
 On CUDA with fused ops the Triton kernel (``layers/scattered_kernel``) attends; else
-plain torch, the same math as ``TorchAttentionBackend`` (the CPU path's reference).
+plain torch, ``TorchAttentionBackend``'s own math (``attend_masked``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.engine.attention.base import AttentionShape, kv_write_rows, write_kv
+from workers.engine.attention.torch_backend import attend_masked
 
 
 @dataclass(frozen=True)
@@ -68,17 +70,8 @@ def attend_by_position(
 ) -> torch.Tensor:
     """Plain torch: every query over the sequence's first ``kv_len`` positions, masked
     to those up to its own, softmax in float32."""
-    page_size = shape.page_size
-    kv_len = metadata.kv_len
-    position = torch.arange(kv_len, device=q.device)
-    pages = metadata.page_table.long()[position // page_size]
-    offsets = position % page_size
-    group = shape.num_heads // shape.num_kv_heads
-    ks = kv_cache[pages, 0, offsets].transpose(0, 1).repeat_interleave(group, dim=0)
-    vs = kv_cache[pages, 1, offsets].transpose(0, 1).repeat_interleave(group, dim=0)
-    qs = q.transpose(0, 1)  # [H, N, D]
-    scores = (qs.float() @ ks.float().transpose(1, 2)) * shape.scale
+    position = torch.arange(metadata.kv_len, device=q.device)
+    pages = metadata.page_table.long()[position // shape.page_size]
     allowed = position[None, :] <= metadata.positions[:, None]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return (probs @ vs.float()).to(q.dtype).transpose(0, 1).contiguous()
+    out = attend_masked(q, kv_cache, pages, position % shape.page_size, allowed, shape)
+    return out.contiguous()

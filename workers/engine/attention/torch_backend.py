@@ -89,15 +89,32 @@ class TorchAttentionBackend:
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: TorchMetadata):
         out = torch.empty_like(q)
-        group = self.shape.num_heads // self.shape.num_kv_heads
         for seq in metadata.sequences:
-            qs = q[seq.q_start : seq.q_end].transpose(0, 1)  # [H, n, D]
-            ks = kv_cache[seq.kv_pages, 0, seq.kv_offsets].transpose(0, 1)  # [Hkv, L, D]
-            vs = kv_cache[seq.kv_pages, 1, seq.kv_offsets].transpose(0, 1)
-            ks = ks.repeat_interleave(group, dim=0)
-            vs = vs.repeat_interleave(group, dim=0)
-            scores = (qs.float() @ ks.float().transpose(1, 2)) * self.shape.scale
-            scores = scores.masked_fill(~seq.mask, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            out[seq.q_start : seq.q_end] = (probs @ vs.float()).to(q.dtype).transpose(0, 1)
+            out[seq.q_start : seq.q_end] = attend_masked(
+                q[seq.q_start : seq.q_end],
+                kv_cache,
+                seq.kv_pages,
+                seq.kv_offsets,
+                seq.mask,
+                self.shape,
+            )
         return out
+
+
+def attend_masked(
+    q: torch.Tensor,  # [n, H, D]
+    kv_cache: torch.Tensor,
+    kv_pages: torch.Tensor,  # [L] page of each KV position
+    kv_offsets: torch.Tensor,  # [L] offset within the page
+    mask: torch.Tensor,  # [n, L] bool, True where attention is allowed
+    shape: AttentionShape,
+) -> torch.Tensor:
+    """Softmax attention of ``q`` over one sequence's KV positions (float32), masked:
+    [n, H, D] in ``q``'s dtype."""
+    group = shape.num_heads // shape.num_kv_heads
+    ks = kv_cache[kv_pages, 0, kv_offsets].transpose(0, 1).repeat_interleave(group, dim=0)
+    vs = kv_cache[kv_pages, 1, kv_offsets].transpose(0, 1).repeat_interleave(group, dim=0)
+    scores = (q.transpose(0, 1).float() @ ks.float().transpose(1, 2)) * shape.scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return (probs @ vs.float()).to(q.dtype).transpose(0, 1)

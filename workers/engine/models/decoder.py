@@ -141,12 +141,23 @@ class DecoderModel(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] of the new tokens; writes their KV."""
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(
+        hidden, residual = self._layers(
+            0, self.embed_tokens(input_ids), None, positions, kv_caches, backend, metadata
+        )
+        return self._final_norm(hidden, residual)
+
+    def _layers(
+        self, first: int, hidden, residual, positions, kv_caches, backend, metadata, end=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers ``first`` to ``end`` (default: the last) over ``hidden``: each writes
+        its KV; returns the last one's output and the residual stream before it."""
+        for block, kv_cache in zip(self.layers[first:end], kv_caches[first:end], strict=True):
+            hidden, residual = block(
                 hidden, residual, positions, self.rope_cache, kv_cache, backend, metadata
             )
+        return hidden, residual
+
+    def _final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         hidden, _ = add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps, self.fused_ops)
         return hidden
 
@@ -166,12 +177,9 @@ class DecoderModel(nn.Module):
         stream (what ``forward_kept`` takes, for the rows that go on) and the keys and
         values ``layer`` computes for the ``probe`` rows (nothing written at ``layer``;
         computed on a copy of their rows, so ``qkv`` stays unrotated)."""
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for block, kv_cache in zip(self.layers[:layer], kv_caches, strict=False):
-            hidden, residual = block(
-                hidden, residual, positions, self.rope_cache, kv_cache, backend, metadata
-            )
+        hidden, residual = self._layers(
+            0, self.embed_tokens(input_ids), None, positions, kv_caches, backend, metadata, layer
+        )
         block = self.layers[layer]
         qkv, residual = block.attention_input(hidden, residual)
         _, k, v = block.self_attn.split_qkv(qkv[probe], positions[probe], self.rope_cache)
@@ -195,12 +203,10 @@ class DecoderModel(nn.Module):
             qkv, positions, self.rope_cache, kv_caches[layer], backend, metadata
         )
         hidden, residual = block.feed_forward(hidden, residual)
-        for block, kv_cache in zip(self.layers[layer + 1 :], kv_caches[layer + 1 :], strict=True):
-            hidden, residual = block(
-                hidden, residual, positions, self.rope_cache, kv_cache, backend, metadata
-            )
-        hidden, _ = add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps, self.fused_ops)
-        return hidden
+        hidden, residual = self._layers(
+            layer + 1, hidden, residual, positions, kv_caches, backend, metadata
+        )
+        return self._final_norm(hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits. On CUDA the bf16 matmul writes float32 directly, so logits
