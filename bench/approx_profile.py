@@ -18,6 +18,7 @@ import pstats
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.approx_speed import DOC, DOCS, FIRST_TOKEN, PAGES, QUESTION, SYSTEM, Runner, layout, sync  # noqa: E402
 from bench.common import bench_model  # noqa: E402
+from bench.host_phases import ENGINE_STEP, HostPhases  # noqa: E402
 from bench.idle_gaps import idle_report  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
@@ -69,11 +71,6 @@ def main() -> None:
         sync()
         return time.perf_counter() - start
 
-    for _ in range(3):
-        first_token()
-    activities = [ProfilerActivity.CPU] + (
-        [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
-    )
     graphs = runner.engine.runner.graphs and runner.engine.runner.graphs.prefill
     if graphs is not None:  # which kernels each prefill graph bucket took
         kernels = {
@@ -81,10 +78,28 @@ def main() -> None:
             for (t, r, split), g in graphs.graphs.items()
         }
         print("prefill graph kernels (tokens x rows):", kernels)
+    profile_first_token(first_token, args.trace)
+
+
+def profile_first_token(first_token: Callable[[], float], trace: str | None = None) -> None:
+    """Profile one call of ``first_token`` (it returns its own wall seconds) after
+    warm-up: the device's idle gaps charged to host events, kernels and host ops by
+    time, the callers of every host-device sync, then host functions under cProfile.
+    ``trace``: also write the Chrome trace there."""
+    for _ in range(3):
+        first_token()
+    with HostPhases(ENGINE_STEP) as phases:
+        for _ in range(5):
+            first_token()
+    print("host phases, mean of 5 requests (bench/host_phases.py):")
+    print(phases.report(calls=5))
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    )
     plain = min(first_token() for _ in range(5))
     with profile(activities=activities, with_stack=True) as prof:
         seconds = first_token()
-    print(f"TTFT {plain * 1e3:.1f} ms (best of 5); under the profiler: {seconds * 1e3:.1f} ms")
+    print(f"TTFT {plain * 1e3:.2f} ms (best of 5); under the profiler: {seconds * 1e3:.2f} ms")
     print(idle_report(prof))
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=25))
@@ -97,15 +112,15 @@ def main() -> None:
     for event in syncs:
         print(f"{event.key} x{event.count}, {event.cpu_time_total / 1e3:.2f} ms, from:")
         print("    " + "\n    ".join(event.stack))
-    if args.trace:
-        prof.export_chrome_trace(args.trace)
+    if trace:
+        prof.export_chrome_trace(trace)
     # Host time by Python function (no CUDA profiler): where the host spends the TTFT,
     # waits for the device included (they show as the syncing calls' own time).
     host = cProfile.Profile()
     host.enable()
     seconds = first_token()
     host.disable()
-    print(f"\n===== host functions, one request ({seconds * 1e3:.1f} ms under cProfile)")
+    print(f"\n===== host functions, one request ({seconds * 1e3:.2f} ms under cProfile)")
     pstats.Stats(host).sort_stats("cumulative").print_stats(45)
 
 

@@ -34,10 +34,11 @@ SYSTEM, DOC, DOCS, POOL, QUERY = 1024, 1024, 4, 20, 64
 
 
 def ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    sync()
     start = time.perf_counter()
     out = llm.generate_tokens([prompt], SamplingParams(max_tokens=1, temperature=0))[0]
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - start, out.num_cached_tokens
 
 

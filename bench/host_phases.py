@@ -1,0 +1,132 @@
+"""Wall time of named host functions during a call, without a profiler: each target
+is wrapped for the duration (``perf_counter`` around it, about 1 us a call), so the
+times are the ones the call really spends, unlike under the torch profiler (whose
+CUDA tracing slows launches and graph replays several-fold) or cProfile.
+
+    with HostPhases(TARGETS) as phases:
+        call()
+    print(phases.report(calls=1))
+
+Phases nest: an outer phase's time includes its inner ones'.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import time
+from collections import defaultdict
+
+
+class HostPhases:
+    def __init__(self, targets: list[str]) -> None:
+        """``targets``: ``"package.module:Class.method"`` or ``"package.module:function"``
+        (a module-level function is patched in that module: callers that imported it by
+        name elsewhere keep the original, so name it where it is called). Targets in
+        modules that do not import here are left out."""
+        self.targets = targets
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._undo: list[tuple[object, str, object]] = []
+
+    def __enter__(self) -> HostPhases:
+        try:
+            for target in self.targets:
+                self._patch(target)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _patch(self, target: str) -> None:
+        module_name, _, path = target.partition(":")
+        try:
+            owner = importlib.import_module(module_name)
+        except ImportError:  # e.g. the FlashInfer path on a machine without it
+            return
+        *parents, attr = path.split(".")
+        for name in parents:
+            owner = getattr(owner, name)
+        if isinstance(owner, type) and attr not in owner.__dict__:
+            raise ValueError(f"{target}: patch the class that defines {attr}, not a subclass")
+        original = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        self._undo.append((owner, attr, original))
+        setattr(owner, attr, self._timed(target, original))
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+        self._undo.clear()
+
+    def _timed(self, name: str, original):
+        wrapped = (
+            original.__func__ if isinstance(original, (staticmethod, classmethod)) else original
+        )
+
+        @functools.wraps(wrapped)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+                self.calls[name] += 1
+
+        if isinstance(original, staticmethod):
+            return staticmethod(timed)
+        if isinstance(original, classmethod):
+            return classmethod(timed)
+        return timed
+
+    def report(self, calls: int) -> str:
+        """Mean microseconds per ``calls`` (e.g. requests) of every phase that ran, in
+        the order the targets were given."""
+        lines = [f"{'phase':<48} {'us per call':>12} {'times':>6}"]
+        for target in self.targets:
+            if self.calls.get(target):
+                lines.append(
+                    f"{_label(target):<48} {1e6 * self.seconds[target] / calls:>12.1f} "
+                    f"{self.calls[target] / calls:>6.1f}"
+                )
+        return "\n".join(lines)
+
+
+def _label(target: str) -> str:
+    """``Class.method``, or ``module:function`` (one function may be patched in
+    several modules that imported it)."""
+    module, _, path = target.partition(":")
+    return path if "." in path else f"{module.rsplit('.', 1)[-1]}:{path}"
+
+
+# What an engine step does on the host, outermost first (for ``HostPhases``).
+ENGINE_STEP = [
+    "workers.llm:LLM.generate_tokens",
+    "workers.engine.engine:Engine.add_request",
+    "workers.engine.engine:Engine._validate",
+    "workers.engine.engine:Engine.step",
+    "workers.engine.scheduler:Scheduler.schedule",
+    "workers.engine.approximate:ChunkReuse.admit",
+    "workers.engine.reuse:ExactPrefixReuse.admit",
+    "workers.engine.kv_pool:KVPool.match_chain",
+    "workers.engine.kv_pool:KVPool.acquire",
+    "workers.engine.scheduler:Scheduler._allocate",
+    "workers.engine.engine:Engine._launch",
+    "workers.engine.model_runner:ModelRunner.run",
+    "workers.engine.model_runner:build_inputs",
+    "workers.engine.model_runner:ModelRunner.repair_selecting",
+    "workers.engine.flashinfer_graphs:FlashInferGraphs.replay",
+    "workers.engine.attention.flashinfer_backend:FlashInferBackend.plan",
+    "workers.engine.attention.flashinfer_backend:plan_prefill",  # eager steps
+    "workers.engine.prefill_graphs:plan_prefill",  # (imported by name there)
+    "workers.engine.prefill_graphs:PrefillGraphs.run",
+    "workers.engine.cuda_graphs:DecodeGraphs.run",
+    "torch.cuda.graphs:CUDAGraph.replay",
+    "workers.engine.engine:sample_on_device",
+    "workers.engine.engine:Engine._resolve",
+    "torch.cuda:Event.synchronize",
+    "workers.engine.approximate:ChunkReuse.publish",
+    "workers.engine.request:Sequence.extend_page_keys",
+    "workers.engine.engine:Engine._emit_token",
+    "workers.engine.scheduler:Scheduler.finish",
+    "workers.engine.kv_pool:KVPool.release",
+]
