@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 PageKey = bytes  # 32-byte SHA-256 digest
+
+assert array("I").itemsize == 4, "token packing needs a 4-byte unsigned int"
 
 _KEY_VERSION = b"chunkserve-pagekey-v1"
 
@@ -40,10 +44,27 @@ class Namespace:
             h.update(encoded)
         return h.digest()
 
+    @cached_property
+    def root_key(self) -> PageKey:
+        """The parent key of a sequence's first page."""
+        return hashlib.sha256(b"root" + self.digest).digest()
+
 
 def root_key(namespace: Namespace) -> PageKey:
     """The parent key of a sequence's first page."""
-    return hashlib.sha256(b"root" + namespace.digest).digest()
+    return namespace.root_key
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32, as keys hash them (and as the KV pool
+    compares pages). ValueError for anything but integers in [0, 2**32)."""
+    try:
+        packed = array("I", token_ids)
+    except (TypeError, OverflowError) as e:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {e}") from e
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def page_keys(
@@ -67,10 +88,7 @@ def chain_page_keys(
     page's parent being ``parent``. The tokens are packed once for all pages (an exact
     admission hashes every page of a long prompt)."""
     full = len(token_ids) // page_size
-    try:
-        packed = struct.pack(f"<{full * page_size}I", *token_ids[: full * page_size])
-    except struct.error as e:
-        raise ValueError(f"token ids must be integers in [0, 2**32): {e}") from e
+    packed = pack_tokens(token_ids[: full * page_size])
     width = 4 * page_size
     keys: list[PageKey] = []
     for start in range(0, full * width, width):
@@ -89,13 +107,9 @@ def position_free_key(namespace: Namespace, token_ids: Sequence[int]) -> PageKey
     at position 0, so it is
     the same whichever request or worker computed it; the "pic" tag keeps these keys
     apart from page keys."""
-    try:
-        packed = struct.pack(f"<{len(token_ids)}I", *token_ids)
-    except struct.error as e:
-        raise ValueError(f"token ids must be integers in [0, 2**32): {e}") from e
     h = hashlib.sha256(b"pic")
     h.update(namespace.digest)
-    h.update(packed)
+    h.update(pack_tokens(token_ids))
     return h.digest()
 
 

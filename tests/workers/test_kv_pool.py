@@ -3,14 +3,25 @@ from __future__ import annotations
 import pytest
 
 from chunkstore.events import EventKind
-from chunkstore.hashing import Namespace, page_keys
+from chunkstore.hashing import Namespace, pack_tokens, page_keys, root_key
 from workers.engine.kv_pool import KVPool
 
 NS = Namespace("m")
 
 
+ROOT = root_key(NS)
+
+
 def _keys(tokens, page_size=4):
     return page_keys(tokens, page_size, NS)
+
+
+def _publish_chain(pool, pages, tokens):
+    """Publish ``pages`` as the full 4-token pages of ``tokens``, in chain order."""
+    keys = _keys(tokens)
+    for i, (page, key) in enumerate(zip(pages, keys, strict=False)):
+        assert pool.publish(page, key, tokens[i * 4 : (i + 1) * 4], keys[i - 1] if i else ROOT)
+    return keys
 
 
 def test_allocate_release_and_states():
@@ -28,10 +39,8 @@ def test_allocate_release_and_states():
 def test_publish_match_verifies_tokens_and_evicts_lru():
     pool = KVPool(3, 4)
     tokens = list(range(12))
-    keys = _keys(tokens)
     pages = pool.allocate(3)
-    for i, (page, key) in enumerate(zip(pages, keys, strict=True)):
-        assert pool.publish(page, key, tokens[i * 4 : (i + 1) * 4])
+    keys = _publish_chain(pool, pages, tokens)
     pool.release(pages)
     token_pages = [tokens[i * 4 : (i + 1) * 4] for i in range(3)]
     assert pool.match_prefix(keys, token_pages) == pages
@@ -49,10 +58,8 @@ def test_publish_match_verifies_tokens_and_evicts_lru():
 def test_tail_pages_evicted_before_head():
     pool = KVPool(3, 4)
     tokens = list(range(12))
-    keys = _keys(tokens)
     pages = pool.allocate(3)
-    for i, (page, key) in enumerate(zip(pages, keys, strict=True)):
-        pool.publish(page, key, tokens[i * 4 : (i + 1) * 4])
+    keys = _publish_chain(pool, pages, tokens)
     pool.release(pages)
     assert pool.allocate(1) == [pages[2]]
     token_pages = [tokens[i * 4 : (i + 1) * 4] for i in range(3)]
@@ -63,8 +70,8 @@ def test_duplicate_key_keeps_first_page_and_acquire_protects():
     pool = KVPool(4, 4)
     key = _keys([1, 2, 3, 4])[0]
     a, b = pool.allocate(2)
-    assert pool.publish(a, key, [1, 2, 3, 4])
-    assert not pool.publish(b, key, [1, 2, 3, 4])
+    assert pool.publish(a, key, [1, 2, 3, 4], ROOT)
+    assert not pool.publish(b, key, [1, 2, 3, 4], ROOT)
     pool.release([a, b])
     assert pool.num_available == 4
     pool.acquire([a])  # a hit takes a reference: no longer evictable
@@ -76,7 +83,7 @@ def test_clear_forgets_keys_and_emits_cleared():
     pool = KVPool(2, 4)
     key = _keys([1, 2, 3, 4])[0]
     (a,) = pool.allocate(1)
-    pool.publish(a, key, [1, 2, 3, 4])
+    pool.publish(a, key, [1, 2, 3, 4], ROOT)
     pool.release([a])
     pool.clear()
     assert pool.cached_keys() == []
@@ -89,7 +96,38 @@ def test_publish_rejects_partial_or_unused_pages():
     pool = KVPool(2, 4)
     key = _keys([1, 2, 3, 4])[0]
     with pytest.raises(ValueError, match="in use"):
-        pool.publish(0, key, [1, 2, 3, 4])
+        pool.publish(0, key, [1, 2, 3, 4], ROOT)
     (a,) = pool.allocate(1)
     with pytest.raises(ValueError, match="full pages"):
-        pool.publish(a, key, [1, 2])
+        pool.publish(a, key, [1, 2], ROOT)
+
+
+def test_chain_match_agrees_with_keys_through_eviction_and_clear():
+    """``match_chain`` (no hashing) finds what the chain keys find: the longest cached
+    prefix, stopping at a page whose tokens differ, at an evicted page, and finding
+    nothing after ``clear`` or under another namespace."""
+    pool = KVPool(6, 4)
+    tokens = list(range(100, 124))  # six full pages
+    pages = pool.allocate(6)
+    keys = _publish_chain(pool, pages, tokens)
+    pool.release(pages)
+    packed = pack_tokens(tokens)
+    token_pages = [tokens[i * 4 : (i + 1) * 4] for i in range(6)]
+    assert pool.match_chain(ROOT, packed, 6) == pages == pool.match_prefix(keys, token_pages)
+    assert pool.keys_of(pages) == keys
+    assert pool.match_chain(ROOT, packed, 4) == pages[:4]  # max_pages bounds it
+    assert pool.match_chain(ROOT, packed[:-1], 6) == pages[:5]  # a partial page: no match
+    assert pool.match_chain(keys[1], packed[8 * 4 :], 6) == pages[2:]  # from a parent
+    other = tokens[:13] + [7] + tokens[14:]  # page 3 differs by one token
+    assert pool.match_chain(ROOT, pack_tokens(other), 6) == pages[:3]
+    assert pool.match_chain(root_key(Namespace("m", "tenant")), packed, 6) == []
+    pool.evict([pages[2]])  # the chain breaks there, as it does for keys
+    assert pool.match_chain(ROOT, packed, 6) == pages[:2] == pool.match_prefix(keys, token_pages)
+    # the evicted page, republished with other tokens, is found by those only
+    (again,) = pool.allocate(1)  # the only free page
+    assert again == pages[2]
+    other_keys = _keys(other)
+    assert pool.publish(again, other_keys[3], other[12:16], other_keys[2])
+    assert pool.match_chain(ROOT, packed, 6) == pages[:2]
+    pool.clear()
+    assert pool.match_chain(ROOT, packed, 6) == []

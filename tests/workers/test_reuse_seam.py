@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from chunkstore.events import EventKind
-from chunkstore.hashing import Namespace
+from chunkstore.hashing import Namespace, pack_tokens
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.kv_pool import KVPool
@@ -147,7 +147,7 @@ def test_inexact_pages_are_never_keyed_matched_or_announced():
     assert [k for e in stored for k in e.keys] == keys[:2]
     assert [pool.is_exact(p) for p in seq.page_ids] == [True, True, False, False]
     with pytest.raises(ValueError, match="inexact"):
-        pool.publish(seq.page_ids[2], keys[2], tokens[32:48])
+        pool.publish(seq.page_ids[2], keys[2], tokens[32:48], keys[1])
     assert pool.drain_events() == []
 
     # An exact request with the same tokens matches only the exact pages.
@@ -160,3 +160,36 @@ def test_inexact_pages_are_never_keyed_matched_or_announced():
     pool.release(seq.page_ids)
     fresh = pool.allocate(8 - 2)
     assert fresh is not None and all(pool.is_exact(p) for p in fresh)
+
+
+def test_exact_admission_matches_by_chain_without_hashing_and_keys_agree():
+    """A sequence readmitted after preemption (outputs after its prompt) matches the
+    pages an earlier sequence published over prompt and outputs alike; the keys it
+    takes from the matched pages are those hashing its tokens gives, so the pages it
+    publishes next chain on from them."""
+    pool = KVPool(16, PAGE)
+    namespace = Namespace("m", "")
+    tokens = list(range(100, 180))  # five full pages
+    first = Sequence("a", 0, tokens, SamplingParams(max_tokens=1), namespace)
+    first.page_ids = array("i", pool.allocate(5))
+    publish_exact_pages(pool, first, 0, len(tokens))
+    pool.release(first.page_ids)
+
+    # prompt of two and a half pages, then outputs up to 70 tokens: 4 full pages usable
+    later = Sequence("b", 1, tokens[:40], SamplingParams(max_tokens=64), namespace)
+    later.token_ids = tokens[:70]
+    assert later.packed_tokens(70) == pack_tokens(tokens[:70])
+    assert ExactPrefixReuse(pool).admit(later)
+    assert list(later.page_ids) == list(first.page_ids[:4]) and later.num_computed == 64
+    hashed = Sequence("c", 2, tokens[:70], SamplingParams(max_tokens=1), namespace)
+    assert later.page_keys == hashed.extend_page_keys(PAGE, 64)[:4]
+
+    # its fifth page, once computed, is published under the key hashing gives
+    later.token_ids = tokens + [1]
+    later.page_ids.extend(pool.allocate(1))
+    pool.evict(first.page_ids[4:5])
+    publish_exact_pages(pool, later, 64, 80)
+    keys = Sequence("d", 3, tokens, SamplingParams(max_tokens=1), namespace).extend_page_keys(
+        PAGE, 80
+    )
+    assert pool.lookup(keys[4], tokens[64:80]) == later.page_ids[4]

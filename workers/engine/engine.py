@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from chunkstore.chunking import entry_context
-from chunkstore.hashing import Namespace, PageKey, position_free_key
+from chunkstore.hashing import Namespace, PageKey, pack_tokens, position_free_key
 from workers.engine.approximate import ChunkReuse
 from workers.engine.attention import make_backend
 from workers.engine.attention.base import AttentionShape
@@ -267,8 +267,9 @@ class Engine:
         ``expected_cached_tokens``: the caller's estimate of the prompt tokens this
         engine holds, for ``load_shape`` while the request waits; it changes nothing
         that is computed."""
-        self._validate(request_id, prompt_token_ids)
-        _validate_spans(placeable, len(prompt_token_ids))
+        prompt = list(prompt_token_ids)  # validated, packed and stored alike
+        packed = self._validate(request_id, prompt)
+        _validate_spans(placeable, len(prompt))
         if expected_cached_tokens < 0:
             raise ValueError(f"expected_cached_tokens must be >= 0, got {expected_cached_tokens}")
         reuse = reuse or ReuseRequest()
@@ -277,9 +278,10 @@ class Engine:
         seq = Sequence(
             request_id=request_id,
             arrival=next(self._arrivals),
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=prompt,
             params=params,
             namespace=self.namespace(tenant_salt),
+            packed_prompt=packed,
             placeable=tuple(placeable),
             reuse_request=reuse,
             expected_cached_tokens=expected_cached_tokens,
@@ -596,14 +598,18 @@ class Engine:
         return True
 
     # -- helpers ---------------------------------------------------------------
-    def _validate(self, request_id: str, prompt: list[int]) -> None:
+    def _validate(self, request_id: str, prompt: list[int]) -> bytes:
+        """The prompt packed (``pack_tokens``), once it is a valid one."""
         if request_id in self._sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt:
             raise ValueError("prompt is empty: give at least one token")
         vocab = self.model_config.vocab_size
-        ids = np.asarray(prompt)
-        if ids.dtype.kind not in "iu" or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        try:  # integers in [0, 2**32) only, packed in one C pass as keys hash them
+            packed = pack_tokens(prompt)
+        except ValueError:
+            packed = None
+        if packed is None or int(np.frombuffer(packed, dtype="<u4").max()) >= vocab:
             bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         if len(prompt) >= self.max_model_len:
@@ -612,6 +618,7 @@ class Engine:
                 f"{self.max_model_len - 1} prompt tokens (context length {self.max_model_len}); "
                 "shorten the prompt"
             )
+        return packed
 
     def _auto_num_pages(self) -> int:
         per_page = ModelRunner.bytes_per_page(self.model_config, self.config.page_size, self.dtype)

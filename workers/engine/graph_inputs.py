@@ -3,9 +3,10 @@ the same way; no CUDA or FlashInfer needed, so it is tested on the CPU)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from workers.engine.attention.base import kv_write_rows
+from workers.engine.attention.base import kv_write_rows_host
 
 
 def load_step(
@@ -25,6 +26,7 @@ def load_step(
     if size > n:
         graph.input_ids[n:].zero_()
         graph.positions[n:].zero_()
-    scratch = torch.full((size - n,), scratch_page * page_size, dtype=torch.int32)
-    rows = kv_write_rows(torch.cat((slot_mapping, scratch)), page_size)
+    slots = np.full(size, scratch_page * page_size, dtype=np.int64)
+    slots[:n] = slot_mapping.numpy()
+    rows = torch.from_numpy(kv_write_rows_host(slots, page_size))
     graph.kv_rows.copy_(rows, non_blocking=True)

@@ -11,7 +11,9 @@ takes one reference and unpinning drops it, so a pinned page is in use and never
 evicted. Pins nest; ``pins <= ref_count`` always.
 
 A key names a full page's tokens and everything before them (see
-``chunkstore.hashing``); at most one page holds a given key. A page marked *inexact*
+``chunkstore.hashing``); at most one page holds a given key. A keyed page is also
+found by its parent's key and its own tokens (``match_chain``): the pair names it as
+its key does, and matching a cached prefix that way hashes nothing. A page marked *inexact*
 (its KV differs from what plain generation computes, e.g. after approximate reuse)
 is never keyed, so it is never matched and never reaches the directory; the mark
 lasts until the page is freed.
@@ -33,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from chunkstore.events import CacheEvent, EventKind
-from chunkstore.hashing import PageKey
+from chunkstore.hashing import PageKey, pack_tokens
 
 
 @dataclass
@@ -41,7 +43,8 @@ class _Page:
     ref_count: int = 0  # running requests' references + pins
     pins: int = 0
     key: PageKey | None = None
-    token_ids: tuple[int, ...] = ()
+    parent: PageKey = b""  # the key of the page before it in its chain (keyed pages)
+    tokens: bytes = b""  # its token ids packed (``pack_tokens``; keyed pages)
     exact: bool = True  # False: never keyed (see mark_inexact)
 
 
@@ -69,6 +72,8 @@ class KVPool:
         self._free: deque[int] = deque(range(num_pages))
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._by_key: dict[PageKey, int] = {}
+        # every keyed page, also under (its parent's key, its packed tokens)
+        self._by_chain: dict[tuple[PageKey, bytes], int] = {}
         self._events: list[CacheEvent] = []
         self._num_pinned = 0  # pages with pins > 0
         self._entries: dict[PageKey, ChunkEntry] = {}
@@ -124,9 +129,30 @@ class KVPool:
     def lookup(self, key: PageKey, tokens: Sequence[int]) -> int | None:
         """The page holding ``key`` with exactly these token ids, if any (no reference)."""
         page_id = self._by_key.get(key)
-        if page_id is None or self._pages[page_id].token_ids != tuple(tokens):
+        if page_id is None or self._pages[page_id].tokens != pack_tokens(tokens):
             return None
         return page_id
+
+    def match_chain(self, parent: PageKey, packed: bytes, max_pages: int) -> list[int]:
+        """Pages holding the longest prefix of the first ``max_pages`` full pages of
+        ``packed`` (token ids as ``pack_tokens`` packs them) whose chain starts after
+        the page keyed ``parent`` (``root_key`` for a sequence's start). Each page is
+        found by the key of the one before it and its own tokens: no hashing, and the
+        tokens compared exactly. Takes no references (``acquire`` the result)."""
+        width = 4 * self.page_size
+        hits: list[int] = []
+        by_chain, pages = self._by_chain, self._pages
+        for start in range(0, min(max_pages * width, len(packed) - width + 1), width):
+            page_id = by_chain.get((parent, packed[start : start + width]))
+            if page_id is None:
+                break
+            hits.append(page_id)
+            parent = pages[page_id].key
+        return hits
+
+    def keys_of(self, page_ids: Sequence[int]) -> list[PageKey]:
+        """The keys of keyed pages, in order."""
+        return [self._pages[p].key for p in page_ids]
 
     def cached_keys(self) -> list[PageKey]:
         """Every key this pool holds, page keys and entry keys (a snapshot for the
@@ -177,8 +203,12 @@ class KVPool:
                 else:
                     self._lru[page_id] = None
 
-    def publish(self, page_id: int, key: PageKey, token_ids: Sequence[int]) -> bool:
-        """Record that in-use ``page_id`` now holds the full page named ``key``.
+    def publish(
+        self, page_id: int, key: PageKey, token_ids: Sequence[int], parent: PageKey
+    ) -> bool:
+        """Record that in-use ``page_id`` now holds the full page named ``key``: the
+        page of ``token_ids`` after the page keyed ``parent`` (``key`` is their chain
+        key, ``chunkstore.hashing``).
 
         Returns False (page stays unkeyed) when another page already holds the key,
         e.g. two requests computed the same prefix in one step.
@@ -192,9 +222,9 @@ class KVPool:
             raise ValueError(f"page {page_id} holds inexact KV and can never be published")
         if key in self._by_key or page.key is not None:
             return False
-        page.key = key
-        page.token_ids = tuple(token_ids)
+        page.key, page.parent, page.tokens = key, parent, pack_tokens(token_ids)
         self._by_key[key] = page_id
+        self._by_chain[(parent, page.tokens)] = page_id
         self._events.append(CacheEvent(EventKind.STORED, (key,)))
         return True
 
@@ -336,6 +366,6 @@ class KVPool:
         key = page.key
         assert key is not None
         del self._by_key[key]
-        page.key = None
-        page.token_ids = ()
+        del self._by_chain[(page.parent, page.tokens)]
+        page.key, page.parent, page.tokens = None, b"", b""
         return key

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from chunkstore.hashing import Namespace, PageKey, chain_page_keys, root_key
+from chunkstore.hashing import Namespace, PageKey, chain_page_keys, pack_tokens, root_key
 from workers.engine.reuse_info import ReuseInfo, ReuseRequest
 from workers.engine.sampling_params import SamplingParams
 
@@ -60,6 +60,9 @@ class Sequence:
     # leading tokens are context, computed but not part of the entry
     fill_context: int = 0
     page_keys: list[PageKey] = field(default_factory=list)
+    # the prompt's token ids packed as keys hash them (``pack_tokens``), when the caller
+    # packed them already (validating them); else packed on first use
+    packed_prompt: bytes | None = None
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     text: str = ""
@@ -108,6 +111,15 @@ class Sequence:
 
     def page_tokens(self, index: int, page_size: int) -> list[int]:
         return self.token_ids[index * page_size : (index + 1) * page_size]
+
+    def packed_tokens(self, upto: int) -> bytes:
+        """The first ``upto`` token ids, packed (``pack_tokens``)."""
+        prompt_len = len(self.prompt_token_ids)
+        if self.packed_prompt is None:
+            self.packed_prompt = pack_tokens(self.prompt_token_ids)
+        if upto <= prompt_len:
+            return self.packed_prompt[: 4 * upto]
+        return self.packed_prompt + pack_tokens(self.token_ids[prompt_len:upto])
 
     def extend_page_keys(self, page_size: int, upto_tokens: int) -> list[PageKey]:
         """Extend ``page_keys`` to cover every full page within the first

@@ -31,11 +31,10 @@ from typing import Protocol
 
 import numpy as np
 
+from chunkstore.hashing import root_key
 from workers.engine.kv_pool import KVPool
 from workers.engine.request import ALL_EXACT, Sequence
 from workers.engine.reuse_info import ReuseInfo
-
-FIRST_HASH_BATCH = 8  # pages
 
 
 class Reuse(Protocol):
@@ -88,21 +87,12 @@ class ExactPrefixReuse:
         page_size = self.pool.page_size
         # Keep at least one token to compute: its logits produce the next token.
         usable_pages = (len(seq.token_ids) - 1) // page_size
-        matched: list[int] = []
-        # Hash pages only while their parents matched, in batches that double (one
-        # packing of the tokens per batch): a miss wastes at most one batch's hashing.
-        batch = FIRST_HASH_BATCH
-        while len(matched) < usable_pages:
-            upto = min(usable_pages, len(matched) + batch)
-            keys = seq.extend_page_keys(page_size, upto * page_size)
-            for index in range(len(matched), upto):
-                page = self.pool.lookup(keys[index], seq.page_tokens(index, page_size))
-                if page is None:
-                    break
-                matched.append(page)
-            if len(matched) < upto:
-                break
-            batch *= 2
+        # Matched through the pool's chain index (no hashing); the matched pages'
+        # keys are this sequence's own chain keys, so later pages hash from them.
+        packed = seq.packed_tokens(usable_pages * page_size)
+        matched = self.pool.match_chain(root_key(seq.namespace), packed, usable_pages)
+        if len(seq.page_keys) < len(matched):
+            seq.page_keys = self.pool.keys_of(matched)
         self.pool.acquire(matched)
         start_from(seq, self.mode, matched, len(matched) * page_size)
         return True
@@ -122,7 +112,9 @@ def publish_exact_pages(pool: KVPool, seq: Sequence, start: int, end: int) -> No
     if exact_pages > first:
         keys = seq.extend_page_keys(page_size, exact_pages * page_size)
         for index in range(first, exact_pages):
-            pool.publish(seq.page_ids[index], keys[index], seq.page_tokens(index, page_size))
+            parent = keys[index - 1] if index else root_key(seq.namespace)
+            tokens = seq.page_tokens(index, page_size)
+            pool.publish(seq.page_ids[index], keys[index], tokens, parent)
     if seq.exact_until >= end:
         return
     inexact_from = max(first, seq.exact_until // page_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -25,8 +26,8 @@ def sample_on_device(
     if logits.is_cuda:
         from workers.engine.layers.sample_kernel import gumbel_argmax
 
-        inv_temp = _on_device(
-            [0.0 if p.greedy else 1.0 / p.temperature for p in params], torch.float32, logits.device
+        inv_temp = _inverse_temperatures(
+            tuple(0.0 if p.greedy else 1.0 / p.temperature for p in params), logits.device
         )
         seed = int(torch.randint(0, 2**31 - 1, ()))
         tokens = gumbel_argmax(logits, inv_temp, seed)
@@ -72,6 +73,14 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(dim=-1)
+
+
+@functools.lru_cache(maxsize=64)
+def _inverse_temperatures(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """The fused pass's per-row inverse temperatures on the device, kept for the next
+    step with the same ones (most steps repeat the last one: staging a list through
+    pinned memory costs more host time than the kernel). Read-only: never written."""
+    return _on_device(list(values), torch.float32, device)
 
 
 def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

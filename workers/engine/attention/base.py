@@ -171,10 +171,21 @@ class AttentionBackend(Protocol):
 
 def kv_write_rows(slot_mapping: torch.Tensor, page_size: int) -> torch.Tensor:
     """Rows of ``kv_cache.view(-1, kv_heads * head_dim)`` that the new tokens' keys,
-    then values, go to: ``[2T]`` int64 (computed once per step, on the CPU)."""
+    then values, go to: ``[2T]`` int64, on the slots' device (a step's are computed
+    on the CPU, once)."""
+    if slot_mapping.device.type == "cpu":
+        return torch.from_numpy(kv_write_rows_host(slot_mapping.numpy(), page_size))
     slots = slot_mapping.long()
     key_rows = (slots // page_size) * (2 * page_size) + slots % page_size
     return torch.cat((key_rows, key_rows + page_size))
+
+
+def kv_write_rows_host(slots: np.ndarray, page_size: int) -> np.ndarray:
+    """``kv_write_rows`` on host arrays: numpy takes a few microseconds where torch's
+    CPU ops take dozens (it runs before every step and graph replay)."""
+    slots = slots.astype(np.int64, copy=False)
+    key_rows = (slots // page_size) * (2 * page_size) + slots % page_size
+    return np.concatenate((key_rows, key_rows + page_size))
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
