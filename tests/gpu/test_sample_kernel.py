@@ -30,6 +30,11 @@ def test_greedy_rows_take_the_first_maximum():
     tokens = gumbel_argmax(logits, torch.zeros(37, device="cuda"), seed=1)
     assert tokens.tolist() == logits.argmax(dim=-1).tolist()
     assert tokens[3].item() == 100 and tokens[4].item() == 200
+    # a batch of greedy rows only is one argmax in the sampler: the same tokens
+    from workers.engine.sampler import sample_on_device
+
+    greedy = [SamplingParams(temperature=0)] * 37
+    assert sample_on_device(logits, greedy, [None] * 37).tolist() == tokens.tolist()
 
 
 def test_the_span_a_program_scans_changes_no_draw():

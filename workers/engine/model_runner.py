@@ -103,7 +103,8 @@ def build_inputs(batch: list[ScheduledSeq], page_size: int) -> StepInputs:
         positions=pos_tensor.to(torch.int32),
     )
     return StepInputs(
-        torch.tensor(input_ids, dtype=torch.long),
+        # through numpy: torch.tensor(list) takes 3-4x as long (220 us for 4K ids)
+        torch.from_numpy(np.fromiter(input_ids, dtype=np.int64, count=len(input_ids))),
         pos_tensor,
         layout,
         torch.tensor(logits_indices, dtype=torch.long),

@@ -20,9 +20,12 @@ def sample_on_device(
     restricted by top-k and top-p. A row with a generator draws only from it, so a
     seeded request is reproducible whatever it is batched with.
 
-    On CUDA, greedy rows and rows that only scale by a temperature take one fused
-    pass (``layers/sample_kernel``: Gumbel-max, the same distribution); rows that
-    filter or carry a generator take the unfused path below."""
+    A batch of greedy rows only is one argmax. Otherwise, on CUDA, greedy rows and
+    rows that only scale by a temperature take one fused pass
+    (``layers/sample_kernel``: Gumbel-max, the same distribution); rows that filter or
+    carry a generator take the unfused path below."""
+    if all(p.greedy for p in params):  # one reduction; the first maximum, as below
+        return logits.argmax(dim=-1)
     if logits.is_cuda:
         from workers.engine.layers.sample_kernel import gumbel_argmax
 
