@@ -77,21 +77,21 @@ def page_keys(
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     key = root_key(namespace) if parent is None else parent
-    return chain_page_keys(key, namespace.digest, token_ids, page_size)
+    full = len(token_ids) // page_size
+    return chain_page_keys(
+        key, namespace.digest, pack_tokens(token_ids[: full * page_size]), page_size
+    )
 
 
 def chain_page_keys(
-    parent: PageKey, namespace_digest: bytes, token_ids: Sequence[int], page_size: int
+    parent: PageKey, namespace_digest: bytes, packed: bytes, page_size: int
 ) -> list[PageKey]:
-    """Key of each full page of ``token_ids`` in turn: ``SHA-256(parent key ||
-    namespace digest || the page's token ids as little-endian uint32)``, the first
-    page's parent being ``parent``. The tokens are packed once for all pages (an exact
-    admission hashes every page of a long prompt)."""
-    full = len(token_ids) // page_size
-    packed = pack_tokens(token_ids[: full * page_size])
+    """Key of each full page of ``packed`` (token ids as ``pack_tokens`` packs them) in
+    turn: ``SHA-256(parent key || namespace digest || the page's packed token ids)``,
+    the first page's parent being ``parent``."""
     width = 4 * page_size
     keys: list[PageKey] = []
-    for start in range(0, full * width, width):
+    for start in range(0, len(packed) - width + 1, width):
         h = hashlib.sha256(parent)
         h.update(namespace_digest)
         h.update(packed[start : start + width])

@@ -20,7 +20,8 @@ def _publish_chain(pool, pages, tokens):
     """Publish ``pages`` as the full 4-token pages of ``tokens``, in chain order."""
     keys = _keys(tokens)
     for i, (page, key) in enumerate(zip(pages, keys, strict=False)):
-        assert pool.publish(page, key, tokens[i * 4 : (i + 1) * 4], keys[i - 1] if i else ROOT)
+        page_tokens = pack_tokens(tokens[i * 4 : (i + 1) * 4])
+        assert pool.publish(page, key, page_tokens, keys[i - 1] if i else ROOT)
     return keys
 
 
@@ -70,8 +71,8 @@ def test_duplicate_key_keeps_first_page_and_acquire_protects():
     pool = KVPool(4, 4)
     key = _keys([1, 2, 3, 4])[0]
     a, b = pool.allocate(2)
-    assert pool.publish(a, key, [1, 2, 3, 4], ROOT)
-    assert not pool.publish(b, key, [1, 2, 3, 4], ROOT)
+    assert pool.publish(a, key, pack_tokens([1, 2, 3, 4]), ROOT)
+    assert not pool.publish(b, key, pack_tokens([1, 2, 3, 4]), ROOT)
     pool.release([a, b])
     assert pool.num_available == 4
     pool.acquire([a])  # a hit takes a reference: no longer evictable
@@ -83,7 +84,7 @@ def test_clear_forgets_keys_and_emits_cleared():
     pool = KVPool(2, 4)
     key = _keys([1, 2, 3, 4])[0]
     (a,) = pool.allocate(1)
-    pool.publish(a, key, [1, 2, 3, 4], ROOT)
+    pool.publish(a, key, pack_tokens([1, 2, 3, 4]), ROOT)
     pool.release([a])
     pool.clear()
     assert pool.cached_keys() == []
@@ -96,10 +97,10 @@ def test_publish_rejects_partial_or_unused_pages():
     pool = KVPool(2, 4)
     key = _keys([1, 2, 3, 4])[0]
     with pytest.raises(ValueError, match="in use"):
-        pool.publish(0, key, [1, 2, 3, 4], ROOT)
+        pool.publish(0, key, pack_tokens([1, 2, 3, 4]), ROOT)
     (a,) = pool.allocate(1)
     with pytest.raises(ValueError, match="full pages"):
-        pool.publish(a, key, [1, 2], ROOT)
+        pool.publish(a, key, pack_tokens([1, 2]), ROOT)
 
 
 def test_chain_match_agrees_with_keys_through_eviction_and_clear():
@@ -127,7 +128,7 @@ def test_chain_match_agrees_with_keys_through_eviction_and_clear():
     (again,) = pool.allocate(1)  # the only free page
     assert again == pages[2]
     other_keys = _keys(other)
-    assert pool.publish(again, other_keys[3], other[12:16], other_keys[2])
+    assert pool.publish(again, other_keys[3], pack_tokens(other[12:16]), other_keys[2])
     assert pool.match_chain(ROOT, packed, 6) == pages[:2]
     pool.clear()
     assert pool.match_chain(ROOT, packed, 6) == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from chunkstore.events import CacheEvent, EventKind
-from chunkstore.hashing import Namespace, page_keys, root_key
+from chunkstore.hashing import Namespace, pack_tokens, page_keys, root_key
 from workers.engine.kv_pool import KVPool
 
 NS = Namespace("m")
@@ -18,7 +18,8 @@ def _cached_pool(num_pages: int = 4) -> tuple[KVPool, list[int], list[bytes]]:
     keys = page_keys(TOKENS, 4, NS)
     pages = pool.allocate(3)
     for i, (page, key) in enumerate(zip(pages, keys, strict=True)):
-        pool.publish(page, key, TOKENS[i * 4 : (i + 1) * 4], keys[i - 1] if i else root_key(NS))
+        page_tokens = pack_tokens(TOKENS[i * 4 : (i + 1) * 4])
+        pool.publish(page, key, page_tokens, keys[i - 1] if i else root_key(NS))
     pool.release(pages)
     pool.drain_events()
     return pool, pages, keys

@@ -147,7 +147,7 @@ def test_inexact_pages_are_never_keyed_matched_or_announced():
     assert [k for e in stored for k in e.keys] == keys[:2]
     assert [pool.is_exact(p) for p in seq.page_ids] == [True, True, False, False]
     with pytest.raises(ValueError, match="inexact"):
-        pool.publish(seq.page_ids[2], keys[2], tokens[32:48], keys[1])
+        pool.publish(seq.page_ids[2], keys[2], pack_tokens(tokens[32:48]), keys[1])
     assert pool.drain_events() == []
 
     # An exact request with the same tokens matches only the exact pages.

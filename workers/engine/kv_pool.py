@@ -203,12 +203,10 @@ class KVPool:
                 else:
                     self._lru[page_id] = None
 
-    def publish(
-        self, page_id: int, key: PageKey, token_ids: Sequence[int], parent: PageKey
-    ) -> bool:
+    def publish(self, page_id: int, key: PageKey, tokens: bytes, parent: PageKey) -> bool:
         """Record that in-use ``page_id`` now holds the full page named ``key``: the
-        page of ``token_ids`` after the page keyed ``parent`` (``key`` is their chain
-        key, ``chunkstore.hashing``).
+        page of ``tokens`` (its token ids as ``pack_tokens`` packs them) after the page
+        keyed ``parent`` (``key`` is their chain key, ``chunkstore.hashing``).
 
         Returns False (page stays unkeyed) when another page already holds the key,
         e.g. two requests computed the same prefix in one step.
@@ -216,13 +214,13 @@ class KVPool:
         page = self._pages[page_id]
         if page.ref_count == 0:
             raise ValueError(f"page {page_id} must be in use to be published")
-        if len(token_ids) != self.page_size:
+        if len(tokens) != 4 * self.page_size:
             raise ValueError("only full pages can be published")
         if not page.exact:
             raise ValueError(f"page {page_id} holds inexact KV and can never be published")
         if key in self._by_key or page.key is not None:
             return False
-        page.key, page.parent, page.tokens = key, parent, pack_tokens(token_ids)
+        page.key, page.parent, page.tokens = key, parent, tokens
         self._by_key[key] = page_id
         self._by_chain[(parent, page.tokens)] = page_id
         self._events.append(CacheEvent(EventKind.STORED, (key,)))

@@ -109,9 +109,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def page_tokens(self, index: int, page_size: int) -> list[int]:
-        return self.token_ids[index * page_size : (index + 1) * page_size]
-
     def packed_tokens(self, upto: int) -> bytes:
         """The first ``upto`` token ids, packed (``pack_tokens``)."""
         prompt_len = len(self.prompt_token_ids)
@@ -128,6 +125,6 @@ class Sequence:
         done = len(self.page_keys)
         if done < full:
             parent = self.page_keys[-1] if self.page_keys else root_key(self.namespace)
-            tokens = self.token_ids[done * page_size : full * page_size]
-            self.page_keys += chain_page_keys(parent, self.namespace.digest, tokens, page_size)
+            packed = self.packed_tokens(full * page_size)[4 * done * page_size :]
+            self.page_keys += chain_page_keys(parent, self.namespace.digest, packed, page_size)
         return self.page_keys

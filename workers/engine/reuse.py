@@ -111,9 +111,10 @@ def publish_exact_pages(pool: KVPool, seq: Sequence, start: int, end: int) -> No
     exact_pages = min(last, seq.exact_until // page_size)
     if exact_pages > first:
         keys = seq.extend_page_keys(page_size, exact_pages * page_size)
+        packed, width = seq.packed_tokens(exact_pages * page_size), 4 * page_size
         for index in range(first, exact_pages):
             parent = keys[index - 1] if index else root_key(seq.namespace)
-            tokens = seq.page_tokens(index, page_size)
+            tokens = packed[index * width : (index + 1) * width]
             pool.publish(seq.page_ids[index], keys[index], tokens, parent)
     if seq.exact_until >= end:
         return
