@@ -141,19 +141,15 @@ def run_prompts(
     engine: Engine, prompts: list[Prompt], place: bool, reuse: ReuseRequest | None = None
 ) -> list[Outcome]:
     """Greedy answers of ``prompts`` in one batch, with each one's first-token
-    distribution (recorded from the logits the runner returns)."""
+    distribution (recorded from the logits the engine samples from: ``Engine.on_logits``)."""
     first: dict[str, torch.Tensor] = {}
-    run = engine.runner.run
 
-    def recording(batch, *carried):  # (overlapped steps pass carried tokens)
-        logits = run(batch, *carried)
-        rows = [item for item in batch if item.samples]
-        for row, item in zip(logits, rows, strict=True):
-            if item.seq.num_output_tokens == 0:
-                first[item.seq.request_id] = torch.log_softmax(row.double().cpu(), -1)
-        return logits
+    def recording(seqs, logits):
+        for row, seq in zip(logits, seqs, strict=True):
+            if seq.num_output_tokens == 0:
+                first[seq.request_id] = torch.log_softmax(row.double().cpu(), -1)
 
-    engine.runner.run = recording
+    engine.on_logits = recording
     try:
         ids = [f"q{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts, strict=True):
@@ -169,7 +165,7 @@ def run_prompts(
         for rid in ids:
             texts[rid] = engine.tokenizer.decode(tokens[rid], skip_special_tokens=True)
     finally:
-        engine.runner.run = run
+        engine.on_logits = None
     outcomes = []
     for rid, prompt in zip(ids, prompts, strict=True):
         info = served[rid]

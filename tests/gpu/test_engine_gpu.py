@@ -307,7 +307,8 @@ def test_selecting_forward_finds_and_restores_deviating_kv(engines):
     (noise at every layer), told that every position before the question is placed
     and to keep 120: the device picks exactly the noisy ones at the selection layer,
     and the one forward through the scattered-query kernel (in a CUDA graph, and
-    eagerly) restores the KV and the last logits of one plain pass, within bf16 noise."""
+    eagerly) restores the KV and the last logits of one plain pass, within bf16 noise;
+    also when the forward itself computes the last position and returns its logits."""
     import numpy as np
 
     from workers.engine.scheduler import ScheduledSeq
@@ -325,21 +326,30 @@ def test_selecting_forward_finds_and_restores_deviating_kv(engines):
     graphs = runner.kept_graphs
     assert graphs is not None and graphs.layer == engine.deviation_layer
     results = {}
-    for path in ("graph", "eager"):  # 39 + 120 rows over 1,999 keys: a graph fits
+    # 39 + 120 rows over 1,999 keys (40 + 120 over 2,000 when the forward gives the
+    # logits, as an approximate admission's does): a graph fits
+    for path in ("graph", "eager", "graph, last row"):
         for cache in runner.kv_caches:
             cache[rows[0][noisy], :, rows[1][noisy]] = 5 * torch.randn_like(
                 cache[rows[0][noisy], :, rows[1][noisy]]
             )
-        runner.kept_graphs = graphs if path == "graph" else None
+        runner.kept_graphs = graphs if path != "eager" else None
+        layer = engine.deviation_layer
         try:
-            runner.repair_selecting(seq, 0, last, np.arange(tail), 120, engine.deviation_layer)
+            if path == "graph, last row":
+                logits = runner.repair_selecting(
+                    seq, 0, last + 1, np.arange(tail), 120, layer, logits=True
+                )[0].float()
+            else:
+                assert runner.repair_selecting(seq, 0, last, np.arange(tail), 120, layer) is None
         finally:
             runner.kept_graphs = graphs
-        logits = runner.run([ScheduledSeq(seq, last, 1)])[0].float()
+        if path != "graph, last row":
+            logits = runner.run([ScheduledSeq(seq, last, 1)])[0].float()
         kv_rel = ((kv() - plain_kv).norm() / plain_kv.norm()).item()
         results[path] = {"kv_rel": kv_rel, "logit_rel": _rel_full(logits, plain_logits)}
     assert (256, 4096) in graphs.graphs  # the graph path ran
-    assert runner.take_aside().tokens == 2 * (39 + 120)
+    assert runner.take_aside().tokens == 2 * (39 + 120) + 40 + 120
     engine.pool.release(seq.page_ids)
     _record("selecting_forward", results)
     for r in results.values():

@@ -217,6 +217,64 @@ def test_selection_finds_the_deviating_tokens_on_the_device(model, parts):
     assert runner.take_aside().tokens == len(noisy) and runner.take_aside() is None
 
 
+def _steps_until_first_token(engine, rid, prompt, spans, reuse):
+    """(model runs the admitting step made, its outputs)."""
+    runs, run = [], engine.runner.run
+    engine.runner.run = lambda batch, *carried: runs.append(batch) or run(batch, *carried)
+    try:
+        engine.add_request(rid, prompt, GREEDY, placeable=tuple(spans), reuse=reuse)
+        return runs, engine.step()
+    finally:
+        engine.runner.run = run
+
+
+def test_admission_forward_computes_the_question_and_yields_the_first_token(model, parts):
+    """With a deviation ratio, admission's one forward runs through the question too:
+    the step that admits the request samples its first token with no model step of
+    its own. A tail over a step's token budget is computed in steps instead; both
+    answer alike, and alike beside a sequence that is decoding."""
+    repair = ReuseRequest("approximate", 0, 0.25)
+    prompt, spans = _layout(parts["systems"][1], parts["docs"], parts["question"])
+    answers = {}
+    for budget in (8192, len(parts["question"]) - 1):
+        engine = _engine(model, max_num_batched_tokens=budget)
+        _warm(engine, parts)
+        runs, outs = _steps_until_first_token(engine, "q", prompt, spans, repair)
+        if budget == 8192:
+            assert not runs and [o.request_id for o in outs] == ["q"]
+            assert engine.last_resolved_steps[0][0] == "admission forward"
+            assert engine._sequences["q"].ready_logits is None  # taken by the step
+        else:  # the question in steps, the first token from the last one
+            assert runs and not outs
+        tokens, logprobs = [], []
+        while engine.has_unfinished():
+            outs += engine.step()
+        for out in outs:
+            tokens += out.new_token_ids
+            logprobs.append([lp for _, lp in out.logprobs])
+        answers[budget] = tokens, np.array(logprobs)
+    (want, want_lp), (got, got_lp) = answers.values()
+    assert got == want
+    np.testing.assert_allclose(got_lp, want_lp, atol=1e-4)
+    # admitted beside a decoding sequence: one step samples both, each its own logits
+    engine = _engine(model)
+    _warm(engine, parts)
+    other = parts["systems"][0] + parts["question"]
+    engine.add_request("other", other, GREEDY)
+    first = engine.step()
+    runs, outs = _steps_until_first_token(engine, "q", prompt, spans, repair)
+    assert [len(batch) for batch in runs] == [1]  # the decoding sequence alone
+    assert sorted(o.request_id for o in outs) == ["other", "q"]
+    tokens = {"other": list(first[0].new_token_ids), "q": []}
+    while engine.has_unfinished():
+        outs += engine.step()
+    for out in outs:
+        tokens[out.request_id] += out.new_token_ids
+    assert tokens["q"] == want
+    alone, _, _ = _run(_engine(model), other)
+    assert tokens["other"] == alone
+
+
 def test_deviation_layer_defaults_to_layer_3_within_the_model():
     assert resolve_deviation_layer(None, 28) == 3
     assert resolve_deviation_layer(None, 2) == 1  # a shallower model: its last layer

@@ -22,8 +22,11 @@ Admission of an approximate request:
    layers of the placed tokens are in-context KV); at that layer the deviating tokens
    are chosen on the device, and only they and the positions not placed (an unmatched
    system prompt, first tokens, missed chunks) go on through the rest of the model,
-   attending by position to scattered KV. The rest of the prompt (the question) is
-   then computed in steps, as usual. Without a deviation ratio, the first tokens are
+   attending by position to scattered KV. The rest of the prompt (the question) goes
+   through the same forward, which returns its last token's logits
+   (``Sequence.ready_logits``): the step that admits the request only samples. (A
+   tail longer than a step's token budget, or a resumed request, is computed in
+   steps, as usual.) Without a deviation ratio, the first tokens are
    ``pending``: computed in the request's first step(s), one attention row per run.
 4. Taint: ``exact_until`` is the first placed token that is not recomputed (with a
    deviation ratio, the first candidate for selection: which ones the device kept is
@@ -62,12 +65,16 @@ class ChunkReuse:
         fill: Callable[[PageKey, list[int], Namespace], None],
         min_entry_tokens: int,
         deviation_layer: int,
+        max_tail_tokens: int,
     ) -> None:
         self.pool = pool
         self.runner = runner
         self.fill = fill
         self.min_entry_tokens = min_entry_tokens
         self.deviation_layer = deviation_layer
+        # the most prompt tokens after the last placed chunk that admission's forward
+        # computes too (a step's token budget); a longer tail is computed in steps
+        self.max_tail_tokens = max_tail_tokens
         self._exact = ExactPrefixReuse(pool)
         runner.use_kept_graphs(deviation_layer)
 
@@ -121,6 +128,13 @@ class ChunkReuse:
         # selecting: pages for the whole prompt, so that nothing fails after the forward
         # is queued (the scheduler's allocation for the first step then needs none)
         covered = len(seq.token_ids) if keep else placed_end
+        # ... and the forward computes the tail too (the question), so that the step
+        # admitting the sequence only samples its first token from the forward's logits
+        # (a first admission: a resumed one's last token may still be on the device)
+        to_end = (
+            keep > 0 and seq.num_output_tokens == 0 and covered - placed_end <= self.max_tail_tokens
+        )
+        forward_end = covered if to_end else placed_end
         needed = -(-covered // page_size) - len(seq.page_ids)
         for _, _, entry in hits:
             self.pool.hold_entry(entry)  # not evicted by our own allocation
@@ -144,17 +158,17 @@ class ChunkReuse:
                 self.pool.drop_entry(entry)
         if keep:
             candidates = np.flatnonzero(kept)
-            self.runner.repair_selecting(
-                seq, matched, placed_end, candidates, keep, self.deviation_layer
+            seq.ready_logits = self.runner.repair_selecting(
+                seq, matched, forward_end, candidates, keep, self.deviation_layer, to_end
             )
-            seq.num_computed, seq.pending = placed_end, np.empty(0, dtype=np.int64)
+            seq.num_computed, seq.pending = forward_end, np.empty(0, dtype=np.int64)
             # which candidates were kept is known only on the device: from the first
             # one on, the KV may be placed (unless every one was kept)
             if keep < len(candidates):
                 seq.exact_until = int(candidates[0])
             # queued on the device's one stream before any later step: every reader
             # of these pages runs after it
-            self.publish(seq, matched, placed_end)
+            self.publish(seq, matched, forward_end)
             return recomputed + keep
         pending = ~kept
         pending[:matched] = False

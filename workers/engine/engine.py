@@ -146,6 +146,7 @@ def default_reuse(engine: Engine) -> Reuse:
         engine._queue_fill,
         engine.config.min_entry_tokens,
         engine.deviation_layer,
+        engine.config.max_num_batched_tokens,
     )
 
 
@@ -244,6 +245,9 @@ class Engine:
         # device reached its start to its tokens' copy (idle gaps while the host launched
         # it included); without CUDA, its launch's host time (which computed it)
         self.last_resolved_steps: list[tuple[str, float]] = []
+        # called with each step's sampling sequences and their logits [S, vocab] just
+        # before sampling (benchmarks record first-token distributions with it)
+        self.on_logits: Callable[[list[Sequence], torch.Tensor], None] | None = None
 
     # -- requests --------------------------------------------------------------
     def namespace(self, tenant_salt: str | None = None) -> Namespace:
@@ -353,12 +357,18 @@ class Engine:
         """Queue ``batch``'s model work and sampling on the device and advance its
         sequences past what it computes; nothing waits for the device."""
         sampling = [item for item in batch if item.samples]
+        # what the model computes: all but sequences whose logits admission computed
+        ready = [item for item in sampling if not item.num_computed_tokens]
+        computed, computed_sampling = batch, sampling
+        if ready:
+            computed = [item for item in batch if item.num_computed_tokens]
+            computed_sampling = [item for item in sampling if item.num_computed_tokens]
         carried = None
         if previous is not None and previous.held:
             source = {id(item.seq): row for row, item in enumerate(previous.sampling)}
             pairs = [
                 (row, source[id(item.seq)])
-                for row, item in enumerate(sampling)
+                for row, item in enumerate(computed_sampling)
                 if item.seq.token_ids[-1] == PLACEHOLDER
             ]
             if pairs:
@@ -376,7 +386,14 @@ class Engine:
             if self.device.type == "cuda":
                 started = torch.cuda.Event(enable_timing=True)
                 started.record()
-        logits = self.runner.run(batch, carried) if carried else self.runner.run(batch)
+        logits = None
+        if computed:
+            logits = self.runner.run(computed, carried) if carried else self.runner.run(computed)
+        kind = self.runner.last_run_kind if computed else "admission forward"
+        if ready:
+            logits = self._with_ready_logits(sampling, logits)
+        if self.on_logits is not None:
+            self.on_logits([item.seq for item in sampling], logits)
         params = [item.seq.params for item in sampling]
         tokens = sample_on_device(logits, params, [item.seq.generator for item in sampling])
         copied = None
@@ -417,11 +434,28 @@ class Engine:
             logits if wants_logprobs else None,
             any(item.seq.num_output_tokens == 0 for item in sampling),
             prompt_tokens,
-            self.runner.last_run_kind,
+            kind,
             started,
             launch_s,
             behind_aside=aside is not None,
         )
+
+    @staticmethod
+    def _with_ready_logits(sampling: list[ScheduledSeq], logits: torch.Tensor | None):
+        """Logits of every sampling row, in order: the model's for the rows it computed
+        (``logits``, in their order), admission's for the others (taken from them)."""
+        ready_rows = [row for row, item in enumerate(sampling) if not item.num_computed_tokens]
+        ready = torch.cat([sampling[row].seq.ready_logits for row in ready_rows])
+        for row in ready_rows:
+            sampling[row].seq.ready_logits = None
+        if logits is None:
+            return ready
+        merged = logits.new_empty((len(sampling), logits.shape[1]))
+        is_ready = np.zeros(len(sampling), dtype=bool)
+        is_ready[ready_rows] = True
+        merged[torch.from_numpy(np.flatnonzero(~is_ready)).to(logits.device)] = logits
+        merged[torch.from_numpy(np.flatnonzero(is_ready)).to(logits.device)] = ready
+        return merged
 
     def _hold(self, launched: _Launched) -> None:
         """Let the scheduler see ``launched``'s tokens before they are read back: a

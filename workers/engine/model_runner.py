@@ -229,14 +229,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def repair_selecting(
-        self, seq, start: int, end: int, candidates: np.ndarray, keep: int, layer: int
-    ) -> None:
+        self,
+        seq,
+        start: int,
+        end: int,
+        candidates: np.ndarray,
+        keep: int,
+        layer: int,
+        logits: bool = False,
+    ) -> torch.Tensor | None:
         """Compute positions ``[start, end)`` of ``seq`` in context, where every position
         below ``start`` holds KV and those in ``candidates`` hold placed KV: the layers
         before ``layer`` over all of them; from ``layer`` on, all but the candidates
         plus the ``keep`` candidates whose K/V at ``layer`` deviate most (squared
         distance) from the placed K/V. The other candidates keep their placed KV from
-        ``layer`` on. One forward, chosen on the device: nothing waits for it."""
+        ``layer`` on. One forward, chosen on the device: nothing waits for it.
+        ``logits``: also return position ``end - 1``'s logits [1, vocab] (float32; it
+        must not be a candidate), so that no step computes it again."""
+        assert not (logits and len(candidates) and candidates[-1] == end - 1)
         if self.aside is None:  # the first since the engine last took the aside work
             started = None
             if self.device.type == "cuda":
@@ -271,14 +281,17 @@ class ModelRunner:
         rows = torch.cat((always, worst)).sort().values
         qkv, residual, positions, slots = qkv[rows], residual[rows], positions[rows], slots[rows]
         self.aside.tokens += len(always) + keep
+        hidden = None
         if self.kept_graphs is not None and self.kept_graphs.layer == layer:
-            ran = self.kept_graphs.run(qkv, residual, positions, slots, table, end)
-            if ran is not None:
-                return
-        metadata = self.scattered.metadata(positions, slots, table, end)
-        self.model.forward_kept(
-            qkv, residual, positions, self.kv_caches, layer, self.scattered, metadata
-        )
+            hidden = self.kept_graphs.run(qkv, residual, positions, slots, table, end)
+        if hidden is None:
+            metadata = self.scattered.metadata(positions, slots, table, end)
+            hidden = self.model.forward_kept(
+                qkv, residual, positions, self.kv_caches, layer, self.scattered, metadata
+            )
+        # rows are sorted by position: the last one is end - 1 (read before the graph's
+        # output buffer is reused: later work queues behind this on the one stream)
+        return self.model.compute_logits(hidden[-1:]) if logits else None
 
     def take_aside(self) -> AsideWork | None:
         """What ``repair_selecting`` queued since the last call (None: nothing): work

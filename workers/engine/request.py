@@ -42,6 +42,11 @@ class Sequence:
     # int32 array: build_inputs copies page tables with memcpy, not per element
     page_ids: array = field(default_factory=lambda: array("i"))
     num_computed: int = 0
+    # float32 logits [1, vocab] of the last token, on the device, when admission's
+    # forward computed every position (approximate repair): the step that admits the
+    # sequence samples from them without computing a token (set only with
+    # ``num_computed == len(token_ids)``; the step takes them)
+    ready_logits: torch.Tensor | None = None
     pending: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     exact_until: int = ALL_EXACT
     reuse: ReuseInfo | None = None  # how the prompt was served; set on first admission

@@ -53,12 +53,12 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """This step reaches the sequence's last token, so it yields a new token
-        (never for an entry fill)."""
-        return (
-            self.num_tokens > 0
-            and self.end == len(self.seq.token_ids)
-            and self.seq.fill_key is None
-        )
+        (never for an entry fill); or admission computed it (``Sequence.ready_logits``)
+        and this step only samples."""
+        seq = self.seq
+        if self.num_tokens == 0:
+            return seq.ready_logits is not None and self.scattered is None
+        return self.end == len(seq.token_ids) and seq.fill_key is None
 
 
 @dataclass(frozen=True)
