@@ -243,7 +243,7 @@ def test_admission_forward_computes_the_question_and_yields_the_first_token(mode
         if budget == 8192:
             assert not runs and [o.request_id for o in outs] == ["q"]
             assert engine.last_resolved_steps[0][0] == "admission forward"
-            assert engine._sequences["q"].ready_logits is None  # taken by the step
+            assert engine._sequences["q"].ready is None  # taken by the step
         else:  # the question in steps, the first token from the last one
             assert runs and not outs
         tokens, logprobs = [], []
@@ -256,23 +256,44 @@ def test_admission_forward_computes_the_question_and_yields_the_first_token(mode
     (want, want_lp), (got, got_lp) = answers.values()
     assert got == want
     np.testing.assert_allclose(got_lp, want_lp, atol=1e-4)
-    # admitted beside a decoding sequence: one step samples both, each its own logits
+    # admitted beside a decoding sequence and before a prefilling one: one step samples
+    # all three, each from its own logits
     engine = _engine(model)
     _warm(engine, parts)
-    other = parts["systems"][0] + parts["question"]
+    other, third = parts["systems"][0] + parts["question"], parts["systems"][1][:20]
     engine.add_request("other", other, GREEDY)
     first = engine.step()
-    runs, outs = _steps_until_first_token(engine, "q", prompt, spans, repair)
-    assert [len(batch) for batch in runs] == [1]  # the decoding sequence alone
-    assert sorted(o.request_id for o in outs) == ["other", "q"]
-    tokens = {"other": list(first[0].new_token_ids), "q": []}
+    engine.add_request("q", prompt, GREEDY, placeable=tuple(spans), reuse=repair)
+    engine.add_request("third", third, GREEDY)
+    runs, run = [], engine.runner.run
+    engine.runner.run = lambda batch, *c: runs.append(batch) or run(batch, *c)
+    outs = engine.step()
+    engine.runner.run = run
+    assert [[item.seq.request_id for item in batch] for batch in runs] == [["other", "third"]]
+    assert sorted(o.request_id for o in outs) == ["other", "q", "third"]
+    tokens = {"other": list(first[0].new_token_ids), "q": [], "third": []}
     while engine.has_unfinished():
         outs += engine.step()
     for out in outs:
         tokens[out.request_id] += out.new_token_ids
     assert tokens["q"] == want
-    alone, _, _ = _run(_engine(model), other)
-    assert tokens["other"] == alone
+    for rid, alone in (("other", other), ("third", third)):
+        assert tokens[rid] == _run(_engine(model), alone)[0]
+
+
+def test_admission_forwards_count_in_the_step_budget(model, parts):
+    """The tail an admission forward computes counts in the admitting step's token
+    budget: a burst of approximate requests is admitted a budget's worth per step."""
+    question = len(parts["question"])
+    engine = _engine(model, max_num_batched_tokens=2 * question)
+    _warm(engine, parts)
+    prompt, spans = _layout(parts["systems"][1], parts["docs"], parts["question"])
+    repair = ReuseRequest("approximate", 0, 0.25)
+    for i in range(4):
+        engine.add_request(f"q{i}", prompt, GREEDY, placeable=tuple(spans), reuse=repair)
+    assert sorted(o.request_id for o in engine.step()) == ["q0", "q1"]
+    assert engine.last_step_prompt_tokens >= 2 * question
+    assert [seq.request_id for seq in engine.scheduler.waiting] == ["q2", "q3"]
 
 
 def test_deviation_layer_defaults_to_layer_3_within_the_model():

@@ -24,9 +24,9 @@ Admission of an approximate request:
    system prompt, first tokens, missed chunks) go on through the rest of the model,
    attending by position to scattered KV. The rest of the prompt (the question) goes
    through the same forward, which returns its last token's logits
-   (``Sequence.ready_logits``): the step that admits the request only samples. (A
-   tail longer than a step's token budget, or a resumed request, is computed in
-   steps, as usual.) Without a deviation ratio, the first tokens are
+   (``Sequence.ready``): the step that admits the request only samples, and the tail
+   counts in its token budget. (A tail over what is left of that budget, or a
+   resumed request's, is computed in steps, as usual.) Without a deviation ratio, the first tokens are
    ``pending``: computed in the request's first step(s), one attention row per run.
 4. Taint: ``exact_until`` is the first placed token that is not recomputed (with a
    deviation ratio, the first candidate for selection: which ones the device kept is
@@ -39,6 +39,7 @@ counts placed tokens as reused and the repaired ones among them as recomputed.
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Callable
 
@@ -47,7 +48,7 @@ import numpy as np
 from chunkstore.hashing import Namespace, PageKey, position_free_key
 from workers.engine.kv_pool import ChunkEntry, KVPool
 from workers.engine.placement import place_spans
-from workers.engine.request import Sequence
+from workers.engine.request import ReadyToken, Sequence
 from workers.engine.reuse import ExactPrefixReuse, publish_exact_pages, start_from
 from workers.engine.reuse_info import ReuseInfo
 
@@ -65,20 +66,16 @@ class ChunkReuse:
         fill: Callable[[PageKey, list[int], Namespace], None],
         min_entry_tokens: int,
         deviation_layer: int,
-        max_tail_tokens: int,
     ) -> None:
         self.pool = pool
         self.runner = runner
         self.fill = fill
         self.min_entry_tokens = min_entry_tokens
         self.deviation_layer = deviation_layer
-        # the most prompt tokens after the last placed chunk that admission's forward
-        # computes too (a step's token budget); a longer tail is computed in steps
-        self.max_tail_tokens = max_tail_tokens
         self._exact = ExactPrefixReuse(pool)
         runner.use_kept_graphs(deviation_layer)
 
-    def admit(self, seq: Sequence) -> bool:
+    def admit(self, seq: Sequence, budget: int = sys.maxsize) -> bool:
         if seq.fill_key is not None:  # an entry is computed in pages of its own
             start_from(seq, "exact", [], 0)
             return True
@@ -99,7 +96,7 @@ class ChunkReuse:
                 hits.append((start, end, entry))
             elif end - start >= self.min_entry_tokens:
                 self.fill(key, tokens, seq.namespace)
-        recomputed = self._place(seq, hits) if hits else 0
+        recomputed = self._place(seq, hits, budget) if hits else 0
         if recomputed is None:
             return False
         if first_admission:
@@ -112,9 +109,12 @@ class ChunkReuse:
             publish_exact_pages(self.pool, seq, start, end)
 
     # -- placement and repair ----------------------------------------------------
-    def _place(self, seq: Sequence, hits: list[tuple[int, int, ChunkEntry]]) -> int | None:
+    def _place(
+        self, seq: Sequence, hits: list[tuple[int, int, ChunkEntry]], budget: int
+    ) -> int | None:
         """Place ``hits`` and set up their repair; the number of placed tokens
-        recomputed, or None (``seq`` left as it was) when the pool has no room."""
+        recomputed, or None (``seq`` left as it was) when the pool has no room.
+        ``budget``: tokens the admitting step may still compute (the tail's share)."""
         page_size = self.pool.page_size
         matched = seq.num_computed
         placed_end = hits[-1][1]
@@ -131,9 +131,7 @@ class ChunkReuse:
         # ... and the forward computes the tail too (the question), so that the step
         # admitting the sequence only samples its first token from the forward's logits
         # (a first admission: a resumed one's last token may still be on the device)
-        to_end = (
-            keep > 0 and seq.num_output_tokens == 0 and covered - placed_end <= self.max_tail_tokens
-        )
+        to_end = keep > 0 and seq.num_output_tokens == 0 and covered - placed_end <= budget
         forward_end = covered if to_end else placed_end
         needed = -(-covered // page_size) - len(seq.page_ids)
         for _, _, entry in hits:
@@ -158,9 +156,11 @@ class ChunkReuse:
                 self.pool.drop_entry(entry)
         if keep:
             candidates = np.flatnonzero(kept)
-            seq.ready_logits = self.runner.repair_selecting(
+            logits = self.runner.repair_selecting(
                 seq, matched, forward_end, candidates, keep, self.deviation_layer, to_end
             )
+            if to_end:
+                seq.ready = ReadyToken(logits, forward_end - placed_end)
             seq.num_computed, seq.pending = forward_end, np.empty(0, dtype=np.int64)
             # which candidates were kept is known only on the device: from the first
             # one on, the KV may be placed (unless every one was kept)

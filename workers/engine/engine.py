@@ -146,7 +146,6 @@ def default_reuse(engine: Engine) -> Reuse:
         engine._queue_fill,
         engine.config.min_entry_tokens,
         engine.deviation_layer,
-        engine.config.max_num_batched_tokens,
     )
 
 
@@ -443,19 +442,21 @@ class Engine:
     @staticmethod
     def _with_ready_logits(sampling: list[ScheduledSeq], logits: torch.Tensor | None):
         """Logits of every sampling row, in order: the model's for the rows it computed
-        (``logits``, in their order), admission's for the others (taken from them)."""
-        ready_rows = [row for row, item in enumerate(sampling) if not item.num_computed_tokens]
-        ready = torch.cat([sampling[row].seq.ready_logits for row in ready_rows])
-        for row in ready_rows:
-            sampling[row].seq.ready_logits = None
-        if logits is None:
-            return ready
-        merged = logits.new_empty((len(sampling), logits.shape[1]))
-        is_ready = np.zeros(len(sampling), dtype=bool)
-        is_ready[ready_rows] = True
-        merged[torch.from_numpy(np.flatnonzero(~is_ready)).to(logits.device)] = logits
-        merged[torch.from_numpy(np.flatnonzero(is_ready)).to(logits.device)] = ready
-        return merged
+        (``logits``, in their order), admission's for the others (taken from them).
+        Joined from runs of rows on the device (no index copied from the host)."""
+        pieces, row, run = [], 0, 0  # run: computed rows not yet in pieces
+        for item in sampling:
+            if item.num_computed_tokens:
+                run += 1
+                continue
+            if run:
+                pieces.append(logits[row : row + run])
+                row, run = row + run, 0
+            pieces.append(item.seq.ready.logits)
+            item.seq.ready = None
+        if run:
+            pieces.append(logits[row : row + run])
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
     def _hold(self, launched: _Launched) -> None:
         """Let the scheduler see ``launched``'s tokens before they are read back: a

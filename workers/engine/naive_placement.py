@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import sys
 from array import array
 
 import numpy as np
@@ -49,7 +50,7 @@ class NaivePlacement:
         self._exact = ExactPrefixReuse(engine.pool)
         self._entries: dict[tuple[int, ...], array] = {}
 
-    def admit(self, seq: Sequence) -> bool:
+    def admit(self, seq: Sequence, budget: int = sys.maxsize) -> bool:
         first_admission = seq.reuse is None
         if not self._exact.admit(seq):
             return False

@@ -17,6 +17,16 @@ from workers.engine.sampling_params import SamplingParams
 ALL_EXACT = sys.maxsize  # ``exact_until`` of a sequence with no approximated position
 
 
+@dataclass(frozen=True)
+class ReadyToken:
+    """The logits of a sequence's last token, computed by admission's forward
+    (approximate repair through the question): the step that admits the sequence only
+    samples from them."""
+
+    logits: torch.Tensor  # float32 [1, vocab], on the device
+    tail_tokens: int  # prompt tokens after the placed chunks that forward computed
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -42,11 +52,10 @@ class Sequence:
     # int32 array: build_inputs copies page tables with memcpy, not per element
     page_ids: array = field(default_factory=lambda: array("i"))
     num_computed: int = 0
-    # float32 logits [1, vocab] of the last token, on the device, when admission's
-    # forward computed every position (approximate repair): the step that admits the
-    # sequence samples from them without computing a token (set only with
-    # ``num_computed == len(token_ids)``; the step takes them)
-    ready_logits: torch.Tensor | None = None
+    # set when admission's forward computed every position (approximate repair): the
+    # step that admits the sequence samples from its logits without computing a token
+    # (only with ``num_computed == len(token_ids)``; that step takes it)
+    ready: ReadyToken | None = None
     pending: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     exact_until: int = ALL_EXACT
     reuse: ReuseInfo | None = None  # how the prompt was served; set on first admission

@@ -26,6 +26,7 @@ Invariants every implementation keeps:
 
 from __future__ import annotations
 
+import sys
 from array import array
 from typing import Protocol
 
@@ -40,10 +41,12 @@ from workers.engine.reuse_info import ReuseInfo
 class Reuse(Protocol):
     mode: str
 
-    def admit(self, seq: Sequence) -> bool:
+    def admit(self, seq: Sequence, budget: int = sys.maxsize) -> bool:
         """Give ``seq`` its cached KV (references taken, ``page_ids``,
         ``num_computed``, ``pending``, ``exact_until`` set). False when the pool has
-        no room for what this mode must write; the sequence is then left as it was."""
+        no room for what this mode must write; the sequence is then left as it was.
+        ``budget``: prompt tokens the admitting step may still compute; a mode that
+        computes some at admission (``Sequence.ready``) stays within it."""
         ...
 
     def publish(self, seq: Sequence, start: int, end: int) -> None:
@@ -69,7 +72,7 @@ class NoReuse:
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
 
-    def admit(self, seq: Sequence) -> bool:
+    def admit(self, seq: Sequence, budget: int = sys.maxsize) -> bool:
         start_from(seq, self.mode, [], 0)
         return True
 
@@ -83,7 +86,7 @@ class ExactPrefixReuse:
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
 
-    def admit(self, seq: Sequence) -> bool:
+    def admit(self, seq: Sequence, budget: int = sys.maxsize) -> bool:
         page_size = self.pool.page_size
         # Keep at least one token to compute: its logits produce the next token.
         usable_pages = (len(seq.token_ids) - 1) // page_size

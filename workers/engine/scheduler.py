@@ -53,12 +53,19 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """This step reaches the sequence's last token, so it yields a new token
-        (never for an entry fill); or admission computed it (``Sequence.ready_logits``)
-        and this step only samples."""
+        (never for an entry fill); or admission computed it (``Sequence.ready``) and
+        this step only samples."""
         seq = self.seq
         if self.num_tokens == 0:
-            return seq.ready_logits is not None and self.scattered is None
+            return seq.ready is not None and self.scattered is None
         return self.end == len(seq.token_ids) and seq.fill_key is None
+
+    @property
+    def budget_tokens(self) -> int:
+        """What it takes of the step's token budget: the tokens it computes, or the
+        prompt tail that admission's forward computed for it (``Sequence.ready``)."""
+        computed = self.num_computed_tokens
+        return computed if computed or self.seq.ready is None else self.seq.ready.tail_tokens
 
 
 @dataclass(frozen=True)
@@ -102,14 +109,14 @@ class Scheduler:
                 continue
             if self._reserve_pages(seq, item.num_tokens):
                 batch.append(item)
-                budget -= item.num_computed_tokens
+                budget -= item.budget_tokens
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             item = self._admit(self.waiting[0], budget)
             if item is None:
                 break
             self.waiting.popleft()
             batch.append(item)
-            budget -= item.num_computed_tokens
+            budget -= item.budget_tokens
         return batch
 
     def finish(self, seq: Sequence, reason: str, release: bool = True) -> None:
@@ -127,7 +134,7 @@ class Scheduler:
 
     # -- internals -------------------------------------------------------------
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
-        if not self.reuse.admit(seq):
+        if not self.reuse.admit(seq, budget):
             return None
         item = self._take(seq, budget)
         if not self._allocate(seq, item.num_tokens):
