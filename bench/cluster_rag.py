@@ -51,6 +51,7 @@ from ray.actor import ActorHandle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import router_phases  # noqa: E402
 from bench.common import print_table  # noqa: E402
 from cluster.actors import ClusterActors, ensure_cluster, kill_cluster, wait_ready  # noqa: E402
 from cluster.assembly import build_service  # noqa: E402
@@ -90,6 +91,10 @@ class RequestResult:
     # the chosen worker as the router saw it: requests in flight, queued prefill
     # tokens, measured prefill rate (tokens/s) and step time (s); 0 where not measured
     seen: tuple[int, int, float, float] = (0, 0, 0.0, 0.0)
+    # where the TTFT went, in seconds (``router_phases``): preparing the prompt
+    # (template, tokens, keys), routing it (of which the directory lookup), and from the
+    # call to the chosen worker to its first delta
+    phases: tuple[float, float, float, float] | None = None
 
 
 def rate_text(rate: float) -> str:
@@ -156,6 +161,7 @@ class RunResult:
                 for r in self.results
             ],
             "routing": self.routing(),
+            "ttft_phases_ms": self.phases(),
             "views": self.views(),
             "requests_per_worker": dict(Counter(r.worker for r in self.results)),
             "kill": self.kill,
@@ -219,6 +225,18 @@ class RunResult:
                 "ttft_ms_p50": ttft_quantile_ms(sent, 0.5),
             }
         return out
+
+    def phases(self) -> dict[str, list[float]]:
+        """p50 / p90 ms of each part of the TTFT (``RequestResult.phases``), over the
+        requests that recorded them (streamed ones)."""
+        timed = [r.phases for r in self.results if r.phases is not None]
+        if not timed:
+            return {}
+        names = ("prepare", "route", "lookup", "worker")
+        return {
+            name: [round(quantile_ms(column, q), 2) for q in (0.5, 0.9)]
+            for name, column in zip(names, zip(*timed, strict=True), strict=True)
+        }
 
     def worker_shares(self) -> str:
         counts = Counter(r.worker.rsplit("-", 1)[-1] for r in self.results)
@@ -330,6 +348,7 @@ async def answer_into(run: RunResult, service: CompletionService, body: ChatComp
 async def answer(
     service: CompletionService, body: ChatCompletionRequest, started: float
 ) -> RequestResult:
+    phases = router_phases.begin()
     reply = await service.chat(body, "")
     view = reply.decision.view
     seen = (view.requests, view.prefill_backlog, view.prefill_tokens_per_s, view.step_s)
@@ -346,7 +365,9 @@ async def answer(
             usage.completion_tokens,
             *routed,
         )
-    ttft = time.perf_counter() - started
+    first = time.perf_counter()
+    ttft = first - started
+    timed = router_phases.phases_of(phases, started, first)
     usage = None
     async for event in reply.events:
         payload = event.removeprefix("data: ").strip()
@@ -365,6 +386,7 @@ async def answer(
         usage["prompt_tokens_details"]["cached_tokens"],
         usage["completion_tokens"],
         *routed,
+        timed,
     )
 
 
@@ -380,7 +402,9 @@ def subset_service(
     for setting in [f"policy={name}", *settings]:
         apply_override(raw, f"router.{setting}")
     policy_cfg = parse_config(raw, source=f"policy {policy!r}")
-    return build_service(policy_cfg, model_dir, subset, Metrics())
+    service = build_service(policy_cfg, model_dir, subset, Metrics())
+    router_phases.time_router_phases(service.router)
+    return service
 
 
 class RouterReplica:
@@ -722,6 +746,21 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
             "past estimate p50 ms",
             "p90",
         ],
+        rows,
+    )
+    rows = [
+        [run.workers, run.policy_label]
+        + [f"{p50:g} / {p90:g}" for p50, p90 in run.phases().values()]
+        + [f"{run.ttft_ms(0.5):.1f} / {run.ttft_ms(0.9):.1f}"]
+        for run in runs
+        if run.phases()
+    ]
+    print_table(
+        "Where the time to first token went, as the router replica saw it (p50 / p90 ms "
+        "of each part on its own): preparing the prompt (chat template, tokens, keys), "
+        "routing it (of which the directory lookup), and from the call to the chosen "
+        "worker to its first delta",
+        ["workers", "policy", "prepare", "route", "of which lookup", "worker", "TTFT"],
         rows,
     )
     rows = [

@@ -94,6 +94,16 @@ def test_cluster_bench_answers_everything_and_survives_a_killed_worker(
             # a CPU step's time is its launch, which computes it: within the loop's
             # busy time, which is within the run
             assert steps >= 4 and 0 < seconds <= tally["busy"] < run["seconds"]
+    for (workers, policy), run in runs.items():  # where each streamed TTFT went
+        phases = run["ttft_phases_ms"]
+        if "kill" in policy:  # buffered answers: no first delta to time
+            assert phases == {}
+            continue
+        assert set(phases) == {"prepare", "route", "lookup", "worker"}
+        assert all(0 <= p50 <= p90 for p50, p90 in phases.values()), phases
+        looked_up = policy == "chunk_aware" and workers > 1  # one worker open: no lookup
+        assert (phases["lookup"][1] > 0) == looked_up, (policy, workers, phases)
+        assert phases["worker"][0] > 0
     assert sorted(runs[2, "round_robin"]["requests_per_worker"].values()) == [24, 24]
     assert runs[2, "chunk_aware"]["hit_rate"] > 0
     kill = runs[2, "chunk_aware (kill)"]["kill"]
