@@ -29,6 +29,8 @@ are answered, one worker is killed (Ray restarts it). Every request must still b
 worker and a request bound to it is retried elsewhere.
 
     python bench/cluster_rag.py --model DIR --workers 1,2,4 [--gpus-per-worker 1] [--kill]
+
+Run it from the repository root: the router replicas' actors import ``bench.router_phases``.
 """
 
 from __future__ import annotations

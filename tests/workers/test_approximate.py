@@ -243,9 +243,9 @@ def test_admission_forward_computes_the_question_and_yields_the_first_token(mode
         if budget == 8192:
             assert not runs and [o.request_id for o in outs] == ["q"]
             assert engine.last_resolved_steps[0][0] == "admission forward"
-            assert engine._sequences["q"].ready is None  # taken by the step
-        else:  # the question in steps, the first token from the last one
-            assert runs and not outs
+            assert engine._sequences["q"].ready_logits is None  # taken by the step
+        else:  # the forward leaves no room for the question: it comes in later steps
+            assert not outs
         tokens, logprobs = [], []
         while engine.has_unfinished():
             outs += engine.step()
@@ -282,18 +282,34 @@ def test_admission_forward_computes_the_question_and_yields_the_first_token(mode
 
 
 def test_admission_forwards_count_in_the_step_budget(model, parts):
-    """The tail an admission forward computes counts in the admitting step's token
-    budget: a burst of approximate requests is admitted a budget's worth per step."""
-    question = len(parts["question"])
-    engine = _engine(model, max_num_batched_tokens=2 * question)
-    _warm(engine, parts)
-    prompt, spans = _layout(parts["systems"][1], parts["docs"], parts["question"])
+    """What an admission forward computes past the selection layer (its kept rows and
+    the question) counts in the admitting step's token budget: a burst of approximate
+    requests is admitted a budget's worth per step, and a forward whose tail does not
+    fit what is left leaves the tail to the next steps."""
     repair = ReuseRequest("approximate", 0, 0.25)
-    for i in range(4):
-        engine.add_request(f"q{i}", prompt, GREEDY, placeable=tuple(spans), reuse=repair)
-    assert sorted(o.request_id for o in engine.step()) == ["q0", "q1"]
-    assert engine.last_step_prompt_tokens >= 2 * question
-    assert [seq.request_id for seq in engine.scheduler.waiting] == ["q2", "q3"]
+    rng = np.random.default_rng(11)
+    # system prompts of one length, none a prefix of another: every forward alike
+    prompts = [
+        _layout(rng.integers(10, 500, size=41).tolist(), parts["docs"], parts["question"])
+        for _ in range(5)
+    ]
+    engine = _engine(model)
+    _warm(engine, parts)
+    prompt, spans = prompts[4]
+    engine.add_request("one", prompt, GREEDY, placeable=tuple(spans), reuse=repair)
+    assert [o.request_id for o in engine.step()] == ["one"]
+    rows = engine.last_step_prompt_tokens  # one forward's rows, question included
+    assert rows > len(parts["question"])
+    for budget, first_tokens in ((2 * rows, ["q0", "q1"]), (2 * rows - 1, ["q0"])):
+        engine = _engine(model, max_num_batched_tokens=budget)
+        _warm(engine, parts)
+        for i, (prompt, spans) in enumerate(prompts[:4]):
+            engine.add_request(f"q{i}", prompt, GREEDY, placeable=tuple(spans), reuse=repair)
+        assert sorted(o.request_id for o in engine.step()) == first_tokens
+        # with one token too few, q1's forward stops before the question and the step
+        # takes all but its last token; nothing after q1 is admitted in this step
+        assert [seq.request_id for seq in engine.scheduler.waiting] == ["q2", "q3"]
+        assert engine.last_step_prompt_tokens == budget
 
 
 def test_deviation_layer_defaults_to_layer_3_within_the_model():

@@ -146,18 +146,18 @@ def test_entry_fills_and_scattered_repairs_count_as_prefill(tiny_qwen3):
     assert steps == [4] * (total // 4) + ([total % 4] if total % 4 else [])
     assert engine.load_shape() == LoadShape(0, 0)  # its one token came with the prompt
     # with a deviation ratio, admission's one forward computes the 20 positions before
-    # the chunks and the 8 selected (outside the step's budget), counted in the step it
-    # admits into, with the 4 of the tail that step takes
+    # the chunks and the 8 selected. They take the admitting step's budget (here more
+    # than all of it: that step launches nothing else) and count in the prompt tokens
+    # of the next step launched, with the 4 of the tail it takes
     add("c", 600, (0, 1), ReuseRequest("approximate", first_tokens=0, deviation_ratio=0.1))
-    assert engine.step() == []
-    assert engine.last_step_prompt_tokens == 20 + 8 + 4
+    assert engine.step() == [] and engine.last_step_prompt_tokens == 0
     assert engine._sequences["c"].reuse == ReuseInfo("approximate", 80, 8)
-    assert engine.load_shape() == LoadShape(6, 0)  # the rest of the tail
+    assert engine.load_shape() == LoadShape(10, 0)  # the tail
     steps = []
     while engine.has_unfinished():
         engine.step()
         steps.append(engine.last_step_prompt_tokens)
-    assert steps == [4, 2]
+    assert steps == [20 + 8 + 4, 4, 2]
 
 
 def test_a_wrong_hint_changes_no_token(tiny_qwen3):
@@ -214,8 +214,10 @@ def test_an_approximate_admission_that_cannot_get_its_pages_queues_no_forward(ti
         assert [seq.request_id for seq in engine.scheduler.waiting] == ["c"]
     pool.release(others)
     engine.step()
-    assert forwards == [(0, 130)]  # through the tail (within the step budget)
-    assert engine.last_step_prompt_tokens == 20 + 8 + 30  # the kept rows and the tail
+    # the forward's 28 rows and the 30-token tail pass the budget of 32: the forward
+    # stops before the tail, and the step takes 4 of it
+    assert forwards == [(0, 100)]
+    assert engine.last_step_prompt_tokens == 20 + 8 + 4
 
 
 def test_a_step_behind_an_admission_forward_is_read_back_at_once(tiny_qwen3):
@@ -233,7 +235,9 @@ def test_a_step_behind_an_admission_forward_is_read_back_at_once(tiny_qwen3):
     selecting = ReuseRequest("approximate", first_tokens=0, deviation_ratio=0.1)
     params = SamplingParams(max_tokens=2)
     engine.add_request("c", prompt, params, placeable=PLACED, reuse=selecting)
-    engine.step()  # admission's forward, then 4 of the 10 tail tokens: no token yet
+    engine.step()  # admission's forward, which takes the whole budget: nothing launched
+    assert engine._in_flight is None and engine.last_step_prompt_tokens == 0
+    engine.step()  # 4 of the 10 tail tokens, behind the forward: read back at once
     assert engine._in_flight is None and engine.last_read_back_prompt_tokens == 20 + 8 + 4
     engine.step()  # 4 more, no forward aside: held
     assert engine._in_flight is not None

@@ -24,9 +24,11 @@ Admission of an approximate request:
    system prompt, first tokens, missed chunks) go on through the rest of the model,
    attending by position to scattered KV. The rest of the prompt (the question) goes
    through the same forward, which returns its last token's logits
-   (``Sequence.ready``): the step that admits the request only samples, and the tail
-   counts in its token budget. (A tail over what is left of that budget, or a
-   resumed request's, is computed in steps, as usual.) Without a deviation ratio, the first tokens are
+   (``Sequence.ready_logits``): the step that admits the request only samples. The
+   forward's rows (those past the selection layer, tail included) count in that
+   step's token budget, which may pass the budget by one forward and then admits
+   nothing more. (A tail that does not fit beside the rows, or a resumed request's,
+   is computed in steps, as usual.) Without a deviation ratio, the first tokens are
    ``pending``: computed in the request's first step(s), one attention row per run.
 4. Taint: ``exact_until`` is the first placed token that is not recomputed (with a
    deviation ratio, the first candidate for selection: which ones the device kept is
@@ -48,7 +50,7 @@ import numpy as np
 from chunkstore.hashing import Namespace, PageKey, position_free_key
 from workers.engine.kv_pool import ChunkEntry, KVPool
 from workers.engine.placement import place_spans
-from workers.engine.request import ReadyToken, Sequence
+from workers.engine.request import Sequence
 from workers.engine.reuse import ExactPrefixReuse, publish_exact_pages, start_from
 from workers.engine.reuse_info import ReuseInfo
 
@@ -114,7 +116,8 @@ class ChunkReuse:
     ) -> int | None:
         """Place ``hits`` and set up their repair; the number of placed tokens
         recomputed, or None (``seq`` left as it was) when the pool has no room.
-        ``budget``: tokens the admitting step may still compute (the tail's share)."""
+        ``budget``: tokens the admitting step may still compute: the forward runs
+        through the tail only when its rows and the tail fit in it."""
         page_size = self.pool.page_size
         matched = seq.num_computed
         placed_end = hits[-1][1]
@@ -128,10 +131,14 @@ class ChunkReuse:
         # selecting: pages for the whole prompt, so that nothing fails after the forward
         # is queued (the scheduler's allocation for the first step then needs none)
         covered = len(seq.token_ids) if keep else placed_end
-        # ... and the forward computes the tail too (the question), so that the step
-        # admitting the sequence only samples its first token from the forward's logits
+        # the forward's rows from the selection layer on: what is not a candidate for
+        # selection (an unmatched system prompt, first tokens, missed chunks) and the kept
+        rows = (placed_end - matched) - int(kept[matched:].sum()) + keep
+        # ... and the tail too (the question), when it fits the step's budget beside
+        # them, so that the step admitting the sequence only samples its first token
         # (a first admission: a resumed one's last token may still be on the device)
-        to_end = keep > 0 and seq.num_output_tokens == 0 and covered - placed_end <= budget
+        tail = covered - placed_end
+        to_end = keep > 0 and seq.num_output_tokens == 0 and rows + tail <= budget
         forward_end = covered if to_end else placed_end
         needed = -(-covered // page_size) - len(seq.page_ids)
         for _, _, entry in hits:
@@ -156,11 +163,10 @@ class ChunkReuse:
                 self.pool.drop_entry(entry)
         if keep:
             candidates = np.flatnonzero(kept)
-            logits = self.runner.repair_selecting(
+            seq.ready_logits = self.runner.repair_selecting(
                 seq, matched, forward_end, candidates, keep, self.deviation_layer, to_end
             )
-            if to_end:
-                seq.ready = ReadyToken(logits, forward_end - placed_end)
+            seq.admission_tokens = rows + (tail if to_end else 0)
             seq.num_computed, seq.pending = forward_end, np.empty(0, dtype=np.int64)
             # which candidates were kept is known only on the device: from the first
             # one on, the KV may be placed (unless every one was kept)

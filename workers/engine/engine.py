@@ -452,8 +452,8 @@ class Engine:
             if run:
                 pieces.append(logits[row : row + run])
                 row, run = row + run, 0
-            pieces.append(item.seq.ready.logits)
-            item.seq.ready = None
+            pieces.append(item.seq.ready_logits)
+            item.seq.ready_logits = None
         if run:
             pieces.append(logits[row : row + run])
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]

@@ -17,16 +17,6 @@ from workers.engine.sampling_params import SamplingParams
 ALL_EXACT = sys.maxsize  # ``exact_until`` of a sequence with no approximated position
 
 
-@dataclass(frozen=True)
-class ReadyToken:
-    """The logits of a sequence's last token, computed by admission's forward
-    (approximate repair through the question): the step that admits the sequence only
-    samples from them."""
-
-    logits: torch.Tensor  # float32 [1, vocab], on the device
-    tail_tokens: int  # prompt tokens after the placed chunks that forward computed
-
-
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -52,10 +42,14 @@ class Sequence:
     # int32 array: build_inputs copies page tables with memcpy, not per element
     page_ids: array = field(default_factory=lambda: array("i"))
     num_computed: int = 0
-    # set when admission's forward computed every position (approximate repair): the
-    # step that admits the sequence samples from its logits without computing a token
-    # (only with ``num_computed == len(token_ids)``; that step takes it)
-    ready: ReadyToken | None = None
+    # positions the forward queued at admission computed through every layer from the
+    # selection layer on (approximate repair; 0: none), charged once to the token
+    # budget of the step that admits the sequence
+    admission_tokens: int = 0
+    # float32 logits [1, vocab] of the last token, on the device, when that forward
+    # computed every position: the step that admits the sequence only samples from
+    # them (set only with ``num_computed == len(token_ids)``; that step takes them)
+    ready_logits: torch.Tensor | None = None
     pending: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     exact_until: int = ALL_EXACT
     reuse: ReuseInfo | None = None  # how the prompt was served; set on first admission

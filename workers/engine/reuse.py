@@ -45,8 +45,9 @@ class Reuse(Protocol):
         """Give ``seq`` its cached KV (references taken, ``page_ids``,
         ``num_computed``, ``pending``, ``exact_until`` set). False when the pool has
         no room for what this mode must write; the sequence is then left as it was.
-        ``budget``: prompt tokens the admitting step may still compute; a mode that
-        computes some at admission (``Sequence.ready``) stays within it."""
+        ``budget``: prompt tokens the admitting step may still compute. A mode that
+        computes some at admission says how many in ``Sequence.admission_tokens`` (the
+        scheduler charges them to the step)."""
         ...
 
     def publish(self, seq: Sequence, start: int, end: int) -> None:

@@ -53,19 +53,12 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """This step reaches the sequence's last token, so it yields a new token
-        (never for an entry fill); or admission computed it (``Sequence.ready``) and
-        this step only samples."""
+        (never for an entry fill); or admission computed it (``Sequence.ready_logits``)
+        and this step only samples."""
         seq = self.seq
         if self.num_tokens == 0:
-            return seq.ready is not None and self.scattered is None
+            return seq.ready_logits is not None and self.scattered is None
         return self.end == len(seq.token_ids) and seq.fill_key is None
-
-    @property
-    def budget_tokens(self) -> int:
-        """What it takes of the step's token budget: the tokens it computes, or the
-        prompt tail that admission's forward computed for it (``Sequence.ready``)."""
-        computed = self.num_computed_tokens
-        return computed if computed or self.seq.ready is None else self.seq.ready.tail_tokens
 
 
 @dataclass(frozen=True)
@@ -109,14 +102,19 @@ class Scheduler:
                 continue
             if self._reserve_pages(seq, item.num_tokens):
                 batch.append(item)
-                budget -= item.budget_tokens
+                budget -= item.num_computed_tokens
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            item = self._admit(self.waiting[0], budget)
+            seq = self.waiting[0]
+            item = self._admit(seq, budget)
             if item is None:
                 break
             self.waiting.popleft()
-            batch.append(item)
-            budget -= item.budget_tokens
+            # what admission's forward computed counts here too: the step's work may
+            # then pass the budget by one forward, after which nothing more is admitted
+            budget -= item.num_computed_tokens + seq.admission_tokens
+            seq.admission_tokens = 0
+            if item.num_computed_tokens or item.samples:  # else its forward was all
+                batch.append(item)
         return batch
 
     def finish(self, seq: Sequence, reason: str, release: bool = True) -> None:
@@ -136,7 +134,8 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         if not self.reuse.admit(seq, budget):
             return None
-        item = self._take(seq, budget)
+        # the budget left beside the forward admission queued (if any)
+        item = self._take(seq, max(0, budget - seq.admission_tokens))
         if not self._allocate(seq, item.num_tokens):
             self.pool.release(seq.page_ids)
             seq.page_ids, seq.num_computed = array("i"), 0
