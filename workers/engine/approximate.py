@@ -125,15 +125,16 @@ class ChunkReuse:
         for start, end, _ in hits:
             kept[start + min(seq.reuse_request.first_tokens, end - start) : end] = True
         placed_total = sum(e - s for s, e, _ in hits)
-        recomputed = placed_total - int(kept.sum())
+        num_kept = int(kept.sum())  # the candidates for selection (all after ``matched``)
+        recomputed = placed_total - num_kept
         ratio = seq.reuse_request.deviation_ratio
-        keep = min(int(round(ratio * placed_total)), int(kept.sum())) if ratio > 0 else 0
+        keep = min(int(round(ratio * placed_total)), num_kept) if ratio > 0 else 0
         # selecting: pages for the whole prompt, so that nothing fails after the forward
         # is queued (the scheduler's allocation for the first step then needs none)
         covered = len(seq.token_ids) if keep else placed_end
         # the forward's rows from the selection layer on: what is not a candidate for
         # selection (an unmatched system prompt, first tokens, missed chunks) and the kept
-        rows = (placed_end - matched) - int(kept[matched:].sum()) + keep
+        rows = (placed_end - matched) - num_kept + keep
         # ... and the tail too (the question), when it fits the step's budget beside
         # them, so that the step admitting the sequence only samples its first token
         # (a first admission: a resumed one's last token may still be on the device)
