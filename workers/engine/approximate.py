@@ -75,7 +75,7 @@ class ChunkReuse:
         self.min_entry_tokens = min_entry_tokens
         self.deviation_layer = deviation_layer
         self._exact = ExactPrefixReuse(pool)
-        runner.use_kept_graphs(deviation_layer)
+        runner.use_admission_graphs(deviation_layer)
 
     def admit(self, seq: Sequence, budget: int = sys.maxsize) -> bool:
         if seq.fill_key is not None:  # an entry is computed in pages of its own

@@ -184,7 +184,7 @@ class ModelRunner:
             model.use_skinny(self.skinny.chosen)
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.scratch_page = num_pages  # the page after the pool's: padding rows use it
-        self.kept_graphs = None  # use_kept_graphs
+        self.kept_graphs = None  # use_admission_graphs
         # CUDA graphs are the backend's (None: it has none, or they are off)
         self.graphs = (
             backend.capture_graphs(
@@ -299,7 +299,7 @@ class ModelRunner:
         taken, self.aside = self.aside, None
         return taken
 
-    def use_kept_graphs(self, layer: int) -> None:
+    def use_admission_graphs(self, layer: int) -> None:
         """Run ``repair_selecting``'s kept rows through CUDA graphs (captured on first
         use) when they select at ``layer``: where CUDA graphs are on and the scattered
         kernel runs (CUDA, fused ops)."""
