@@ -306,9 +306,10 @@ def test_selecting_forward_finds_and_restores_deviating_kv(engines):
     """``repair_selecting`` over a prompt whose KV is right except at 120 positions
     (noise at every layer), told that every position before the question is placed
     and to keep 120: the device picks exactly the noisy ones at the selection layer,
-    and the one forward through the scattered-query kernel (in a CUDA graph, and
-    eagerly) restores the KV and the last logits of one plain pass, within bf16 noise;
-    also when the forward itself computes the last position and returns its logits."""
+    and the one forward (its selection pass and its kept rows through the scattered-
+    query kernel in CUDA graphs, and eagerly) restores the KV and the last logits of
+    one plain pass, within bf16 noise; also when the forward itself computes the last
+    position and returns its logits."""
     import numpy as np
 
     from workers.engine.scheduler import ScheduledSeq
@@ -323,8 +324,9 @@ def test_selecting_forward_finds_and_restores_deviating_kv(engines):
     plain_kv = kv()
     tail, last = len(tokens) - 40, len(tokens) - 1
     noisy = torch.from_numpy(np.sort(rng.choice(tail, size=120, replace=False))).cuda()
-    graphs = runner.kept_graphs
+    graphs, selection = runner.kept_graphs, runner.selection_graphs
     assert graphs is not None and graphs.layer == engine.deviation_layer
+    assert selection is not None and selection.layer == engine.deviation_layer
     results = {}
     # 39 + 120 rows over 1,999 keys (40 + 120 over 2,000 when the forward gives the
     # logits, as an approximate admission's does): a graph fits
@@ -333,7 +335,8 @@ def test_selecting_forward_finds_and_restores_deviating_kv(engines):
             cache[rows[0][noisy], :, rows[1][noisy]] = 5 * torch.randn_like(
                 cache[rows[0][noisy], :, rows[1][noisy]]
             )
-        runner.kept_graphs = graphs if path != "eager" else None
+        if path == "eager":
+            runner.kept_graphs = runner.selection_graphs = None
         layer = engine.deviation_layer
         try:
             if path == "graph, last row":
@@ -343,15 +346,65 @@ def test_selecting_forward_finds_and_restores_deviating_kv(engines):
             else:
                 assert runner.repair_selecting(seq, 0, last, np.arange(tail), 120, layer) is None
         finally:
-            runner.kept_graphs = graphs
+            runner.kept_graphs, runner.selection_graphs = graphs, selection
         if path != "graph, last row":
             logits = runner.run([ScheduledSeq(seq, last, 1)])[0].float()
         kv_rel = ((kv() - plain_kv).norm() / plain_kv.norm()).item()
         results[path] = {"kv_rel": kv_rel, "logit_rel": _rel_full(logits, plain_logits)}
-    assert (256, 4096) in graphs.graphs  # the graph path ran
+    assert (256, 4096) in graphs.graphs and 2048 in selection.graphs  # the graph path ran
     assert runner.take_aside().tokens == 2 * (39 + 120) + 40 + 120
     engine.pool.release(seq.page_ids)
     _record("selecting_forward", results)
+    for r in results.values():
+        assert r["kv_rel"] <= 2e-2 and r["logit_rel"] <= 2e-2, results
+
+
+def test_selecting_forwards_queued_back_to_back(engines):
+    """Two selecting forwards queued one after the other, both through the same
+    selection graph (one token bucket) but over KV of different lengths, nothing
+    waited for in between: each restores its own sequence's noisy KV and gives its own
+    last logits (a plan of the second overwriting the first's before its replay read
+    it would make the first attend over the wrong keys)."""
+    import numpy as np
+
+    from workers.engine.scheduler import ScheduledSeq
+
+    engine = engines[0].engine
+    runner = engine.runner
+    rng = np.random.default_rng(2)
+    layer = engine.deviation_layer
+    cases = []
+    for name, length in (("gpu-queued-a", 2000), ("gpu-queued-b", 1700)):
+        tokens = rng.integers(10, 50_000, size=length).tolist()
+        seq, rows, kv = _sequence_with_pages(engine, name, tokens)
+        plain_logits = runner.run([ScheduledSeq(seq, 0, length)])[0].float()
+        tail = length - 40
+        noisy = torch.from_numpy(np.sort(rng.choice(tail, size=120, replace=False))).cuda()
+        for cache in runner.kv_caches:
+            cache[rows[0][noisy], :, rows[1][noisy]] = 5 * torch.randn_like(
+                cache[rows[0][noisy], :, rows[1][noisy]]
+            )
+        cases.append((seq, kv, plain_logits, tail))
+    torch.cuda.synchronize()
+    logits = [  # queued back to back: nothing here waits for the device
+        runner.repair_selecting(seq, 0, len(seq.token_ids), np.arange(tail), 120, layer, True)
+        for seq, _, _, tail in cases
+    ]
+    assert 2048 in runner.selection_graphs.graphs
+    repaired = [kv() for _, kv, _, _ in cases]
+    results = {}
+    for (seq, kv, plain_logits, _), got, kv_after in zip(cases, logits, repaired, strict=True):
+        # the reference KV: a plain pass over the same tokens into the same pages
+        runner.run([ScheduledSeq(seq, 0, len(seq.token_ids))])
+        plain_kv = kv()
+        kv_rel = ((kv_after - plain_kv).norm() / plain_kv.norm()).item()
+        results[seq.request_id] = {
+            "kv_rel": kv_rel,
+            "logit_rel": _rel_full(got[0].float(), plain_logits),
+        }
+        engine.pool.release(seq.page_ids)
+    runner.take_aside()
+    _record("selecting_queued", results)
     for r in results.values():
         assert r["kv_rel"] <= 2e-2 and r["logit_rel"] <= 2e-2, results
 

@@ -10,7 +10,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.engine.attention.base import AttentionBackend, AttentionShape, BatchLayout
+from workers.engine.attention.base import (
+    AttentionBackend,
+    AttentionShape,
+    BatchLayout,
+    kv_write_rows,
+)
 from workers.engine.attention.scattered import ScatteredAttention
 from workers.engine.layers.skinny_choice import SkinnyChoice
 from workers.engine.layers.skinny_choice import choose as choose_skinny
@@ -184,7 +189,9 @@ class ModelRunner:
             model.use_skinny(self.skinny.chosen)
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.scratch_page = num_pages  # the page after the pool's: padding rows use it
-        self.kept_graphs = None  # use_admission_graphs
+        # graphs of repair_selecting's two halves (use_admission_graphs)
+        self.selection_graphs = None
+        self.kept_graphs = None
         # CUDA graphs are the backend's (None: it has none, or they are off)
         self.graphs = (
             backend.capture_graphs(
@@ -258,26 +265,28 @@ class ModelRunner:
         positions = inputs.positions.to(device, non_blocking=True)
         slots = inputs.layout.slot_mapping.to(device, non_blocking=True).long()
         table = inputs.layout.kv_page_indices.to(device, non_blocking=True)
-        others = np.ones(end - start, dtype=bool)
-        others[candidates - start] = False
-        probe = torch.from_numpy(candidates - start).to(device, non_blocking=True)
-        always = torch.from_numpy(np.flatnonzero(others)).to(device, non_blocking=True)
-        qkv, residual, k, v = self.model.selection_input(
-            inputs.input_ids.to(device, non_blocking=True),
-            positions,
-            self.kv_caches,
-            self.backend,
-            self.backend.plan_aside(inputs.layout),  # a step may be in flight
-            layer,
-            probe,
-        )
-        cache = self.kv_caches[layer]
-        probed = slots[probe]
-        pages, offsets = probed // page_size, probed % page_size
-        placed_k, placed_v = cache[pages, 0, offsets].float(), cache[pages, 1, offsets].float()
-        deviation = (k.float() - placed_k).square().sum((1, 2))
-        deviation += (v.float() - placed_v).square().sum((1, 2))
-        worst = probe[torch.topk(deviation, keep, sorted=False).indices]
+        candidate = np.zeros(end - start, dtype=bool)
+        candidate[candidates - start] = True
+        always = torch.from_numpy(np.flatnonzero(~candidate)).to(device, non_blocking=True)
+        selected = None
+        if self.selection_graphs is not None and self.selection_graphs.layer == layer:
+            selected = self.selection_graphs.run(
+                inputs.input_ids, inputs.positions, inputs.layout, candidate
+            )
+        if selected is None:
+            selected = self.model.selection_input(
+                inputs.input_ids.to(device, non_blocking=True),
+                positions,
+                self.kv_caches,
+                self.backend,
+                self.backend.plan_aside(inputs.layout),  # a step may be in flight
+                layer,
+                kv_write_rows(slots, page_size),
+                torch.from_numpy(candidate).to(device, non_blocking=True),
+            )
+        qkv, residual, deviation = selected
+        # non-candidates are -inf and keep <= len(candidates): only candidates are taken
+        worst = torch.topk(deviation, keep, sorted=False).indices
         rows = torch.cat((always, worst)).sort().values
         qkv, residual, positions, slots = qkv[rows], residual[rows], positions[rows], slots[rows]
         self.aside.tokens += len(always) + keep
@@ -300,10 +309,24 @@ class ModelRunner:
         return taken
 
     def use_admission_graphs(self, layer: int) -> None:
-        """Run ``repair_selecting``'s kept rows through CUDA graphs (captured on first
-        use) when they select at ``layer``: where CUDA graphs are on and the scattered
-        kernel runs (CUDA, fused ops)."""
-        if self.graphs is None or not self.scattered.use_kernel:
+        """Run ``repair_selecting``'s forward through CUDA graphs (captured on first use)
+        when it selects at ``layer``, where CUDA graphs are on: its selection pass with
+        the FlashInfer backend (``selection_graphs``), its kept rows where the scattered
+        kernel runs (``kept_graphs``: CUDA, fused ops)."""
+        if self.graphs is None:
+            return
+        if self.backend.name == "flashinfer":
+            from workers.engine.selection_graphs import SelectionGraphs  # CUDA only
+
+            self.selection_graphs = SelectionGraphs(
+                self.model,
+                self.backend,
+                self.kv_caches,
+                layer,
+                scratch_page=self.scratch_page,
+                max_pages_per_seq=self.max_pages_per_seq,
+            )
+        if not self.scattered.use_kernel:
             return
         from workers.engine.kept_graphs import KeptRowsGraphs  # CUDA only
 

@@ -188,6 +188,21 @@ def kv_write_rows_host(slots: np.ndarray, page_size: int) -> np.ndarray:
     return np.concatenate((key_rows, key_rows + page_size))
 
 
+def kv_deviation(
+    k: torch.Tensor,  # [T, kv_heads, head_dim]
+    v: torch.Tensor,  # [T, kv_heads, head_dim]
+    kv_cache: torch.Tensor,
+    rows: torch.Tensor,  # [2T] int64, see kv_write_rows
+) -> torch.Tensor:
+    """[T] float32: the squared distance of each token's K and V from what the cache
+    holds where ``write_kv`` would write them (two gathers; no host sync)."""
+    tokens = k.shape[0]
+    flat = kv_cache.view(-1, kv_cache.shape[-2] * kv_cache.shape[-1])
+    held = flat.index_select(0, rows).float()
+    deviation = (k.reshape(tokens, -1).float() - held[:tokens]).square().sum(1)
+    return deviation + (v.reshape(tokens, -1).float() - held[tokens:]).square().sum(1)
+
+
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
     """Scatter new K/V into the paged cache at ``kv_write_rows`` (one kernel)."""
     tokens = k.shape[0]

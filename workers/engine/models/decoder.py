@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from workers.engine.attention.base import AttentionBackend, AttentionMetadata
+from workers.engine.attention.base import AttentionBackend, AttentionMetadata, kv_deviation
 from workers.engine.layers.attention import SelfAttention
 from workers.engine.layers.mlp import GatedMLP
 from workers.engine.layers.norm import RMSNorm
@@ -169,21 +169,25 @@ class DecoderModel(nn.Module):
         backend: AttentionBackend,
         metadata: AttentionMetadata,
         layer: int,
-        probe: torch.Tensor,  # int64 rows of the new tokens
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        kv_rows: torch.Tensor,  # [2T] int64: where the new tokens' K/V go (kv_write_rows)
+        candidate: torch.Tensor,  # [T] bool: the tokens whose deviation counts
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The first half of a forward whose token set shrinks at ``layer`` (>= 1): runs
         the layers before it over every new token (writing their KV), then ``layer``'s
         input norm and QKV projection. Returns ``qkv_proj``'s output and the residual
-        stream (what ``forward_kept`` takes, for the rows that go on) and the keys and
-        values ``layer`` computes for the ``probe`` rows (nothing written at ``layer``;
-        computed on a copy of their rows, so ``qkv`` stays unrotated)."""
+        stream (what ``forward_kept`` takes, for the rows that go on), and each token's
+        deviation at ``layer`` (``kv_deviation``: how far the K/V it computes there is
+        from what the cache holds at its slot), -inf where not a ``candidate``. Nothing
+        is written at ``layer``; its K/V are computed on a copy, so ``qkv`` stays
+        unrotated. No host sync: it runs in a CUDA graph (``selection_graphs``)."""
         hidden, residual = self._layers(
             0, self.embed_tokens(input_ids), None, positions, kv_caches, backend, metadata, layer
         )
         block = self.layers[layer]
         qkv, residual = block.attention_input(hidden, residual)
-        _, k, v = block.self_attn.split_qkv(qkv[probe], positions[probe], self.rope_cache)
-        return qkv, residual, k, v
+        _, k, v = block.self_attn.split_qkv(qkv.clone(), positions, self.rope_cache)
+        deviation = kv_deviation(k, v, kv_caches[layer], kv_rows)
+        return qkv, residual, deviation.masked_fill(~candidate, float("-inf"))
 
     def forward_kept(
         self,

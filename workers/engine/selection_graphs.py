@@ -1,0 +1,200 @@
+"""CUDA graphs of an approximate request's selection pass: the first half of
+``ModelRunner.repair_selecting``'s forward (``DecoderModel.selection_input``: the
+layers before the selection layer over every position the forward computes, that
+layer's projection, and each candidate's deviation there). Eagerly those are about
+60 launches, which kept the host ~3 ms behind the device at every approximate
+admission; through a graph they are one plan and one replay.
+
+A graph per token bucket (multiples of ``TOKEN_STEP`` up to ``MAX_TOKENS``: a padding
+token costs its matmuls in every selection layer, so buckets are fine-grained),
+captured on first use (about 0.1 s each; an engine that never serves approximate
+reuse captures none). The forward is one layout row (consecutive positions).
+Padding tokens compute token 0 at position 0, write their KV to the scratch page and
+are never attended to (``graph_inputs.load_step``); they are never candidates, so
+their deviation is -inf. Outputs land in buffers shared by every bucket, sized for
+the largest (about 64 MiB for qwen3-0.6b, allocated with the first graph), so a graph
+keeps no output memory of its own; intermediates draw on one memory pool. Like the
+kept rows' graphs, that memory is not counted when the engine sizes the KV pool; it
+comes from the headroom left beside it. Before each replay the graph's FlashInfer wrapper is planned into
+its fixed buffers; FlashInfer copies a plan to the device from a pinned host buffer
+of the wrapper, queued on the stream, so a wrapper is planned again only after its
+previous plan's copy ran (as ``FlashInferBackend.plan_aside`` does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import flashinfer
+import numpy as np
+import torch
+
+from workers.engine.attention.base import BatchLayout, kv_write_rows
+from workers.engine.attention.flashinfer_backend import (
+    FlashInferBackend,
+    FlashInferMetadata,
+    plan_prefill,
+)
+from workers.engine.cuda_graphs import capture
+from workers.engine.graph_inputs import load_step
+from workers.engine.models.decoder import DecoderModel
+
+TOKEN_STEP = 512
+MAX_TOKENS = 8192  # longer forwards run eagerly: their launches are a small share
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    wrapper: flashinfer.BatchPrefillWithPagedKVCacheWrapper
+    # views of the shared input buffers, sized to the bucket (what load_step fills)
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    kv_rows: torch.Tensor  # [2 * tokens]
+    candidate: torch.Tensor  # [tokens] bool
+    planned: torch.cuda.Event | None = None  # recorded after the last plan's copy
+
+
+class SelectionGraphs:
+    def __init__(
+        self,
+        model: DecoderModel,
+        backend: FlashInferBackend,
+        kv_caches: list[torch.Tensor],
+        layer: int,
+        scratch_page: int,
+        max_pages_per_seq: int,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.layer = layer  # the selection layer
+        self.scratch_page = scratch_page
+        self.page_size = backend.shape.page_size
+        self.max_pages_per_seq = max_pages_per_seq
+        self.pool = None  # the buffers and graphs come with the first run
+        self.graphs: dict[int, _Graph] = {}
+
+    def _allocate(self) -> None:
+        """The buffers every bucket shares, sized for the largest."""
+        device = self.backend.shape.device
+        attention = self.model.layers[self.layer].self_attn
+        width = attention.q_size + 2 * attention.kv_size
+        dtype = self.kv_caches[0].dtype
+        n = MAX_TOKENS
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.kv_rows = torch.zeros(2 * n, dtype=torch.long, device=device)
+        self.candidate = torch.zeros(n, dtype=torch.bool, device=device)
+        self.qkv = torch.zeros((n, width), dtype=dtype, device=device)
+        hidden = self.model.config.hidden_size
+        self.residual = torch.zeros((n, hidden), dtype=dtype, device=device)
+        self.deviation = torch.zeros(n, dtype=torch.float32, device=device)
+        # a sequence's pages, or a capture layout's (the largest bucket's scratch pages)
+        pages = max(self.max_pages_per_seq, -(-n // self.page_size))
+        self.page_indices = torch.zeros(pages, dtype=torch.int32, device=device)
+        self.pool = torch.cuda.graph_pool_handle()
+
+    @staticmethod
+    def bucket(tokens: int) -> int | None:
+        """The token bucket of a forward over ``tokens`` positions (None: eager)."""
+        if tokens > MAX_TOKENS:
+            return None
+        return -(-tokens // TOKEN_STEP) * TOKEN_STEP
+
+    @torch.inference_mode()
+    def run(
+        self,
+        input_ids: torch.Tensor,  # [n], CPU
+        positions: torch.Tensor,  # [n], CPU
+        layout: BatchLayout,  # one row: the forward's positions
+        candidate: np.ndarray,  # [n] bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``selection_input``'s outputs for these n tokens (views of shared buffers,
+        valid until the next run), or None when no graph serves them (run eagerly)."""
+        n = layout.num_tokens
+        tokens = self.bucket(n)
+        if (
+            tokens is None
+            or layout.batch_size != 1
+            or layout.kv_page_indices.numel() > self.max_pages_per_seq
+        ):
+            return None
+        if self.pool is None:
+            self._allocate()
+        g = self.graphs.get(tokens) or self._capture(tokens)
+        load_step(g, input_ids, positions, layout.slot_mapping, self.scratch_page, self.page_size)
+        padded = np.zeros(tokens, dtype=bool)
+        padded[:n] = candidate
+        g.candidate.copy_(torch.from_numpy(padded), non_blocking=True)
+        if g.planned is not None:
+            g.planned.synchronize()
+        plan_prefill(g.wrapper, layout, self.backend.shape)
+        g.planned = torch.cuda.Event()
+        g.planned.record()
+        g.graph.replay()
+        return self.qkv[:n], self.residual[:n], self.deviation[:n]
+
+    def _capture(self, tokens: int) -> _Graph:
+        device = self.backend.shape.device
+        i32 = dict(dtype=torch.int32, device=device)
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.backend.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=torch.zeros(2, **i32),
+            paged_kv_indptr_buf=torch.zeros(2, **i32),
+            paged_kv_indices_buf=self.page_indices,
+            paged_kv_last_page_len_buf=torch.zeros(1, **i32),
+        )
+        g = _Graph(
+            None,
+            wrapper,
+            self.input_ids[:tokens],
+            self.positions[:tokens],
+            self.kv_rows[: 2 * tokens],
+            self.candidate[:tokens],
+        )
+        # captured over the scratch page: one row of ``tokens`` tokens, none a candidate
+        scratch = torch.full((tokens,), self.scratch_page * self.page_size, dtype=torch.int32)
+        g.input_ids.zero_()
+        g.positions.zero_()
+        g.kv_rows.copy_(kv_write_rows(scratch, self.page_size))
+        g.candidate.zero_()
+        pages = -(-tokens // self.page_size)
+        layout = _one_row(tokens, pages, self.scratch_page, self.page_size)
+        plan_prefill(wrapper, layout, self.backend.shape)
+        metadata = FlashInferMetadata(g.kv_rows, wrapper)
+
+        def forward() -> None:
+            qkv, residual, deviation = self.model.selection_input(
+                g.input_ids,
+                g.positions,
+                self.kv_caches,
+                self.backend,
+                metadata,
+                self.layer,
+                g.kv_rows,
+                g.candidate,
+            )
+            self.qkv[:tokens].copy_(qkv)
+            self.residual[:tokens].copy_(residual)
+            self.deviation[:tokens].copy_(deviation)
+
+        g.graph, _ = capture(forward, self.pool)
+        self.graphs[tokens] = g
+        return g
+
+
+def _one_row(tokens: int, pages: int, scratch_page: int, page_size: int) -> BatchLayout:
+    """A layout of one row of ``tokens`` queries over ``pages`` scratch pages."""
+    i32 = torch.int32
+    return BatchLayout(
+        qo_indptr=torch.tensor([0, tokens], dtype=i32),
+        kv_page_indptr=torch.tensor([0, pages], dtype=i32),
+        kv_page_indices=torch.full((pages,), scratch_page, dtype=i32),
+        kv_last_page_len=torch.tensor([tokens - (pages - 1) * page_size], dtype=i32),
+        kv_lens=torch.tensor([tokens], dtype=i32),
+        slot_mapping=torch.full((tokens,), scratch_page * page_size, dtype=i32),
+        page_size=page_size,
+    )
