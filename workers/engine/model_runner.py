@@ -262,17 +262,17 @@ class ModelRunner:
             self.aside = AsideWork(0, started, time.perf_counter())
         inputs = build_inputs([ScheduledSeq(seq, start, end - start)], self.page_size)
         device, page_size = self.device, self.page_size
-        positions = inputs.positions.to(device, non_blocking=True)
-        slots = inputs.layout.slot_mapping.to(device, non_blocking=True).long()
-        table = inputs.layout.kv_page_indices.to(device, non_blocking=True)
         candidate = np.zeros(end - start, dtype=bool)
         candidate[candidates - start] = True
-        always = torch.from_numpy(np.flatnonzero(~candidate)).to(device, non_blocking=True)
-        selected = None
+        selected = None  # launched first: the device waits for nothing else here
         if self.selection_graphs is not None and self.selection_graphs.layer == layer:
             selected = self.selection_graphs.run(
                 inputs.input_ids, inputs.positions, inputs.layout, candidate
             )
+        positions = inputs.positions.to(device, non_blocking=True)
+        slots = inputs.layout.slot_mapping.to(device, non_blocking=True).long()
+        table = inputs.layout.kv_page_indices.to(device, non_blocking=True)
+        always = torch.from_numpy(np.flatnonzero(~candidate)).to(device, non_blocking=True)
         if selected is None:
             selected = self.model.selection_input(
                 inputs.input_ids.to(device, non_blocking=True),
