@@ -113,7 +113,12 @@ ENGINE_STEP = [
     "workers.engine.engine:Engine._launch",
     "workers.engine.model_runner:ModelRunner.run",
     "workers.engine.model_runner:build_inputs",
+    "workers.engine.kv_pool:KVPool.allocate",
+    "workers.engine.approximate:place_spans",
     "workers.engine.model_runner:ModelRunner.repair_selecting",
+    "workers.engine.selection_graphs:SelectionGraphs.run",
+    "workers.engine.selection_graphs:plan_prefill",
+    "workers.engine.kept_graphs:KeptRowsGraphs.run",
     "workers.engine.flashinfer_graphs:FlashInferGraphs.replay",
     "workers.engine.attention.flashinfer_backend:FlashInferBackend.plan",
     "workers.engine.attention.flashinfer_backend:plan_prefill",  # eager steps
