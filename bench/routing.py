@@ -50,7 +50,7 @@ import torch
 from bench.common import print_table
 from chunkstore.chunking import Chunk
 from chunkstore.embedded_directory import EmbeddedChunkDirectory
-from chunkstore.hashing import Namespace, PageKey, page_keys
+from chunkstore.hashing import Namespace, pack_tokens
 from chunkstore.publisher import EventPublisher
 from cluster.config import RouterSection
 from cluster.prompts import PreparedPrompt, prepare_chunks
@@ -108,7 +108,6 @@ STEP_COSTS = {"h200": H200_QWEN3_06B, "h200-context": H200_QWEN3_06B_CONTEXT}
 @dataclass(frozen=True)
 class Request:
     prompt: PreparedPrompt  # tokens, chunk keys and token ends, as the router computes them
-    page_keys: tuple[PageKey, ...]  # every full page (for the oracle)
 
 
 def main() -> None:
@@ -209,9 +208,7 @@ def make_workload(args: argparse.Namespace, namespace: Namespace, vocab: int) ->
             Chunk("context", documents[k]),
             Chunk("query", tokens(rng.randint(*args.query_tokens))),
         ]
-        prompt = prepare_chunks(chunks, namespace, PAGE_SIZE)
-        keys = page_keys(prompt.token_ids, PAGE_SIZE, namespace)
-        requests.append(Request(prompt, tuple(keys)))
+        requests.append(Request(prepare_chunks(chunks, namespace, PAGE_SIZE)))
     return requests
 
 
@@ -297,8 +294,8 @@ class Worker:
         like the scheduler, it leaves the last prompt token to compute."""
         ids = request.prompt.token_ids
         usable = (len(ids) - 1) // PAGE_SIZE
-        pages = [ids[i * PAGE_SIZE : (i + 1) * PAGE_SIZE] for i in range(usable)]
-        return len(self.engine.pool.match_prefix(request.page_keys[:usable], pages)) * PAGE_SIZE
+        root = self.engine.namespace().root_key
+        return len(self.engine.pool.match_chain(root, pack_tokens(ids), usable)) * PAGE_SIZE
 
 
 Policy = Callable[[Request, Sequence[WorkerView]], Decision]

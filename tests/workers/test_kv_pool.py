@@ -43,10 +43,9 @@ def test_publish_match_verifies_tokens_and_evicts_lru():
     pages = pool.allocate(3)
     keys = _publish_chain(pool, pages, tokens)
     pool.release(pages)
-    token_pages = [tokens[i * 4 : (i + 1) * 4] for i in range(3)]
-    assert pool.match_prefix(keys, token_pages) == pages
-    # same key with other tokens (a collision) is not a hit
-    assert pool.match_prefix(keys, [[99, 99, 99, 99]]) == []
+    assert pool.match_chain(ROOT, pack_tokens(tokens), 3) == pages
+    # other tokens after the same parent are not a hit
+    assert pool.match_chain(ROOT, pack_tokens([99, 99, 99, 99]), 1) == []
     stored = [e for e in pool.drain_events() if e.kind is EventKind.STORED]
     assert [k for e in stored for k in e.keys] == keys
     # allocating evicts least recently used first: release order was tail first
@@ -60,11 +59,10 @@ def test_tail_pages_evicted_before_head():
     pool = KVPool(3, 4)
     tokens = list(range(12))
     pages = pool.allocate(3)
-    keys = _publish_chain(pool, pages, tokens)
+    _publish_chain(pool, pages, tokens)
     pool.release(pages)
     assert pool.allocate(1) == [pages[2]]
-    token_pages = [tokens[i * 4 : (i + 1) * 4] for i in range(3)]
-    assert pool.match_prefix(keys, token_pages) == pages[:2]
+    assert pool.match_chain(ROOT, pack_tokens(tokens), 3) == pages[:2]
 
 
 def test_duplicate_key_keeps_first_page_and_acquire_protects():
@@ -88,7 +86,7 @@ def test_clear_forgets_keys_and_emits_cleared():
     pool.release([a])
     pool.clear()
     assert pool.cached_keys() == []
-    assert pool.match_prefix([key], [[1, 2, 3, 4]]) == []
+    assert pool.match_chain(ROOT, pack_tokens([1, 2, 3, 4]), 1) == []
     assert pool.drain_events()[-1].kind is EventKind.CLEARED
     assert pool.num_available == 2
 
@@ -103,9 +101,9 @@ def test_publish_rejects_partial_or_unused_pages():
         pool.publish(a, key, pack_tokens([1, 2]), ROOT)
 
 
-def test_chain_match_agrees_with_keys_through_eviction_and_clear():
-    """``match_chain`` (no hashing) finds what the chain keys find: the longest cached
-    prefix, stopping at a page whose tokens differ, at an evicted page, and finding
+def test_chain_match_through_eviction_and_clear():
+    """``match_chain`` (no hashing) finds the longest cached prefix, the pages the chain
+    keys name, stopping at a page whose tokens differ, at an evicted page, and finding
     nothing after ``clear`` or under another namespace."""
     pool = KVPool(6, 4)
     tokens = list(range(100, 124))  # six full pages
@@ -113,8 +111,7 @@ def test_chain_match_agrees_with_keys_through_eviction_and_clear():
     keys = _publish_chain(pool, pages, tokens)
     pool.release(pages)
     packed = pack_tokens(tokens)
-    token_pages = [tokens[i * 4 : (i + 1) * 4] for i in range(6)]
-    assert pool.match_chain(ROOT, packed, 6) == pages == pool.match_prefix(keys, token_pages)
+    assert pool.match_chain(ROOT, packed, 6) == pages
     assert pool.keys_of(pages) == keys
     assert pool.match_chain(ROOT, packed, 4) == pages[:4]  # max_pages bounds it
     assert pool.match_chain(ROOT, packed[:-1], 6) == pages[:5]  # a partial page: no match
@@ -123,7 +120,7 @@ def test_chain_match_agrees_with_keys_through_eviction_and_clear():
     assert pool.match_chain(ROOT, pack_tokens(other), 6) == pages[:3]
     assert pool.match_chain(root_key(Namespace("m", "tenant")), packed, 6) == []
     pool.evict([pages[2]])  # the chain breaks there, as it does for keys
-    assert pool.match_chain(ROOT, packed, 6) == pages[:2] == pool.match_prefix(keys, token_pages)
+    assert pool.match_chain(ROOT, packed, 6) == pages[:2]
     # the evicted page, republished with other tokens, is found by those only
     (again,) = pool.allocate(1)  # the only free page
     assert again == pages[2]

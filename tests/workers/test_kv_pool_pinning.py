@@ -34,7 +34,7 @@ def test_pinned_page_is_never_evicted_and_pins_nest():
     assert pool.allocate(4) is None
     taken = pool.allocate(3)  # evicts every cached page but the pinned one
     assert pages[0] not in taken
-    assert pool.match_prefix(keys[:1], [TOKENS[:4]]) == pages[:1]
+    assert pool.match_chain(root_key(NS), pack_tokens(TOKENS), 4) == pages[:1]
     pool.release(taken)
     pool.unpin(pages[:1])
     assert pool.num_pinned == 1 and pool.num_available == 3  # one pin left

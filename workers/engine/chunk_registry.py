@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from chunkstore.chunking import Message, chunk_conversation, validate_messages
-from chunkstore.hashing import page_keys, position_free_key
+from chunkstore.hashing import pack_tokens, position_free_key
 from workers.engine.engine import Engine
 from workers.engine.kv_pool import ChunkEntry
 
@@ -262,10 +262,10 @@ class ChunkRegistry:
 
     def _full_pages(self, tokens: Sequence[int]) -> list[int]:
         """Pool pages holding the full pages of ``tokens`` (a prefix of them)."""
-        size = self._page_size
-        seq_keys = page_keys(tokens, size, self._engine.namespace(self._tenant_salt))
-        token_pages = [tokens[i * size : (i + 1) * size] for i in range(len(seq_keys))]
-        return self._engine.pool.match_prefix(seq_keys, token_pages)
+        root = self._engine.namespace(self._tenant_salt).root_key
+        return self._engine.pool.match_chain(
+            root, pack_tokens(tokens), len(tokens) // self._page_size
+        )
 
     def _check_room(self, prefix: Sequence[int]) -> None:
         """Refuse (nothing pinned) a chunk whose new pins would exceed the limits."""

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from chunkstore.events import CacheEvent, EventKind
-from chunkstore.hashing import PageKey, pack_tokens
+from chunkstore.hashing import PageKey
 
 
 @dataclass
@@ -110,28 +110,6 @@ class KVPool:
 
     def is_exact(self, page_id: int) -> bool:
         return self._pages[page_id].exact
-
-    def match_prefix(
-        self, keys: Sequence[PageKey], token_pages: Sequence[Sequence[int]]
-    ) -> list[int]:
-        """Pages holding the longest prefix of ``keys``, with token ids verified.
-
-        Takes no references: call ``acquire`` on the result before anything can evict.
-        """
-        hits: list[int] = []
-        for key, tokens in zip(keys, token_pages, strict=False):
-            page_id = self.lookup(key, tokens)
-            if page_id is None:
-                break
-            hits.append(page_id)
-        return hits
-
-    def lookup(self, key: PageKey, tokens: Sequence[int]) -> int | None:
-        """The page holding ``key`` with exactly these token ids, if any (no reference)."""
-        page_id = self._by_key.get(key)
-        if page_id is None or self._pages[page_id].tokens != pack_tokens(tokens):
-            return None
-        return page_id
 
     def match_chain(self, parent: PageKey, packed: bytes, max_pages: int) -> list[int]:
         """Pages holding the longest prefix of the first ``max_pages`` full pages of
