@@ -193,3 +193,4 @@ def test_exact_admission_matches_by_chain_without_hashing_and_keys_agree():
         PAGE, 80
     )
     assert pool.keys_of(later.page_ids[4:5]) == keys[4:5]
+    assert pool.match_chain(keys[3], pack_tokens(tokens[64:80]), 1) == list(later.page_ids[4:5])

@@ -250,10 +250,14 @@ class ModelRunner:
         before ``layer`` over all of them; from ``layer`` on, all but the candidates
         plus the ``keep`` candidates whose K/V at ``layer`` deviate most (squared
         distance) from the placed K/V. The other candidates keep their placed KV from
-        ``layer`` on. One forward, chosen on the device: nothing waits for it.
+        ``layer`` on. One forward, chosen on the device: nothing waits for it (but
+        see ``selection_graphs`` on two of one bucket back to back, and a graph's
+        capture on first use, which synchronizes).
         ``logits``: also return position ``end - 1``'s logits [1, vocab] (float32; it
         must not be a candidate), so that no step computes it again."""
         assert not (logits and len(candidates) and candidates[-1] == end - 1)
+        # more would take non-candidates (deviation -inf) a second time
+        assert 0 < keep <= len(candidates), (keep, len(candidates))
         if self.aside is None:  # the first since the engine last took the aside work
             started = None
             if self.device.type == "cuda":

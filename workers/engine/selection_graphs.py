@@ -12,13 +12,24 @@ reuse captures none). The forward is one layout row (consecutive positions).
 Padding tokens compute token 0 at position 0, write their KV to the scratch page and
 are never attended to (``graph_inputs.load_step``); they are never candidates, so
 their deviation is -inf. Outputs land in buffers shared by every bucket, sized for
-the largest (about 64 MiB for qwen3-0.6b, allocated with the first graph), so a graph
-keeps no output memory of its own; intermediates draw on one memory pool. Like the
-kept rows' graphs, that memory is not counted when the engine sizes the KV pool; it
-comes from the headroom left beside it. Before each replay the graph's FlashInfer wrapper is planned into
+the largest, so a graph keeps no output memory of its own; intermediates draw on one
+memory pool. Before each replay the graph's FlashInfer wrapper is planned into
 its fixed buffers; FlashInfer copies a plan to the device from a pinned host buffer
 of the wrapper, queued on the stream, so a wrapper is planned again only after its
-previous plan's copy ran (as ``FlashInferBackend.plan_aside`` does).
+previous plan's copy ran (as ``FlashInferBackend.plan_aside`` does). Two admissions of
+one bucket back to back therefore keep the host at most one selection pass ahead of
+the device (the second waits until the device reaches the first's plan).
+
+Memory, none of it counted when the engine sizes the KV pool (it comes from the
+headroom left beside it): the shared buffers, about 80 MiB for qwen3-0.6b (qkv and the
+residual stream of 8,192 tokens), allocated with the first graph; per bucket captured,
+its FlashInfer wrapper's 8 MiB device workspace and 8 MiB of pinned host memory; the
+graphs' pool, about what the largest bucket's selection layers need at once.
+
+Kernel: every bucket runs FlashInfer's default prefill kernel (FA3 on Hopper), also
+where an eager step would take the split-KV kernel (``prefers_split_kv``: a few hundred
+new tokens over a long prefix), which is slower there; the launches it saves weigh more
+(not measured apart).
 """
 
 from __future__ import annotations
@@ -98,7 +109,7 @@ class SelectionGraphs:
     @staticmethod
     def bucket(tokens: int) -> int | None:
         """The token bucket of a forward over ``tokens`` positions (None: eager)."""
-        if tokens > MAX_TOKENS:
+        if not 0 < tokens <= MAX_TOKENS:
             return None
         return -(-tokens // TOKEN_STEP) * TOKEN_STEP
 
