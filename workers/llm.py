@@ -154,6 +154,15 @@ class LLM:
         """``placeable``: per prompt, the chunk spans approximate reuse may place."""
         params_list = _per_prompt(params, len(token_lists))
         request = reuse_request(reuse)
+        for i, tokens in enumerate(token_lists):
+            # the engine packs a bool as 0 or 1 (it is an int), so a list of flags would
+            # pass for token ids; checked here, not on the serving path, whose
+            # requests are validated strictly before they are tokens (openai_protocol)
+            if bool in set(map(type, tokens)):
+                position = next(j for j, t in enumerate(tokens) if type(t) is bool)
+                raise ValueError(
+                    f"prompt {i}: token ids must be integers, got a bool at position {position}"
+                )
         spans = [()] * len(token_lists) if placeable is None else list(placeable)
         if len(spans) != len(token_lists):
             raise ValueError(

@@ -90,3 +90,12 @@ def test_bad_reuse_arguments_raise_value_error(llms, reuse, message):
     with pytest.raises(ValueError, match=message):
         llm.chat(conversation(SYSTEMS[0], DOCS[:1], "Q?"), GREEDY, reuse=reuse)
     assert not llm.engine.has_unfinished()
+
+
+def test_bools_are_not_token_ids(llms):
+    """A bool is an int to Python (the engine would take True as token 1): refused."""
+    llm, _ = llms
+    with pytest.raises(ValueError, match="prompt 1: .* bool at position 2"):
+        llm.generate_tokens([[5, 6, 7], [5, 6, True, 7]], GREEDY)
+    assert not llm.engine.has_unfinished()
+    assert len(llm.generate_tokens([[5, 6, 7]], GREEDY)[0].token_ids) == 4
