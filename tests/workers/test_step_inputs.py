@@ -55,3 +55,32 @@ def test_ids_are_the_positions_tokens_whichever_way_they_are_read():
     assert inputs.input_ids.tolist() == expected
     assert inputs.logits_indices.tolist() == last_rows
     assert len(last_rows) == 4  # every item that reaches its sequence's last token
+
+
+def test_scattered_positions_make_a_row_per_run_over_its_prefix():
+    """Each maximal run of consecutive positions is a layout row whose KV is the
+    sequence's pages up to the run's end (the plain causal kernel then attends by
+    position); slots are each position's page and offset."""
+    rng = np.random.default_rng(1)
+    seq = _sequence("runs", rng.integers(0, 50_000, size=900).tolist(), [], packed=True)
+    pages = np.asarray(seq.page_ids)
+    for trial in range(20):
+        size = int(rng.integers(1, 200))
+        scattered = np.sort(rng.choice(800, size=size, replace=False)).astype(np.int64)
+        start = 800 + int(rng.integers(0, 20))
+        inputs = build_inputs([ScheduledSeq(seq, start, 900 - start, scattered=scattered)], PAGE)
+        computed = np.concatenate((scattered, np.arange(start, 900)))
+        runs = np.split(computed, np.flatnonzero(np.diff(computed) != 1) + 1)
+        layout = inputs.layout
+        assert layout.qo_indptr.tolist() == np.cumsum([0] + [len(r) for r in runs]).tolist()
+        ends = [int(r[-1]) + 1 for r in runs]
+        assert layout.kv_lens.tolist() == ends, trial
+        counts = [-(-end // PAGE) for end in ends]
+        assert layout.kv_page_indptr.tolist() == np.cumsum([0] + counts).tolist()
+        assert layout.kv_page_indices.tolist() == [p for c in counts for p in pages[:c].tolist()]
+        assert layout.kv_last_page_len.tolist() == [
+            e - (c - 1) * PAGE for e, c in zip(ends, counts, strict=True)
+        ]
+        slots = pages[computed // PAGE] * PAGE + computed % PAGE
+        assert layout.slot_mapping.tolist() == slots.tolist()
+        assert inputs.positions.tolist() == computed.tolist()

@@ -78,9 +78,7 @@ def build_inputs(batch: list[ScheduledSeq], page_size: int) -> StepInputs:
             )
             ids.add_positions(seq, computed)
             positions.append(computed)
-            for run in np.split(computed, np.flatnonzero(np.diff(computed) != 1) + 1):
-                end = int(run[-1]) + 1
-                _add_row(tables, counts, ends, row_tokens, table, end, len(run), page_size)
+            _add_runs(tables, counts, ends, row_tokens, table, computed, page_size)
         if item.samples:
             logits_indices.append(ids.count - 1)
     pos = np.concatenate(positions)
@@ -176,6 +174,22 @@ def _add_row(tables, counts, ends, row_tokens, table, end, num_tokens, page_size
     counts.append(num_pages)
     ends.append(end)
     row_tokens.append(num_tokens)
+
+
+def _add_runs(tables, counts, ends, row_tokens, table, computed, page_size) -> None:
+    """``_add_row`` for each maximal run of consecutive positions in ``computed``
+    (sorted), in a few array operations: a step may have hundreds of runs."""
+    last = np.flatnonzero(np.diff(computed) != 1)  # each run's last index but the final's
+    run_ends = np.append(last, len(computed) - 1)
+    run_starts = np.concatenate(([0], last + 1))
+    end_positions = computed[run_ends] + 1
+    num_pages = -(-end_positions // page_size)
+    # each row's page table is a prefix of the sequence's: their concatenation at once
+    first_of_row = np.repeat(np.cumsum(num_pages) - num_pages, num_pages)
+    tables.append(table[np.arange(int(num_pages.sum())) - first_of_row])
+    counts += num_pages.tolist()
+    ends += end_positions.tolist()
+    row_tokens += (run_ends - run_starts + 1).tolist()
 
 
 def _int32(page_ids) -> np.ndarray:
