@@ -521,17 +521,21 @@ def test_full_worker_answers_429(app, client):
 def test_draining_worker_refuses_then_resumes(app, client):
     worker = _worker(app)
     before = ray.get(worker.status.remote()).load
-    drained = ray.get(worker.drain.remote(5.0))
-    after = ray.get(worker.status.remote()).load
-    # (flaky in some full runs: work outstanding though the test before waited for none;
-    # the loads say whether requests arrived since and how large they are)
-    assert drained is True, f"outstanding after 5 s: {after}; before the drain: {before}"
-    with pytest.raises(openai.InternalServerError) as refused:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
-    assert refused.value.status_code == 503
-    assert refused.value.response.headers["retry-after"] == "5"
-    assert httpx.get(app.url("/health")).status_code == 503
-    ray.get(worker.resume.remote())
+    try:
+        drained = ray.get(worker.drain.remote(5.0))
+        after = ray.get(worker.status.remote()).load
+        # (flaky in some full runs: work outstanding though the test before waited for
+        # none; the loads say whether requests arrived since and how large they are)
+        assert drained is True, f"outstanding after 5 s: {after}; before the drain: {before}"
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}]
+            )
+        assert refused.value.status_code == 503
+        assert refused.value.response.headers["retry-after"] == "5"
+        assert httpx.get(app.url("/health")).status_code == 503
+    finally:  # even on a failure: the module's one worker must not stay draining
+        ray.get(worker.resume.remote())
     wait_healthy(app, 1, timeout_s=10)  # the router sees it at its next poll
     reply = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "x"}]
