@@ -10,12 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.engine.attention.base import (
-    AttentionBackend,
-    AttentionShape,
-    BatchLayout,
-    kv_write_rows,
-)
+from workers.engine.attention.base import AttentionBackend, AttentionShape, BatchLayout
 from workers.engine.attention.scattered import ScatteredAttention
 from workers.engine.layers.skinny_choice import SkinnyChoice
 from workers.engine.layers.skinny_choice import choose as choose_skinny
@@ -329,7 +324,7 @@ class ModelRunner:
                 started.record()
             self.aside = AsideWork(0, started, time.perf_counter())
         inputs = build_inputs([ScheduledSeq(seq, start, end - start)], self.page_size)
-        device, page_size = self.device, self.page_size
+        device = self.device
         candidate = np.zeros(end - start, dtype=bool)
         candidate[candidates - start] = True
         selected = None  # launched first: the device waits for nothing else here
@@ -349,7 +344,6 @@ class ModelRunner:
                 self.backend,
                 self.backend.plan_aside(inputs.layout),  # a step may be in flight
                 layer,
-                kv_write_rows(slots, page_size),
                 torch.from_numpy(candidate).to(device, non_blocking=True),
             )
         qkv, residual, deviation = selected

@@ -185,7 +185,6 @@ class SelectionGraphs:
                 self.backend,
                 metadata,
                 self.layer,
-                g.kv_rows,
                 g.candidate,
             )
             self.qkv[:tokens].copy_(qkv)

@@ -169,7 +169,6 @@ class DecoderModel(nn.Module):
         backend: AttentionBackend,
         metadata: AttentionMetadata,
         layer: int,
-        kv_rows: torch.Tensor,  # [2T] int64: where the new tokens' K/V go (kv_write_rows)
         candidate: torch.Tensor,  # [T] bool: the tokens whose deviation counts
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The first half of a forward whose token set shrinks at ``layer`` (>= 1): runs
@@ -177,7 +176,8 @@ class DecoderModel(nn.Module):
         input norm and QKV projection. Returns ``qkv_proj``'s output and the residual
         stream (what ``forward_kept`` takes, for the rows that go on), and each token's
         deviation at ``layer`` (``kv_deviation``: how far the K/V it computes there is
-        from what the cache holds at its slot), -inf where not a ``candidate``. Nothing
+        from what the cache holds at its slot, ``metadata.kv_rows``), -inf where not a
+        ``candidate``. Nothing
         is written at ``layer``; its K/V are computed on a copy, so ``qkv`` stays
         unrotated. No host sync: it runs in a CUDA graph (``selection_graphs``)."""
         hidden, residual = self._layers(
@@ -186,7 +186,7 @@ class DecoderModel(nn.Module):
         block = self.layers[layer]
         qkv, residual = block.attention_input(hidden, residual)
         _, k, v = block.self_attn.split_qkv(qkv.clone(), positions, self.rope_cache)
-        deviation = kv_deviation(k, v, kv_caches[layer], kv_rows)
+        deviation = kv_deviation(k, v, kv_caches[layer], metadata.kv_rows)
         return qkv, residual, deviation.masked_fill(~candidate, float("-inf"))
 
     def forward_kept(
