@@ -162,29 +162,6 @@ class PrefillGraphs:
             page_size=layout.page_size,
         )
 
-    def _capture_layout(self, tokens: int, rows: int) -> BatchLayout:
-        """``tokens`` new tokens in ``rows`` rows: one token each and the rest in the
-        last row, or, with more rows than tokens, empty rows after the first
-        ``tokens``; every row's KV on the scratch page."""
-        i32 = torch.int32
-        counts = torch.ones(rows, dtype=i32)
-        if rows > tokens:
-            counts[tokens:] = 0
-        else:
-            counts[-1] = tokens - rows + 1
-        kv_lens = counts.clamp_min(1)
-        pages = (kv_lens + self.page_size - 1) // self.page_size
-        zero = torch.zeros(1, dtype=i32)
-        return BatchLayout(
-            qo_indptr=torch.cat((zero, counts.cumsum(0, dtype=i32))),
-            kv_page_indptr=torch.cat((zero, pages.cumsum(0, dtype=i32))),
-            kv_page_indices=torch.full((int(pages.sum()),), self.scratch_page, dtype=i32),
-            kv_last_page_len=kv_lens - (pages - 1) * self.page_size,
-            kv_lens=kv_lens,
-            slot_mapping=torch.full((tokens,), self.scratch_page * self.page_size, dtype=i32),
-            page_size=self.page_size,
-        )
-
     @torch.inference_mode()
     def _capture(self, tokens: int, rows: int, split_kv: bool) -> _PrefillGraph:
         device = self.backend.shape.device
@@ -199,7 +176,7 @@ class PrefillGraphs:
             paged_kv_indices_buf=self.page_indices,
             paged_kv_last_page_len_buf=torch.zeros(rows, **i32),
         )
-        layout = self._capture_layout(tokens, rows)
+        layout = capture_layout(tokens, rows, self.scratch_page, self.page_size)
         plan_prefill(wrapper, layout, self.backend.shape)
         input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
         positions = torch.zeros(tokens, dtype=torch.long, device=device)
@@ -213,3 +190,27 @@ class PrefillGraphs:
         return _PrefillGraph(
             tokens, rows, split_kv, graph, wrapper, input_ids, positions, kv_rows, hidden
         )
+
+
+def capture_layout(tokens: int, rows: int, scratch_page: int, page_size: int) -> BatchLayout:
+    """``tokens`` new tokens in ``rows`` rows: one token each and the rest in the last
+    row, or, with more rows than tokens, empty rows after the first ``tokens``; every
+    row's KV on the scratch page (what a graph is captured over)."""
+    i32 = torch.int32
+    counts = torch.ones(rows, dtype=i32)
+    if rows > tokens:
+        counts[tokens:] = 0
+    else:
+        counts[-1] = tokens - rows + 1
+    kv_lens = counts.clamp_min(1)
+    pages = (kv_lens + page_size - 1) // page_size
+    zero = torch.zeros(1, dtype=i32)
+    return BatchLayout(
+        qo_indptr=torch.cat((zero, counts.cumsum(0, dtype=i32))),
+        kv_page_indptr=torch.cat((zero, pages.cumsum(0, dtype=i32))),
+        kv_page_indices=torch.full((int(pages.sum()),), scratch_page, dtype=i32),
+        kv_last_page_len=kv_lens - (pages - 1) * page_size,
+        kv_lens=kv_lens,
+        slot_mapping=torch.full((tokens,), scratch_page * page_size, dtype=i32),
+        page_size=page_size,
+    )

@@ -49,6 +49,7 @@ from workers.engine.attention.flashinfer_backend import (
 from workers.engine.cuda_graphs import capture
 from workers.engine.graph_inputs import load_step
 from workers.engine.models.decoder import DecoderModel
+from workers.engine.prefill_graphs import capture_layout
 
 TOKEN_STEP = 512
 MAX_TOKENS = 8192  # longer forwards run eagerly: their launches are a small share
@@ -167,13 +168,11 @@ class SelectionGraphs:
             self.candidate[:tokens],
         )
         # captured over the scratch page: one row of ``tokens`` tokens, none a candidate
-        scratch = torch.full((tokens,), self.scratch_page * self.page_size, dtype=torch.int32)
+        layout = capture_layout(tokens, 1, self.scratch_page, self.page_size)
         g.input_ids.zero_()
         g.positions.zero_()
-        g.kv_rows.copy_(kv_write_rows(scratch, self.page_size))
+        g.kv_rows.copy_(kv_write_rows(layout.slot_mapping, self.page_size))
         g.candidate.zero_()
-        pages = -(-tokens // self.page_size)
-        layout = _one_row(tokens, pages, self.scratch_page, self.page_size)
         plan_prefill(wrapper, layout, self.backend.shape)
         metadata = FlashInferMetadata(g.kv_rows, wrapper)
 
@@ -194,17 +193,3 @@ class SelectionGraphs:
         g.graph, _ = capture(forward, self.pool)
         self.graphs[tokens] = g
         return g
-
-
-def _one_row(tokens: int, pages: int, scratch_page: int, page_size: int) -> BatchLayout:
-    """A layout of one row of ``tokens`` queries over ``pages`` scratch pages."""
-    i32 = torch.int32
-    return BatchLayout(
-        qo_indptr=torch.tensor([0, tokens], dtype=i32),
-        kv_page_indptr=torch.tensor([0, pages], dtype=i32),
-        kv_page_indices=torch.full((pages,), scratch_page, dtype=i32),
-        kv_last_page_len=torch.tensor([tokens - (pages - 1) * page_size], dtype=i32),
-        kv_lens=torch.tensor([tokens], dtype=i32),
-        slot_mapping=torch.full((tokens,), scratch_page * page_size, dtype=i32),
-        page_size=page_size,
-    )
