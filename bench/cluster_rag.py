@@ -15,8 +15,15 @@ TTFTs are compared at one offered load (a closed loop compares them at different
 Workload: each request is a system prompt (one of 3) + one document (of ``--docs``,
 drawn Zipf(``--zipf``)) as a content part + a unique question part, the shape of
 ``configs/examples/rag_requests.jsonl``. Each worker's KV pool is capped at
-``--pages`` pages, so one worker cannot hold every document but several together can:
-where a request lands decides whether its document is cached.
+``--pages`` pages, so one worker cannot hold every document and several together hold
+more: where a request lands decides whether its document is cached. Exact reuse keys a
+document by what precedes it, so each (system prompt, document) pair is a prefix of its
+own: 3 x ``--docs`` of them. The default cap (``default_pages``) holds half the documents
+once, a sixth of the pairs, plus headroom for the requests in flight; four workers
+together hold two thirds of the pairs. (Until session 33 it was 24,576 pages, a third of
+the pairs on every worker, with Zipf 1.0 and 600 requests per worker: round-robin's
+misses were then mostly a document's first sight on a worker, which routing saves only
+partly.) Zipf 0.8 and 2,000 requests per worker keep first sights a small share of a run.
 
 Every (workers, policy) run uses fresh texts (nothing cached from earlier runs) over the
 same sequence of document indices, so runs start equally cold and see the same
@@ -503,8 +510,18 @@ async def wait_back(victim: ActorHandle, events: dict, timeout_s: float = 600) -
 
 
 # -- main ------------------------------------------------------------------------------
+PAGE_SIZE = 16
+HEADROOM_PAGES = 1024  # system prompts and the unique tails of the requests in flight
+
+
+def default_pages(docs: int, doc_tokens: int) -> int:
+    """KV pages per worker that hold half the documents once (a sixth of the
+    (system prompt, document) prefixes), plus headroom for the requests in flight."""
+    return (docs + 1) // 2 * -(-doc_tokens // PAGE_SIZE) + HEADROOM_PAGES
+
+
 def cluster_config(args: argparse.Namespace, count: int) -> ClusterConfig:
-    engine = {"page_size": 16, "num_pages": args.pages}
+    engine = {"page_size": PAGE_SIZE, "num_pages": args.pages}
     if args.gpus_per_worker > 0:
         engine |= {"device": "cuda", "dtype": "bfloat16", "attention_backend": "flashinfer"}
         engine |= {"gpu_memory_utilization": 0.9 * args.gpus_per_worker}
@@ -845,13 +862,17 @@ def parse_args() -> argparse.Namespace:
         "lowest closed-loop req/s of the policies at that worker count, so that TTFT "
         "is compared at one request rate; 0: closed loop only",
     )
-    ap.add_argument("--pages", type=int, default=24576, help="KV pages per worker")
+    ap.add_argument(
+        "--pages",
+        type=int,
+        help="KV pages per worker (default: half the documents plus headroom; default_pages)",
+    )
     ap.add_argument("--docs", type=int, default=192)
-    ap.add_argument("--zipf", type=float, default=1.0)
+    ap.add_argument("--zipf", type=float, default=0.8)
     ap.add_argument("--system-tokens", type=int, default=512)
     ap.add_argument("--doc-tokens", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--requests-per-worker", type=int, default=600)
+    ap.add_argument("--requests-per-worker", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=32, help="clients per worker")
     ap.add_argument(
         "--routers-per-worker",
@@ -863,7 +884,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--kill", action="store_true", help="also run the kill test")
     ap.add_argument("--json", type=Path, help="also write each run's summary here")
     ap.add_argument("--kill-at", type=float, default=0.3, help="share answered before the kill")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.pages is None:
+        args.pages = default_pages(args.docs, args.doc_tokens)
+    return args
 
 
 if __name__ == "__main__":

@@ -96,9 +96,10 @@ case "${1:-all}" in
       --workers "${WORKERS:-1,2,4}" --gpus-per-worker "${GPUS_PER_WORKER:-1}" --kill \
       ${CLUSTER_ARGS:-} 2>&1 | grep -v -e Warning -e '^(' | tee "$out/cluster_rag.txt" ;;
   http)
-    # Same workload shape and KV cap as cluster; redis-server comes from .whl-http.
+    # Same workload shape and KV cap as cluster's defaults (bench/cluster_rag.py
+    # default_pages); redis-server comes from .whl-http.
     PATH="/tmp/site/.redis/bin:$PATH" RAY_AUTH_MODE=disabled python3 bench/http_rag.py \
-      --model $model --workers "${WORKERS:-4}" --gpus-per-worker 1 --pages 24576 \
+      --model $model --workers "${WORKERS:-4}" --gpus-per-worker 1 --pages 13312 --zipf 0.8 \
       --json "$out/http_rag.json" --serve-log "$out/http_rag_serve.log" ${HTTP_ARGS:-} 2>&1 \
       | grep -v -e Warning -e '^(' | tee "$out/http_rag.txt" ;;
 esac
