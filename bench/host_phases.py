@@ -115,9 +115,13 @@ ENGINE_STEP = [
     "workers.engine.model_runner:build_inputs",
     "workers.engine.kv_pool:KVPool.allocate",
     "workers.engine.approximate:place_spans",
+    "workers.engine.placement:place_chunk",  # place_spans' copy to the device and launch
+    "workers.engine.layers.placement_kernel:place_rows",
     "workers.engine.model_runner:ModelRunner.repair_selecting",
     "workers.engine.selection_graphs:SelectionGraphs.run",
+    "workers.engine.selection_graphs:load_step",
     "workers.engine.selection_graphs:plan_prefill",
+    "flashinfer.prefill:BatchPrefillWithPagedKVCacheWrapper.plan",  # FlashInfer's own part
     "workers.engine.kept_graphs:KeptRowsGraphs.run",
     "workers.engine.flashinfer_graphs:FlashInferGraphs.replay",
     "workers.engine.attention.flashinfer_backend:FlashInferBackend.plan",
