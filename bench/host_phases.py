@@ -119,7 +119,7 @@ ENGINE_STEP = [
     "workers.engine.layers.placement_kernel:place_rows",
     "workers.engine.model_runner:ModelRunner.repair_selecting",
     "workers.engine.selection_graphs:SelectionGraphs.run",
-    "workers.engine.selection_graphs:load_step",
+    "workers.engine.selection_graphs:SelectionGraphs._stage",
     "workers.engine.selection_graphs:plan_prefill",
     "flashinfer.prefill:BatchPrefillWithPagedKVCacheWrapper.plan",  # FlashInfer's own part
     "workers.engine.kept_graphs:KeptRowsGraphs.run",

@@ -136,3 +136,41 @@ def test_a_step_loads_into_a_graphs_buffers_with_padding_on_the_scratch_page():
     # a full graph: nothing padded
     load_step(graph, torch.arange(size), torch.arange(size), torch.arange(size).int(), 0, PAGE)
     assert graph.input_ids.tolist() == list(range(size))
+
+
+def test_a_selection_forward_stages_its_inputs_for_one_copy():
+    """graph_inputs.stage_selection: a selection graph's inputs packed where
+    input_layout puts them (real tokens first; padding is token 0 at position 0 on the
+    scratch page, never a candidate), the sequence's pages after them, and the plan's
+    index arrays of the one row; stale values of a bigger earlier forward are
+    overwritten."""
+    import numpy as np
+
+    from workers.engine.attention.base import kv_write_rows
+    from workers.engine.graph_inputs import input_layout, stage_selection
+    from workers.engine.model_runner import build_inputs
+
+    seq = Sequence("staged", 0, list(range(100, 150)), SamplingParams(), Namespace("m"))
+    seq.page_ids = array("i", [7, 3, 9, 4])  # 50 tokens over 4 pages
+    start, n, tokens, scratch = 20, 30, 40, 99
+    inputs = build_inputs([ScheduledSeq(seq, start, n)], PAGE)
+    candidate = np.zeros(n, dtype=bool)
+    candidate[[0, 5, 29]] = True
+    staged = np.full(5 * tokens + 8, -7, dtype=np.int64)  # an earlier forward's values
+    indptrs = np.full(5, -7, dtype=np.int32)
+    pages = stage_selection(
+        staged, indptrs, tokens, inputs.input_ids, inputs.positions, inputs.layout,
+        candidate, scratch * PAGE,
+    )  # fmt: skip
+    at = input_layout(tokens)
+    assert pages == 4 and staged[at["pages"]][:4].tolist() == [7, 3, 9, 4]
+    assert staged[at["input_ids"]].tolist() == list(range(120, 150)) + [0] * 10
+    assert staged[at["positions"]].tolist() == list(range(20, 50)) + [0] * 10
+    assert np.flatnonzero(staged[at["candidate"]]).tolist() == [0, 5, 29]
+    padded = torch.cat(
+        (inputs.layout.slot_mapping, torch.full((10,), scratch * PAGE, dtype=torch.int32))
+    )
+    assert staged[at["kv_rows"]].tolist() == kv_write_rows(padded, PAGE).tolist()
+    assert inputs.layout.slot_mapping[0] == 3 * PAGE + 4  # position 20: page 1 (id 3)
+    # one row of 30 new tokens over 4 pages, the last holding 50 - 48 = 2 tokens
+    assert indptrs.tolist() == [0, 30, 0, 4, 2]

@@ -10,21 +10,29 @@ token costs its matmuls in every selection layer, so buckets are fine-grained),
 captured on first use (about 0.1 s each; an engine that never serves approximate
 reuse captures none). The forward is one layout row (consecutive positions).
 Padding tokens compute token 0 at position 0, write their KV to the scratch page and
-are never attended to (``graph_inputs.load_step``); they are never candidates, so
+are never attended to (``graph_inputs.stage_selection``); they are never candidates, so
 their deviation is -inf. Outputs land in buffers shared by every bucket, sized for
 the largest, so a graph keeps no output memory of its own; intermediates draw on one
-memory pool. Before each replay the graph's FlashInfer wrapper is planned into
-its fixed buffers; FlashInfer copies a plan to the device from a pinned host buffer
-of the wrapper, queued on the stream, so a wrapper is planned again only after its
-previous plan's copy ran (as ``FlashInferBackend.plan_aside`` does). Two admissions of
-one bucket back to back therefore keep the host at most one selection pass ahead of
-the device (the second waits until the device reaches the first's plan).
+memory pool.
+
+A replay's inputs reach the device in one copy: the token ids, positions, K/V rows,
+candidate flags and the sequence's page indices are written into one pinned host
+buffer and copied at once into one device buffer (each bucket's graph reads its
+views of it), and the FlashInfer plan's index arrays come from small pinned host
+tensors. Pageable copies cost tens of microseconds of host time each (the GPU host
+spent about 0.26 ms loading a replay's inputs that way, beside a 0.73 ms plan).
+FlashInfer copies a plan to the device from a pinned host buffer of the wrapper,
+and these copies read the pinned buffers after the host moves on, so nothing pinned
+is written again until the last replay's copies ran (an event recorded after them):
+two admissions back to back keep the host at most one selection pass ahead of the
+device (the second waits until the device reaches the first's copies).
 
 Memory, none of it counted when the engine sizes the KV pool (it comes from the
 headroom left beside it): the shared buffers, about 80 MiB for qwen3-0.6b (qkv and the
-residual stream of 8,192 tokens), allocated with the first graph; per bucket captured,
-its FlashInfer wrapper's 8 MiB device workspace and 8 MiB of pinned host memory; the
-graphs' pool, about what the largest bucket's selection layers need at once.
+residual stream of 8,192 tokens) and the inputs' 0.3 MiB on the device and in pinned
+host memory, allocated with the first graph; per bucket captured, its FlashInfer
+wrapper's 8 MiB device workspace and 8 MiB of pinned host memory; the graphs' pool,
+about what the largest bucket's selection layers need at once.
 
 Kernel: every bucket runs FlashInfer's default prefill kernel (FA3 on Hopper), also
 where an eager step would take the split-KV kernel (``prefers_split_kv``: a few hundred
@@ -35,6 +43,7 @@ new tokens over a long prefix), which is slower there; the launches it saves wei
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import flashinfer
 import numpy as np
@@ -47,7 +56,7 @@ from workers.engine.attention.flashinfer_backend import (
     plan_prefill,
 )
 from workers.engine.cuda_graphs import capture
-from workers.engine.graph_inputs import load_step
+from workers.engine.graph_inputs import input_layout, stage_selection
 from workers.engine.models.decoder import DecoderModel
 from workers.engine.prefill_graphs import capture_layout
 
@@ -55,16 +64,24 @@ TOKEN_STEP = 512
 MAX_TOKENS = 8192  # longer forwards run eagerly: their launches are a small share
 
 
+class _PlanIndices(NamedTuple):
+    """What ``plan_prefill`` reads of a layout, from the pinned and device buffers."""
+
+    qo_indptr: torch.Tensor
+    kv_page_indptr: torch.Tensor
+    kv_page_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     wrapper: flashinfer.BatchPrefillWithPagedKVCacheWrapper
-    # views of the shared input buffers, sized to the bucket (what load_step fills)
+    # views of the shared device input buffer, sized to the bucket (input_layout)
     input_ids: torch.Tensor
     positions: torch.Tensor
     kv_rows: torch.Tensor  # [2 * tokens]
-    candidate: torch.Tensor  # [tokens] bool
-    planned: torch.cuda.Event | None = None  # recorded after the last plan's copy
+    candidate: torch.Tensor  # [tokens] int64 flags
 
 
 class SelectionGraphs:
@@ -86,6 +103,7 @@ class SelectionGraphs:
         self.max_pages_per_seq = max_pages_per_seq
         self.pool = None  # the buffers and graphs come with the first run
         self.graphs: dict[int, _Graph] = {}
+        self.copied: torch.cuda.Event | None = None  # after the last replay's copies
 
     def _allocate(self) -> None:
         """The buffers every bucket shares, sized for the largest."""
@@ -94,16 +112,18 @@ class SelectionGraphs:
         width = attention.q_size + 2 * attention.kv_size
         dtype = self.kv_caches[0].dtype
         n = MAX_TOKENS
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.kv_rows = torch.zeros(2 * n, dtype=torch.long, device=device)
-        self.candidate = torch.zeros(n, dtype=torch.bool, device=device)
+        # a sequence's pages, or a capture layout's (the largest bucket's scratch pages)
+        pages = max(self.max_pages_per_seq, -(-n // self.page_size))
+        self.inputs = torch.zeros(5 * n + pages, dtype=torch.long, device=device)
+        self.staged = torch.zeros(5 * n + pages, dtype=torch.long, pin_memory=True)
+        self.staged_np = self.staged.numpy()
+        # the plan's index arrays of one row: qo_indptr, kv_page_indptr, last page's length
+        self.indptrs = torch.zeros(5, dtype=torch.int32, pin_memory=True)
+        self.indptrs_np = self.indptrs.numpy()
         self.qkv = torch.zeros((n, width), dtype=dtype, device=device)
         hidden = self.model.config.hidden_size
         self.residual = torch.zeros((n, hidden), dtype=dtype, device=device)
         self.deviation = torch.zeros(n, dtype=torch.float32, device=device)
-        # a sequence's pages, or a capture layout's (the largest bucket's scratch pages)
-        pages = max(self.max_pages_per_seq, -(-n // self.page_size))
         self.page_indices = torch.zeros(pages, dtype=torch.int32, device=device)
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -135,17 +155,38 @@ class SelectionGraphs:
         if self.pool is None:
             self._allocate()
         g = self.graphs.get(tokens) or self._capture(tokens)
-        load_step(g, input_ids, positions, layout.slot_mapping, self.scratch_page, self.page_size)
-        padded = np.zeros(tokens, dtype=bool)
-        padded[:n] = candidate
-        g.candidate.copy_(torch.from_numpy(padded), non_blocking=True)
-        if g.planned is not None:
-            g.planned.synchronize()
-        plan_prefill(g.wrapper, layout, self.backend.shape)
-        g.planned = torch.cuda.Event()
-        g.planned.record()
+        pages = self._stage(tokens, input_ids, positions, layout, candidate)
+        at = input_layout(tokens)
+        self.inputs[: at["pages"].start + pages].copy_(
+            self.staged[: at["pages"].start + pages], non_blocking=True
+        )
+        indices = _PlanIndices(
+            qo_indptr=self.indptrs[:2],
+            kv_page_indptr=self.indptrs[2:4],
+            kv_page_indices=self.inputs[at["pages"]][:pages],  # FlashInfer's copy narrows it
+            kv_last_page_len=self.indptrs[4:],
+        )
+        plan_prefill(g.wrapper, indices, self.backend.shape)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
         g.graph.replay()
         return self.qkv[:n], self.residual[:n], self.deviation[:n]
+
+    def _stage(self, tokens, input_ids, positions, layout, candidate) -> int:
+        """``stage_selection`` into the pinned buffers, once the last replay's copies
+        from them ran; returns the number of pages."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return stage_selection(
+            self.staged_np,
+            self.indptrs_np,
+            tokens,
+            input_ids,
+            positions,
+            layout,
+            candidate,
+            self.scratch_page * self.page_size,
+        )
 
     def _capture(self, tokens: int) -> _Graph:
         device = self.backend.shape.device
@@ -159,13 +200,14 @@ class SelectionGraphs:
             paged_kv_indices_buf=self.page_indices,
             paged_kv_last_page_len_buf=torch.zeros(1, **i32),
         )
+        at = input_layout(tokens)
         g = _Graph(
             None,
             wrapper,
-            self.input_ids[:tokens],
-            self.positions[:tokens],
-            self.kv_rows[: 2 * tokens],
-            self.candidate[:tokens],
+            self.inputs[at["input_ids"]],
+            self.inputs[at["positions"]],
+            self.inputs[at["kv_rows"]],
+            self.inputs[at["candidate"]],
         )
         # captured over the scratch page: one row of ``tokens`` tokens, none a candidate
         layout = capture_layout(tokens, 1, self.scratch_page, self.page_size)
@@ -184,7 +226,7 @@ class SelectionGraphs:
                 self.backend,
                 metadata,
                 self.layer,
-                g.candidate,
+                g.candidate.bool(),
             )
             self.qkv[:tokens].copy_(qkv)
             self.residual[:tokens].copy_(residual)
