@@ -19,8 +19,9 @@ A replay's inputs reach the device in one copy: the token ids, positions, K/V ro
 candidate flags and the sequence's page indices are written into one pinned host
 buffer and copied at once into one device buffer (each bucket's graph reads its
 views of it), and the FlashInfer plan's index arrays come from small pinned host
-tensors. Pageable copies cost tens of microseconds of host time each (the GPU host
-spent about 0.26 ms loading a replay's inputs that way, beside a 0.73 ms plan).
+tensors. Pageable copies cost tens of microseconds of host time each: four of them
+and two fills took about 0.26 ms before every replay on an H200's host, beside a
+0.73 ms plan.
 FlashInfer copies a plan to the device from a pinned host buffer of the wrapper,
 and these copies read the pinned buffers after the host moves on, so nothing pinned
 is written again until the last replay's copies ran (an event recorded after them):
