@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import threading
 from array import array
 from collections import OrderedDict
@@ -222,7 +223,7 @@ def prepare_text(
 def prepare_chunks(
     chunks: Sequence[Chunk], namespace: Namespace, page_size: int, approximate: bool = False
 ) -> PreparedPrompt:
-    token_ids = tuple(t for chunk in chunks for t in chunk.token_ids)
+    token_ids = tuple(itertools.chain.from_iterable(chunk.token_ids for chunk in chunks))
     if not token_ids:
         raise ValueError("the prompt is empty")
     keys = page_keys(token_ids, page_size, namespace)
