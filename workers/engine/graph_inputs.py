@@ -27,10 +27,18 @@ def load_step(
     if size > n:
         graph.input_ids[n:].zero_()
         graph.positions[n:].zero_()
-    slots = np.full(size, scratch_page * page_size, dtype=np.int64)
-    slots[:n] = slot_mapping.numpy()
-    rows = torch.from_numpy(kv_write_rows_host(slots, page_size))
-    graph.kv_rows.copy_(rows, non_blocking=True)
+    rows = padded_kv_rows(slot_mapping, size, scratch_page * page_size, page_size)
+    graph.kv_rows.copy_(torch.from_numpy(rows), non_blocking=True)
+
+
+def padded_kv_rows(
+    slot_mapping: torch.Tensor, size: int, scratch_slot: int, page_size: int
+) -> np.ndarray:
+    """int64 [2 * size]: the K/V rows of a step's n tokens (``kv_write_rows``), then
+    those of ``size`` - n padding tokens, all on the scratch slot."""
+    slots = np.full(size, scratch_slot, dtype=np.int64)
+    slots[: len(slot_mapping)] = slot_mapping.numpy()
+    return kv_write_rows_host(slots, page_size)
 
 
 def input_layout(tokens: int) -> dict[str, slice]:
@@ -69,9 +77,9 @@ def stage_selection(
         part = staged[at[name]]
         part[:n] = values
         part[n:] = 0
-    slots = np.full(tokens, scratch_slot, dtype=np.int64)
-    slots[:n] = layout.slot_mapping.numpy()
-    staged[at["kv_rows"]] = kv_write_rows_host(slots, layout.page_size)
+    staged[at["kv_rows"]] = padded_kv_rows(
+        layout.slot_mapping, tokens, scratch_slot, layout.page_size
+    )
     page_indices = layout.kv_page_indices.numpy()
     pages = len(page_indices)
     staged[at["pages"]][:pages] = page_indices
