@@ -177,9 +177,9 @@ class DecoderModel(nn.Module):
         stream (what ``forward_kept`` takes, for the rows that go on), and each token's
         deviation at ``layer`` (``kv_deviation``: how far the K/V it computes there is
         from what the cache holds at its slot, ``metadata.kv_rows``), -inf where not a
-        ``candidate``. Nothing
-        is written at ``layer``; its K/V are computed on a copy, so ``qkv`` stays
-        unrotated. No host sync: it runs in a CUDA graph (``selection_graphs``)."""
+        ``candidate``. Nothing is written at ``layer``; its K/V are computed on a copy,
+        so ``qkv`` stays unrotated. No host sync: it runs in a CUDA graph
+        (``selection_graphs``)."""
         hidden, residual = self._layers(
             0, self.embed_tokens(input_ids), None, positions, kv_caches, backend, metadata, layer
         )
