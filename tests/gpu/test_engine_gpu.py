@@ -329,14 +329,14 @@ def test_selecting_forward_finds_and_restores_deviating_kv(engines):
     assert selection is not None and selection.layer == engine.deviation_layer
     results = {}
     served = []  # per call of the selection graphs: whether a graph ran it
-    run_selection = selection.run
+    start_selection = selection.start
 
     def counted(*args):
-        out = run_selection(*args)
+        out = start_selection(*args)
         served.append(out is not None)
         return out
 
-    selection.run = counted  # delegates: harmless to later tests if this one fails
+    selection.start = counted  # delegates: harmless to later tests if this one fails
     # 39 + 120 rows over 1,999 keys (40 + 120 over 2,000 when the forward gives the
     # logits, as an approximate admission's does): a graph fits
     for path in ("graph", "eager", "graph, last row"):
@@ -360,8 +360,9 @@ def test_selecting_forward_finds_and_restores_deviating_kv(engines):
             logits = runner.run([ScheduledSeq(seq, last, 1)])[0].float()
         kv_rel = ((kv() - plain_kv).norm() / plain_kv.norm()).item()
         results[path] = {"kv_rel": kv_rel, "logit_rel": _rel_full(logits, plain_logits)}
-    del selection.run
+    del selection.start
     assert served == [True, True]  # both graph paths ran the selection in a graph
+    assert selection.plannable  # re-planned by FlashInfer's compiled planner alone
     assert (256, 4096) in graphs.graphs and 2048 in selection.graphs
     assert runner.take_aside().tokens == 2 * (39 + 120) + 40 + 120
     engine.pool.release(seq.page_ids)

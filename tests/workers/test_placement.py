@@ -223,3 +223,24 @@ def test_placing_into_the_stacked_cache_equals_placing_layer_by_layer():
     place_chunk(stack, src, dst, delta, table, page_size)
     for layer in range(layers):
         assert torch.equal(stack[layer], per_layer[layer])
+
+
+def test_placing_spans_from_a_layer_leaves_the_layers_below_it():
+    """place_spans with first_layer (two spans with unaligned starts, across page
+    boundaries): the layers from it on hold what a placement of every layer writes
+    there, and the layers below it keep their old contents, bit for bit."""
+    from workers.engine.layers.rotary import cos_sin_cache
+    from workers.engine.placement import place_spans
+
+    torch.manual_seed(0)
+    layers, pages, page_size, heads, dim = 4, 24, 16, 2, 8
+    stack = torch.randn(layers, pages, 2, page_size, heads, dim)
+    table = cos_sin_cache(dim, 10000.0, None, 4096)
+    sequence = list(range(12, 20))  # the sequence's pages; entries are pages 0-7
+    spans = [(5, 30, [0, 1]), (30, 70, [2, 3, 4])]  # unaligned starts
+    every, upper = stack.clone(), stack.clone()
+    place_spans(every, table, sequence, spans, page_size)
+    place_spans(upper, table, sequence, spans, page_size, first_layer=2)
+    assert not torch.equal(every[:2], stack[:2])  # the full placement wrote there
+    assert torch.equal(upper[:2], stack[:2])
+    assert torch.equal(upper[2:], every[2:])

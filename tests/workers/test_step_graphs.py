@@ -138,39 +138,49 @@ def test_a_step_loads_into_a_graphs_buffers_with_padding_on_the_scratch_page():
     assert graph.input_ids.tolist() == list(range(size))
 
 
-def test_a_selection_forward_stages_its_inputs_for_one_copy():
-    """graph_inputs.stage_selection: a selection graph's inputs packed where
-    input_layout puts them (real tokens first; padding is token 0 at position 0 on the
-    scratch page, never a candidate), the sequence's pages after them, and the plan's
-    index arrays of the one row; stale values of a bigger earlier forward are
-    overwritten."""
+def test_a_selection_forward_stages_its_inputs_for_two_copies():
+    """graph_inputs.stage_selection: a selection graph's inputs for one row of
+    consecutive positions, packed where input_layout puts them, equal to what
+    build_inputs gives that row (real tokens first; padding is token 0 at position 0
+    on the scratch slot, never a candidate), and its plan inputs where PLAN_FIELDS and
+    PLAN_PAGES put them (the row's index arrays, its KV length, the sequence's pages);
+    stale values of a bigger earlier forward are overwritten."""
     import numpy as np
 
-    from workers.engine.attention.base import kv_write_rows
-    from workers.engine.graph_inputs import input_layout, stage_selection
-    from workers.engine.model_runner import build_inputs
+    from workers.engine.graph_inputs import PLAN_FIELDS, PLAN_PAGES, input_layout, stage_selection
+    from workers.engine.model_runner import _run_ids, build_inputs
 
     seq = Sequence("staged", 0, list(range(100, 150)), SamplingParams(), Namespace("m"))
     seq.page_ids = array("i", [7, 3, 9, 4])  # 50 tokens over 4 pages
     start, n, tokens, scratch = 20, 30, 40, 99
-    inputs = build_inputs([ScheduledSeq(seq, start, n)], PAGE)
     candidate = np.zeros(n, dtype=bool)
     candidate[[0, 5, 29]] = True
-    staged = np.full(5 * tokens + 8, -7, dtype=np.int64)  # an earlier forward's values
-    indptrs = np.full(5, -7, dtype=np.int32)
+    staged = np.full(4 * tokens, -7, dtype=np.int64)  # an earlier forward's values
+    plan = np.full(PLAN_PAGES + 6, -7, dtype=np.int32)
+    table = np.frombuffer(seq.page_ids, dtype=np.int32)
+    ids = _run_ids(seq, start, start + n)
     pages = stage_selection(
-        staged, indptrs, tokens, inputs.input_ids, inputs.positions, inputs.layout,
-        candidate, scratch * PAGE,
-    )  # fmt: skip
-    at = input_layout(tokens)
-    assert pages == 4 and staged[at["pages"]][:4].tolist() == [7, 3, 9, 4]
-    assert staged[at["input_ids"]].tolist() == list(range(120, 150)) + [0] * 10
-    assert staged[at["positions"]].tolist() == list(range(20, 50)) + [0] * 10
-    assert np.flatnonzero(staged[at["candidate"]]).tolist() == [0, 5, 29]
-    padded = torch.cat(
-        (inputs.layout.slot_mapping, torch.full((10,), scratch * PAGE, dtype=torch.int32))
+        staged, plan, tokens, ids, start, table, candidate, scratch * PAGE, PAGE
     )
-    assert staged[at["kv_rows"]].tolist() == kv_write_rows(padded, PAGE).tolist()
-    assert inputs.layout.slot_mapping[0] == 3 * PAGE + 4  # position 20: page 1 (id 3)
+    at = input_layout(tokens)
+    reference = build_inputs([ScheduledSeq(seq, start, n)], PAGE)
+    assert staged[at["input_ids"]].tolist() == reference.input_ids.tolist() + [0] * 10
+    assert staged[at["input_ids"]][:n].tolist() == list(range(120, 150))
+    assert staged[at["positions"]].tolist() == reference.positions.tolist() + [0] * 10
+    assert np.flatnonzero(staged[at["candidate"]]).tolist() == [0, 5, 29]
+    assert reference.layout.slot_mapping[0] == 3 * PAGE + 4  # position 20: page 1 (id 3)
+    padded = reference.layout.slot_mapping.tolist() + [scratch * PAGE] * 10
+    assert staged[at["slots"]].tolist() == padded
     # one row of 30 new tokens over 4 pages, the last holding 50 - 48 = 2 tokens
-    assert indptrs.tolist() == [0, 30, 0, 4, 2]
+    fields = {name: plan[where].tolist() for name, where in PLAN_FIELDS.items()}
+    assert fields == {
+        "qo_indptr": reference.layout.qo_indptr.tolist(),
+        "kv_page_indptr": reference.layout.kv_page_indptr.tolist(),
+        "kv_last_page_len": reference.layout.kv_last_page_len.tolist(),
+        "kv_len": reference.layout.kv_lens.tolist(),
+    }
+    assert fields["kv_last_page_len"] == [2] and fields["kv_len"] == [50]
+    assert pages == 4 and plan[PLAN_PAGES : PLAN_PAGES + 4].tolist() == [7, 3, 9, 4]
+    # a run past the prompt (a resumed sequence's generated tokens) reads the token list
+    seq.token_ids.extend([7, 8])
+    assert _run_ids(seq, 45, 52).tolist() == [145, 146, 147, 148, 149, 7, 8]

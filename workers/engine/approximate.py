@@ -41,6 +41,7 @@ counts placed tokens as reused and the repaired ones among them as recomputed.
 
 from __future__ import annotations
 
+import functools
 import sys
 from array import array
 from collections.abc import Callable
@@ -152,21 +153,26 @@ class ChunkReuse:
                 return None
             seq.page_ids.extend(pages)
             runner = self.runner
-            place_spans(
+            place = functools.partial(
+                place_spans,
                 runner.kv_stack,
                 runner.model.rope_cache,
                 seq.page_ids,
                 [(start, end, entry.pages) for start, end, entry in hits],
                 page_size,
             )
+            if keep:  # the forward places the entries between its layers (and holds them)
+                candidates = np.flatnonzero(kept)
+                seq.ready_logits = runner.repair_selecting(
+                    seq, matched, forward_end, candidates, keep, self.deviation_layer, to_end,
+                    place=place,
+                )  # fmt: skip
+            else:
+                place()
         finally:
             for _, _, entry in hits:
                 self.pool.drop_entry(entry)
         if keep:
-            candidates = np.flatnonzero(kept)
-            seq.ready_logits = self.runner.repair_selecting(
-                seq, matched, forward_end, candidates, keep, self.deviation_layer, to_end
-            )
             seq.admission_tokens = rows + (tail if to_end else 0)
             seq.num_computed, seq.pending = forward_end, np.empty(0, dtype=np.int64)
             # which candidates were kept is known only on the device: from the first

@@ -1,6 +1,6 @@
 """Loading a step into a CUDA graph's fixed input buffers (the step graphs by
-``load_step``, the selection graphs by ``stage_selection``, which packs them for one
-copy; no CUDA or FlashInfer needed, so both are tested on the CPU)."""
+``load_step``, the selection graphs by ``stage_selection``, which packs them for two
+copies; no CUDA or FlashInfer needed, so both are tested on the CPU)."""
 
 from __future__ import annotations
 
@@ -43,45 +43,60 @@ def padded_kv_rows(
 
 def input_layout(tokens: int) -> dict[str, slice]:
     """Where a selection graph of ``tokens`` keeps each input in the shared int64
-    input buffers (host and device alike); the page indices follow, as many as the
-    sequence has."""
+    input buffers (host and device alike)."""
     return {
         "input_ids": slice(0, tokens),
         "positions": slice(tokens, 2 * tokens),
-        "kv_rows": slice(2 * tokens, 4 * tokens),
-        "candidate": slice(4 * tokens, 5 * tokens),  # 1: a candidate, 0: not
-        "pages": slice(5 * tokens, None),
+        "slots": slice(2 * tokens, 3 * tokens),  # each token's KV slot
+        "candidate": slice(3 * tokens, 4 * tokens),  # 1: a candidate, 0: not
     }
 
 
+# A selection graph's plan inputs, one int32 buffer (host and device alike): its one
+# row's FlashInfer index arrays and KV length, then the sequence's page indices.
+PLAN_FIELDS = {
+    "qo_indptr": slice(0, 2),
+    "kv_page_indptr": slice(2, 4),
+    "kv_last_page_len": slice(4, 5),
+    "kv_len": slice(5, 6),
+}
+PLAN_PAGES = 8  # where the page indices start (32-byte aligned)
+
+
 def stage_selection(
-    staged: np.ndarray,  # int64, at least 5 * tokens + the sequence's pages
-    indptrs: np.ndarray,  # int32 [5]: qo_indptr, kv_page_indptr, last page's length
+    staged: np.ndarray,  # int64, at least 4 * tokens
+    plan: np.ndarray,  # int32, at least PLAN_PAGES + the sequence's pages
     tokens: int,
-    input_ids: torch.Tensor,  # [n], CPU
-    positions: torch.Tensor,  # [n], CPU
-    layout,  # one row: n consecutive positions (a BatchLayout)
+    input_ids: np.ndarray,  # [n]: the ids at positions start..start + n - 1
+    start: int,
+    page_table: np.ndarray,  # int32: the sequence's pages
     candidate: np.ndarray,  # [n] bool
     scratch_slot: int,
+    page_size: int,
 ) -> int:
-    """Write a selection graph's inputs for n <= ``tokens`` tokens where
-    ``input_layout`` puts them, and the plan's index arrays; returns the number of
-    pages. Padding tokens compute token 0 at position 0, write their KV to the scratch
-    page (never read by a real row) and are never candidates."""
-    n, at = layout.num_tokens, input_layout(tokens)
-    for name, values in (
-        ("input_ids", input_ids.numpy()),
-        ("positions", positions.numpy()),
-        ("candidate", candidate),
-    ):
+    """Write a selection graph's inputs for one row of n <= ``tokens`` consecutive
+    positions from ``start`` where ``input_layout`` puts them, and its plan inputs
+    (the row sees the KV of positions 0 to start + n - 1) where ``PLAN_FIELDS`` and
+    ``PLAN_PAGES`` put them; returns the number of pages. What ``build_inputs`` would
+    give for that row, in a few array operations. Padding tokens compute token 0 at
+    position 0, write their KV to the scratch slot (never read by a real row) and are
+    never candidates."""
+    n, at = len(input_ids), input_layout(tokens)
+    end = start + n
+    positions = staged[at["positions"]]
+    positions[:n] = np.arange(start, end)
+    slots = staged[at["slots"]]
+    slots[:n] = page_table[positions[:n] // page_size]
+    slots[:n] *= page_size
+    slots[:n] += positions[:n] % page_size
+    positions[n:] = 0
+    slots[n:] = scratch_slot
+    for name, values in (("input_ids", input_ids), ("candidate", candidate)):
         part = staged[at[name]]
         part[:n] = values
         part[n:] = 0
-    staged[at["kv_rows"]] = padded_kv_rows(
-        layout.slot_mapping, tokens, scratch_slot, layout.page_size
-    )
-    page_indices = layout.kv_page_indices.numpy()
-    pages = len(page_indices)
-    staged[at["pages"]][:pages] = page_indices
-    indptrs[:] = (0, n, 0, pages, int(layout.kv_last_page_len[0]))
+    pages = -(-end // page_size)
+    last = end - (pages - 1) * page_size
+    plan[:PLAN_PAGES] = (0, n, 0, pages, last, end, 0, 0)
+    plan[PLAN_PAGES : PLAN_PAGES + pages] = page_table[:pages]
     return pages

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -159,6 +160,14 @@ def _prompt_ids(seq) -> np.ndarray:
     return np.frombuffer(seq.packed_tokens(seq.num_prompt_tokens), dtype="<u4")
 
 
+def _run_ids(seq, start: int, end: int) -> np.ndarray:
+    """The token ids at positions ``[start, end)``: a view of the packed prompt where
+    they are prompt tokens."""
+    if end <= seq.num_prompt_tokens:
+        return _prompt_ids(seq)[start:end]
+    return np.asarray(seq.token_ids[start:end], dtype=np.int64)
+
+
 def _add_row(tables, counts, ends, row_tokens, table, end, num_tokens, page_size) -> None:
     """One layout row: ``num_tokens`` queries ending at position ``end`` - 1."""
     num_pages = -(-end // page_size)
@@ -303,6 +312,7 @@ class ModelRunner:
         keep: int,
         layer: int,
         logits: bool = False,
+        place: Callable[[int], None] | None = None,
     ) -> torch.Tensor | None:
         """Compute positions ``[start, end)`` of ``seq`` in context, where every position
         below ``start`` holds KV and those in ``candidates`` hold placed KV: the layers
@@ -313,9 +323,12 @@ class ModelRunner:
         see ``selection_graphs`` on two of one bucket back to back, and a graph's
         capture on first use, which synchronizes).
         ``logits``: also return position ``end - 1``'s logits [1, vocab] (float32; it
-        must not be a candidate), so that no step computes it again."""
+        must not be a candidate), so that no step computes it again.
+        ``place(layer)``: queues the placement of the candidates' KV from ``layer`` on;
+        called once the layers before it are queued (they overwrite every candidate's
+        KV below ``layer`` and read no other layer's), so its host work overlaps them."""
         assert not (logits and len(candidates) and candidates[-1] == end - 1)
-        # more would take non-candidates (deviation -inf) a second time
+        # the top-k below takes the non-candidates and keep more: at most every row
         assert 0 < keep <= len(candidates), (keep, len(candidates))
         if self.aside is None:  # the first since the engine last took the aside work
             started = None
@@ -323,35 +336,47 @@ class ModelRunner:
                 started = torch.cuda.Event(enable_timing=True)
                 started.record()
             self.aside = AsideWork(0, started, time.perf_counter())
-        inputs = build_inputs([ScheduledSeq(seq, start, end - start)], self.page_size)
         device = self.device
         candidate = np.zeros(end - start, dtype=bool)
         candidate[candidates - start] = True
-        selected = None  # launched first: the device waits for nothing else here
-        if self.selection_graphs is not None and self.selection_graphs.layer == layer:
-            selected = self.selection_graphs.run(
-                inputs.input_ids, inputs.positions, inputs.layout, candidate
-            )
-        positions = inputs.positions.to(device, non_blocking=True)
-        slots = inputs.layout.slot_mapping.to(device, non_blocking=True).long()
-        table = inputs.layout.kv_page_indices.to(device, non_blocking=True)
-        always = torch.from_numpy(np.flatnonzero(~candidate)).to(device, non_blocking=True)
-        if selected is None:
-            selected = self.model.selection_input(
+        graphs = self.selection_graphs
+        early = None  # launched first: the device waits for nothing else here
+        if graphs is not None and graphs.layer == layer:
+            early = graphs.start(_run_ids(seq, start, end), start, _int32(seq.page_ids), candidate)
+        if early is None:
+            inputs = build_inputs([ScheduledSeq(seq, start, end - start)], self.page_size)
+            positions = inputs.positions.to(device, non_blocking=True)
+            metadata = self.backend.plan_aside(inputs.layout)  # a step may be in flight
+            hidden, residual = self.model.early_layers(
                 inputs.input_ids.to(device, non_blocking=True),
                 positions,
                 self.kv_caches,
                 self.backend,
-                self.backend.plan_aside(inputs.layout),  # a step may be in flight
+                metadata,
+                layer,
+            )
+        if place is not None:
+            place(layer)
+        if early is None:
+            qkv, residual, deviation = self.model.selection_deviation(
+                hidden,
+                residual,
+                positions,
+                self.kv_caches[layer],
+                metadata.kv_rows,
                 layer,
                 torch.from_numpy(candidate).to(device, non_blocking=True),
             )
-        qkv, residual, deviation = selected
-        # non-candidates are -inf and keep <= len(candidates): only candidates are taken
-        worst = torch.topk(deviation, keep, sorted=False).indices
-        rows = torch.cat((always, worst)).sort().values
+            slots = inputs.layout.slot_mapping.to(device, non_blocking=True).long()
+            table = inputs.layout.kv_page_indices.to(device, non_blocking=True)
+        else:
+            qkv, residual, deviation, positions, slots, table = graphs.finish(early)
+        # non-candidates' deviation is +inf: the top-k takes them all, then the keep
+        # candidates that deviate most; sorted rows keep positions ascending
+        kept = end - start - len(candidates) + keep
+        rows = torch.topk(deviation, kept, sorted=False).indices.sort().values
         qkv, residual, positions, slots = qkv[rows], residual[rows], positions[rows], slots[rows]
-        self.aside.tokens += len(always) + keep
+        self.aside.tokens += kept
         hidden = None
         if self.kept_graphs is not None and self.kept_graphs.layer == layer:
             hidden = self.kept_graphs.run(qkv, residual, positions, slots, table, end)

@@ -188,15 +188,20 @@ def place_spans(
     page_table: Sequence[int],
     spans: Sequence[tuple[int, int, Sequence[int]]],
     page_size: int,
+    first_layer: int = 0,
 ) -> None:
     """Place several entries into one sequence at once: for each ``(start, end,
     entry_pages)``, the entry's tokens ``[0, end - start)`` (held in ``entry_pages``)
     go to positions ``[start, end)`` of the sequence whose pages are ``page_table``,
-    keys rotated by ``start``. One ``place_chunk`` call over the stacked cache; entry
+    keys rotated by ``start``, in the layers from ``first_layer`` on (the layers
+    below it are left as they are: a caller that computes them there anyway need not
+    place them). One ``place_chunk`` call over the stacked cache; entry
     pages are never the sequence's own, so sources and destinations are disjoint.
     The slots are computed on the host in a few array operations (no loop over
-    tokens) and reach the device in one copy: this runs on every approximate
-    admission, before its first step."""
+    tokens) and reach the device in one copy, from pinned memory on CUDA (torch's
+    caching host allocator keeps the block until the copy ran; a pageable copy of
+    these ~100 KB took a few hundred microseconds of host time): this runs on every
+    approximate admission, before its first step."""
     if not spans:
         return
     starts = np.fromiter((s for s, _, _ in spans), dtype=np.int64, count=len(spans))
@@ -214,9 +219,11 @@ def place_spans(
     page_base = np.cumsum([0] + [len(p) for p in entry_pages[:-1]])
     src_page = np.concatenate(entry_pages)[np.repeat(page_base, lengths) + offset // page_size]
     src = src_page * page_size + offset % page_size
-    moves = torch.from_numpy(np.stack((src, dst, delta)))
+    moves = torch.empty((3, len(src)), dtype=torch.int64, pin_memory=kv_stack.is_cuda)
+    np.stack((src, dst, delta), out=moves.numpy())
     moves = moves.to(kv_stack.device, non_blocking=True)
-    place_chunk(kv_stack, moves[0], moves[1], moves[2], cos_sin_cache, page_size, disjoint=True)
+    layers = kv_stack[first_layer:]  # contiguous: a slice of the outermost dimension
+    place_chunk(layers, moves[0], moves[1], moves[2], cos_sin_cache, page_size, disjoint=True)
 
 
 def _fused_placement(kv_stack: torch.Tensor) -> bool:

@@ -1,27 +1,36 @@
 """CUDA graphs of an approximate request's selection pass: the first half of
-``ModelRunner.repair_selecting``'s forward (``DecoderModel.selection_input``: the
-layers before the selection layer over every position the forward computes, that
-layer's projection, and each candidate's deviation there). Eagerly those are about
-60 launches, which kept the host ~3 ms behind the device at every approximate
-admission; through a graph they are one plan and one replay.
+``ModelRunner.repair_selecting``'s forward, in two graphs per token bucket: the
+early layers (``DecoderModel.early_layers``: the layers before the selection layer
+over every position the forward computes) and the deviation step
+(``DecoderModel.selection_deviation``: that layer's projection and each candidate's
+deviation there). Eagerly those are about 60 launches, which kept the host ~3 ms
+behind the device at every approximate admission; through graphs they are one plan
+and two replays. Between the two the caller places the entries' KV from the
+selection layer on (``repair_selecting``'s ``place``): the early layers overwrite
+the layers below it at every placed position and read no other layer, so placement
+is needed only by the deviation step, and its host work runs while the device runs
+the early layers.
 
-A graph per token bucket (multiples of ``TOKEN_STEP`` up to ``MAX_TOKENS``: a padding
-token costs its matmuls in every selection layer, so buckets are fine-grained),
-captured on first use (about 0.1 s each; an engine that never serves approximate
-reuse captures none). The forward is one layout row (consecutive positions).
-Padding tokens compute token 0 at position 0, write their KV to the scratch page and
-are never attended to (``graph_inputs.stage_selection``); they are never candidates, so
-their deviation is -inf. Outputs land in buffers shared by every bucket, sized for
-the largest, so a graph keeps no output memory of its own; intermediates draw on one
-memory pool.
+Graphs come per token bucket (multiples of ``TOKEN_STEP`` up to ``MAX_TOKENS``: a
+padding token costs its matmuls in every selection layer, so buckets are
+fine-grained), captured on first use (about 0.1 s each; an engine that never serves
+approximate reuse captures none). The forward is one layout row (consecutive
+positions). Padding tokens compute token 0 at position 0, write their KV to the
+scratch page and are never attended to (``graph_inputs.stage_selection``); outputs
+past the real tokens are never read. Outputs land in buffers shared by every bucket,
+sized for the largest, so a graph keeps no output memory of its own; intermediates
+draw on one memory pool.
 
-A replay's inputs reach the device in one copy: the token ids, positions, K/V rows,
-candidate flags and the sequence's page indices are written into one pinned host
-buffer and copied at once into one device buffer (each bucket's graph reads its
-views of it), and the FlashInfer plan's index arrays come from small pinned host
-tensors. Pageable copies cost tens of microseconds of host time each: four of them
-and two fills took about 0.26 ms before every replay on an H200's host, beside a
-0.73 ms plan.
+A replay's inputs reach the device in two copies from pinned host buffers: the token
+ids, positions, KV slots and candidate flags (int64), and the plan's inputs (int32:
+the row's FlashInfer index arrays, which are the device buffers every bucket's
+wrapper reads, then the sequence's page indices). The re-plan calls FlashInfer's
+compiled planner directly (``flashinfer_backend.one_row_planner``): ``wrapper.plan``
+around it took 0.5-0.6 ms of host time on an H200's host. The kept rows' positions,
+slots and page table are read from the same device buffers (``Selection``), so
+nothing else is copied between the selection pass and the kept rows. Where
+FlashInfer's wrapper does not look as that planner expects, no graph is captured and
+the selection pass runs eagerly.
 FlashInfer copies a plan to the device from a pinned host buffer of the wrapper,
 and these copies read the pinned buffers after the host moves on, so nothing pinned
 is written again until the last replay's copies ran (an event recorded after them):
@@ -29,11 +38,11 @@ two admissions back to back keep the host at most one selection pass ahead of th
 device (the second waits until the device reaches the first's copies).
 
 Memory, none of it counted when the engine sizes the KV pool (it comes from the
-headroom left beside it): the shared buffers, about 80 MiB for qwen3-0.6b (qkv and the
-residual stream of 8,192 tokens) and the inputs' 0.3 MiB on the device and in pinned
-host memory, allocated with the first graph; per bucket captured, its FlashInfer
-wrapper's 8 MiB device workspace and 8 MiB of pinned host memory; the graphs' pool,
-about what the largest bucket's selection layers need at once.
+headroom left beside it): the shared buffers, about 130 MiB for qwen3-0.6b (qkv, the
+hidden states and the residual stream of 8,192 tokens) and the inputs' 0.25 MiB on
+the device and in pinned host memory, allocated with the first graph; per bucket
+captured, its FlashInfer wrapper's 8 MiB device workspace and 8 MiB of pinned host
+memory; the graphs' pool, about what the largest bucket's early layers need at once.
 
 Kernel: every bucket runs FlashInfer's default prefill kernel (FA3 on Hopper), also
 where an eager step would take the split-KV kernel (``prefers_split_kv``: a few hundred
@@ -43,6 +52,8 @@ new tokens over a long prefix), which is slower there; the launches it saves wei
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -50,39 +61,55 @@ import flashinfer
 import numpy as np
 import torch
 
-from workers.engine.attention.base import BatchLayout, kv_write_rows
+from workers.engine.attention.base import kv_write_rows
 from workers.engine.attention.flashinfer_backend import (
     FlashInferBackend,
     FlashInferMetadata,
+    one_row_planner,
     plan_prefill,
 )
 from workers.engine.cuda_graphs import capture
-from workers.engine.graph_inputs import input_layout, stage_selection
+from workers.engine.graph_inputs import PLAN_FIELDS, PLAN_PAGES, input_layout, stage_selection
 from workers.engine.models.decoder import DecoderModel
 from workers.engine.prefill_graphs import capture_layout
+
+log = logging.getLogger(__name__)
 
 TOKEN_STEP = 512
 MAX_TOKENS = 8192  # longer forwards run eagerly: their launches are a small share
 
 
-class _PlanIndices(NamedTuple):
-    """What ``plan_prefill`` reads of a layout, from the pinned and device buffers."""
+class Selection(NamedTuple):
+    """A selection pass's outputs for its n tokens, views of shared device buffers
+    valid until the next run: ``selection_deviation``'s three, then the tokens'
+    positions and KV slots (int64) and the sequence's page table (int32)."""
 
-    qo_indptr: torch.Tensor
-    kv_page_indptr: torch.Tensor
-    kv_page_indices: torch.Tensor
-    kv_last_page_len: torch.Tensor
+    qkv: torch.Tensor
+    residual: torch.Tensor
+    deviation: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    page_table: torch.Tensor
 
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
-    wrapper: flashinfer.BatchPrefillWithPagedKVCacheWrapper
+    early: torch.cuda.CUDAGraph
+    deviation: torch.cuda.CUDAGraph
+    plan: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # one_row_planner's
     # views of the shared device input buffer, sized to the bucket (input_layout)
     input_ids: torch.Tensor
     positions: torch.Tensor
-    kv_rows: torch.Tensor  # [2 * tokens]
-    candidate: torch.Tensor  # [tokens] int64 flags
+    slots: torch.Tensor
+    candidate: torch.Tensor  # int64 flags
+
+
+class Started(NamedTuple):
+    """An early-layers replay queued by ``SelectionGraphs.start`` (``finish`` takes it)."""
+
+    graph: _Graph
+    tokens: int  # real tokens (the bucket's graph runs padding beyond them)
+    plan_end: int  # the plan inputs' length: PLAN_PAGES + the sequence's pages
 
 
 class SelectionGraphs:
@@ -104,6 +131,7 @@ class SelectionGraphs:
         self.max_pages_per_seq = max_pages_per_seq
         self.pool = None  # the buffers and graphs come with the first run
         self.graphs: dict[int, _Graph] = {}
+        self.plannable = True  # False: FlashInfer's wrapper is not as one_row_planner reads it
         self.copied: torch.cuda.Event | None = None  # after the last replay's copies
 
     def _allocate(self) -> None:
@@ -113,19 +141,19 @@ class SelectionGraphs:
         width = attention.q_size + 2 * attention.kv_size
         dtype = self.kv_caches[0].dtype
         n = MAX_TOKENS
-        # a sequence's pages, or a capture layout's (the largest bucket's scratch pages)
-        pages = max(self.max_pages_per_seq, -(-n // self.page_size))
-        self.inputs = torch.zeros(5 * n + pages, dtype=torch.long, device=device)
-        self.staged = torch.zeros(5 * n + pages, dtype=torch.long, pin_memory=True)
+        self.inputs = torch.zeros(4 * n, dtype=torch.long, device=device)
+        self.staged = torch.zeros(4 * n, dtype=torch.long, pin_memory=True)
         self.staged_np = self.staged.numpy()
-        # the plan's index arrays of one row: qo_indptr, kv_page_indptr, last page's length
-        self.indptrs = torch.zeros(5, dtype=torch.int32, pin_memory=True)
-        self.indptrs_np = self.indptrs.numpy()
+        # a sequence's pages, or a capture layout's (the largest bucket's scratch pages)
+        pages = PLAN_PAGES + max(self.max_pages_per_seq, -(-n // self.page_size))
+        self.plan_inputs = torch.zeros(pages, dtype=torch.int32, device=device)
+        self.plan_staged = torch.zeros(pages, dtype=torch.int32, pin_memory=True)
+        self.plan_np = self.plan_staged.numpy()
         self.qkv = torch.zeros((n, width), dtype=dtype, device=device)
         hidden = self.model.config.hidden_size
+        self.hidden = torch.zeros((n, hidden), dtype=dtype, device=device)
         self.residual = torch.zeros((n, hidden), dtype=dtype, device=device)
         self.deviation = torch.zeros(n, dtype=torch.float32, device=device)
-        self.page_indices = torch.zeros(pages, dtype=torch.int32, device=device)
         self.pool = torch.cuda.graph_pool_handle()
 
     @staticmethod
@@ -136,103 +164,130 @@ class SelectionGraphs:
         return -(-tokens // TOKEN_STEP) * TOKEN_STEP
 
     @torch.inference_mode()
-    def run(
+    def start(
         self,
-        input_ids: torch.Tensor,  # [n], CPU
-        positions: torch.Tensor,  # [n], CPU
-        layout: BatchLayout,  # one row: the forward's positions
+        input_ids: np.ndarray,  # [n]: the ids at positions start..start + n - 1
+        start: int,
+        page_table: np.ndarray,  # int32: the sequence's pages
         candidate: np.ndarray,  # [n] bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``selection_input``'s outputs for these n tokens (views of shared buffers,
-        valid until the next run), or None when no graph serves them (run eagerly)."""
-        n = layout.num_tokens
+    ) -> Started | None:
+        """Queue the early layers over one row of n consecutive positions from
+        ``start``, or None when no graph serves them (run the selection pass
+        eagerly)."""
+        n = len(input_ids)
         tokens = self.bucket(n)
-        if (
-            tokens is None
-            or layout.batch_size != 1
-            or layout.kv_page_indices.numel() > self.max_pages_per_seq
-        ):
+        pages = -(-(start + n) // self.page_size)
+        if tokens is None or not self.plannable or pages > self.max_pages_per_seq:
             return None
         if self.pool is None:
             self._allocate()
         g = self.graphs.get(tokens) or self._capture(tokens)
-        pages = self._stage(tokens, input_ids, positions, layout, candidate)
-        at = input_layout(tokens)
-        self.inputs[: at["pages"].start + pages].copy_(
-            self.staged[: at["pages"].start + pages], non_blocking=True
-        )
-        indices = _PlanIndices(
-            qo_indptr=self.indptrs[:2],
-            kv_page_indptr=self.indptrs[2:4],
-            kv_page_indices=self.inputs[at["pages"]][:pages],  # FlashInfer's copy narrows it
-            kv_last_page_len=self.indptrs[4:],
-        )
-        plan_prefill(g.wrapper, indices, self.backend.shape)
-        self.copied = torch.cuda.Event()
-        self.copied.record()
-        g.graph.replay()
-        return self.qkv[:n], self.residual[:n], self.deviation[:n]
-
-    def _stage(self, tokens, input_ids, positions, layout, candidate) -> int:
-        """``stage_selection`` into the pinned buffers, once the last replay's copies
-        from them ran; returns the number of pages."""
-        if self.copied is not None:
+        if g is None:
+            return None
+        if self.copied is not None:  # the last replay's copies read the pinned buffers
             self.copied.synchronize()
-        return stage_selection(
+        stage_selection(
             self.staged_np,
-            self.indptrs_np,
+            self.plan_np,
             tokens,
             input_ids,
-            positions,
-            layout,
+            start,
+            page_table,
             candidate,
             self.scratch_page * self.page_size,
+            self.page_size,
+        )
+        self.inputs[: 4 * tokens].copy_(self.staged[: 4 * tokens], non_blocking=True)
+        end = PLAN_PAGES + pages
+        self.plan_inputs[:end].copy_(self.plan_staged[:end], non_blocking=True)
+        host = self.plan_staged
+        g.plan(
+            host[PLAN_FIELDS["qo_indptr"]],
+            host[PLAN_FIELDS["kv_page_indptr"]],
+            host[PLAN_FIELDS["kv_len"]],
+        )
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        g.early.replay()
+        return Started(g, n, end)
+
+    @torch.inference_mode()
+    def finish(self, started: Started) -> Selection:
+        """Queue the deviation step after ``start``'s early layers (and whatever the
+        caller queued in between); its outputs."""
+        g, n = started.graph, started.tokens
+        g.deviation.replay()
+        return Selection(
+            self.qkv[:n],
+            self.residual[:n],
+            self.deviation[:n],
+            g.positions[:n],
+            g.slots[:n],
+            self.plan_inputs[PLAN_PAGES : started.plan_end],
         )
 
-    def _capture(self, tokens: int) -> _Graph:
+    def _capture(self, tokens: int) -> _Graph | None:
         device = self.backend.shape.device
-        i32 = dict(dtype=torch.int32, device=device)
+        views = {name: self.plan_inputs[at] for name, at in PLAN_FIELDS.items()}
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.backend.workspace,
             "NHD",
             use_cuda_graph=True,
-            qo_indptr_buf=torch.zeros(2, **i32),
-            paged_kv_indptr_buf=torch.zeros(2, **i32),
-            paged_kv_indices_buf=self.page_indices,
-            paged_kv_last_page_len_buf=torch.zeros(1, **i32),
-        )
-        at = input_layout(tokens)
-        g = _Graph(
-            None,
-            wrapper,
-            self.inputs[at["input_ids"]],
-            self.inputs[at["positions"]],
-            self.inputs[at["kv_rows"]],
-            self.inputs[at["candidate"]],
+            qo_indptr_buf=views["qo_indptr"],
+            paged_kv_indptr_buf=views["kv_page_indptr"],
+            paged_kv_indices_buf=self.plan_inputs[PLAN_PAGES:],
+            paged_kv_last_page_len_buf=views["kv_last_page_len"],
         )
         # captured over the scratch page: one row of ``tokens`` tokens, none a candidate
         layout = capture_layout(tokens, 1, self.scratch_page, self.page_size)
+        plan_prefill(wrapper, layout, self.backend.shape)
+        plan = one_row_planner(wrapper, self.backend.shape)
+        if plan is None:
+            log.warning(
+                "FlashInfer %s's prefill wrapper is not as chunkserve's one-row planner "
+                "reads it: an approximate admission's selection pass runs eagerly",
+                flashinfer.__version__,
+            )
+            self.plannable = False
+            return None
+        at = input_layout(tokens)
+        g = _Graph(
+            None,
+            None,
+            plan,
+            self.inputs[at["input_ids"]],
+            self.inputs[at["positions"]],
+            self.inputs[at["slots"]],
+            self.inputs[at["candidate"]],
+        )
         g.input_ids.zero_()
         g.positions.zero_()
-        g.kv_rows.copy_(kv_write_rows(layout.slot_mapping, self.page_size))
+        g.slots.copy_(layout.slot_mapping.to(device))
         g.candidate.zero_()
-        plan_prefill(wrapper, layout, self.backend.shape)
-        metadata = FlashInferMetadata(g.kv_rows, wrapper)
 
-        def forward() -> None:
-            qkv, residual, deviation = self.model.selection_input(
-                g.input_ids,
+        def early() -> None:
+            metadata = FlashInferMetadata(kv_write_rows(g.slots, self.page_size), wrapper)
+            hidden, residual = self.model.early_layers(
+                g.input_ids, g.positions, self.kv_caches, self.backend, metadata, self.layer
+            )
+            self.hidden[:tokens].copy_(hidden)
+            self.residual[:tokens].copy_(residual)
+
+        def deviation() -> None:
+            qkv, residual, deviation = self.model.selection_deviation(
+                self.hidden[:tokens],
+                self.residual[:tokens],  # overwritten in place with fused ops
                 g.positions,
-                self.kv_caches,
-                self.backend,
-                metadata,
+                self.kv_caches[self.layer],
+                kv_write_rows(g.slots, self.page_size),
                 self.layer,
                 g.candidate.bool(),
             )
             self.qkv[:tokens].copy_(qkv)
-            self.residual[:tokens].copy_(residual)
+            self.residual[:tokens].copy_(residual)  # a no-op where it is the same
             self.deviation[:tokens].copy_(deviation)
 
-        g.graph, _ = capture(forward, self.pool)
+        g.early, _ = capture(early, self.pool)
+        g.deviation, _ = capture(deviation, self.pool)
         self.graphs[tokens] = g
         return g

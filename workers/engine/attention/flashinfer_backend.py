@@ -318,6 +318,55 @@ def plan_prefill(
     )
 
 
+# What ``one_row_planner`` reads of a planned wrapper (FlashInfer 0.6.6's
+# BatchPrefillWithPagedKVCacheWrapper, read in its source).
+_PLANNER_STATE = (
+    "_cached_module",
+    "_backend",
+    "_float_workspace_buffer",
+    "_int_workspace_buffer",
+    "_pin_memory_int_workspace_buffer",
+    "_max_total_num_rows",
+    "_plan_info",
+)
+
+
+def one_row_planner(wrapper, shape: AttentionShape):
+    """For a CUDA-graph prefill wrapper planned once (``plan_prefill``) whose device
+    index buffers the caller fills itself: a function ``plan(qo_indptr,
+    kv_page_indptr, kv_len)`` (pinned int32 host tensors of one causal row) that
+    re-plans it with the compiled planner alone, or None when this FlashInfer's
+    wrapper does not look as read (then plan through ``plan_prefill``).
+
+    Why: ``wrapper.plan`` around the same compiled call costs several hundred
+    microseconds of host time in the engine (its own Python, and a pageable copy of
+    the KV lengths to the device); an approximate admission waits for it before its
+    selection graph starts. What it skips is what a graph-mode replay does not read:
+    the copies into the wrapper's index buffers (the caller's), and host fields that
+    only the cuDNN and TensorRT-LLM backends use."""
+    if not all(hasattr(wrapper, name) for name in _PLANNER_STATE):
+        return None
+    if wrapper._backend not in ("fa2", "fa3") or wrapper._plan_info is None:
+        return None
+    module = wrapper._cached_module
+    fixed = (
+        wrapper._float_workspace_buffer,
+        wrapper._int_workspace_buffer,
+        wrapper._pin_memory_int_workspace_buffer,
+    )
+    rows = wrapper._max_total_num_rows
+    heads = (shape.num_heads, shape.num_kv_heads, shape.page_size, True)
+    dims = (shape.head_dim, shape.head_dim, True, -1)  # causal, no sliding window
+    fa2 = (-1, False, 0) if wrapper._backend == "fa2" else ()  # split size, split, colocated
+
+    def plan(qo_indptr: torch.Tensor, kv_page_indptr: torch.Tensor, kv_len: torch.Tensor) -> None:
+        wrapper._plan_info = module.plan(
+            *fixed, qo_indptr, kv_page_indptr, kv_len, rows, 1, *heads, *dims, *fa2
+        )
+
+    return plan
+
+
 def plan_decode(wrapper, layout: BatchLayout, shape: AttentionShape) -> None:
     """Plan a paged decode wrapper (eager or graph-mode)."""
     wrapper.plan(

@@ -161,7 +161,7 @@ class DecoderModel(nn.Module):
         hidden, _ = add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps, self.fused_ops)
         return hidden
 
-    def selection_input(
+    def early_layers(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
@@ -169,25 +169,38 @@ class DecoderModel(nn.Module):
         backend: AttentionBackend,
         metadata: AttentionMetadata,
         layer: int,
-        candidate: torch.Tensor,  # [T] bool: the tokens whose deviation counts
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The first half of a forward whose token set shrinks at ``layer`` (>= 1): runs
-        the layers before it over every new token (writing their KV), then ``layer``'s
-        input norm and QKV projection. Returns ``qkv_proj``'s output and the residual
-        stream (what ``forward_kept`` takes, for the rows that go on), and each token's
-        deviation at ``layer`` (``kv_deviation``: how far the K/V it computes there is
-        from what the cache holds at its slot, ``metadata.kv_rows``), -inf where not a
-        ``candidate``. Nothing is written at ``layer``; its K/V are computed on a copy,
-        so ``qkv`` stays unrotated. No host sync: it runs in a CUDA graph
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first part of a forward whose token set shrinks at ``layer`` (>= 1): the
+        layers before it over every new token, writing their KV (and reading no other
+        layer's). Returns the last one's output and the residual stream, what
+        ``selection_deviation`` takes. No host sync: it runs in a CUDA graph
         (``selection_graphs``)."""
-        hidden, residual = self._layers(
+        return self._layers(
             0, self.embed_tokens(input_ids), None, positions, kv_caches, backend, metadata, layer
         )
+
+    def selection_deviation(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]: ``early_layers``' outputs
+        residual: torch.Tensor,  # [T, hidden]; may be overwritten (fused ops add in place)
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # layer ``layer``'s
+        kv_rows: torch.Tensor,  # [2T] int64: where each token's K/V sit (kv_write_rows)
+        layer: int,
+        candidate: torch.Tensor,  # [T] bool: the tokens whose deviation counts
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The second part: ``layer``'s input norm and QKV projection. Returns
+        ``qkv_proj``'s output and the residual stream (what ``forward_kept`` takes, for
+        the rows that go on), and each token's deviation at ``layer`` (``kv_deviation``:
+        how far the K/V it computes there is from what ``kv_cache`` holds at its rows),
+        +inf where not a ``candidate`` (those always go on: a top-k of their number plus
+        the candidates to keep takes them all). Nothing is written at ``layer``; its K/V
+        are computed on a copy, so ``qkv`` stays unrotated. No host sync."""
         block = self.layers[layer]
         qkv, residual = block.attention_input(hidden, residual)
         _, k, v = block.self_attn.split_qkv(qkv.clone(), positions, self.rope_cache)
-        deviation = kv_deviation(k, v, kv_caches[layer], metadata.kv_rows)
-        return qkv, residual, deviation.masked_fill(~candidate, float("-inf"))
+        deviation = kv_deviation(k, v, kv_cache, kv_rows)
+        return qkv, residual, deviation.masked_fill(~candidate, float("inf"))
 
     def forward_kept(
         self,
