@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.approx_speed import DOC, DOCS, FIRST_TOKEN, PAGES, QUESTION, SYSTEM, Runner, layout, sync  # noqa: E402
 from bench.common import bench_model  # noqa: E402
-from bench.host_phases import ENGINE_STEP, HostPhases  # noqa: E402
+from bench.host_phases import ADMISSION_TIMELINE, ENGINE_STEP, HostPhases, Timeline  # noqa: E402
 from bench.idle_gaps import idle_report  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
@@ -78,14 +78,26 @@ def main() -> None:
             for (t, r, split), g in graphs.graphs.items()
         }
         print("prefill graph kernels (tokens x rows):", kernels)
-    profile_first_token(first_token, args.trace)
+
+    def planners(timeline: Timeline) -> None:  # the selection graphs' compiled planner
+        selection = runner.engine.runner.selection_graphs
+        for g in (selection.graphs if selection is not None else {}).values():
+            timeline.wrap(g, "plan", "workers.engine.selection_graphs:planner")
+
+    profile_first_token(first_token, args.trace, planners)
 
 
-def profile_first_token(first_token: Callable[[], float], trace: str | None = None) -> None:
+def profile_first_token(
+    first_token: Callable[[], float],
+    trace: str | None = None,
+    instrument: Callable[[Timeline], None] | None = None,
+) -> None:
     """Profile one call of ``first_token`` (it returns its own wall seconds) after
-    warm-up: the device's idle gaps charged to host events, kernels and host ops by
-    time, the callers of every host-device sync, then host functions under cProfile.
-    ``trace``: also write the Chrome trace there."""
+    warm-up: host phases, the host and device times at each admission edge
+    (``instrument`` may add edges to the ``Timeline``; on CUDA), the device's idle gaps
+    charged to host events, kernels and host ops by time, the callers of every
+    host-device sync, then host functions under cProfile. ``trace``: also write the
+    Chrome trace there."""
     for _ in range(3):
         first_token()
     with HostPhases(ENGINE_STEP) as phases:
@@ -93,6 +105,15 @@ def profile_first_token(first_token: Callable[[], float], trace: str | None = No
             first_token()
     print("host phases, mean of 5 requests (bench/host_phases.py):")
     print(phases.report(calls=5))
+    if torch.cuda.is_available():
+        with Timeline(ADMISSION_TIMELINE) as timeline:
+            if instrument is not None:
+                instrument(timeline)
+            for _ in range(3):
+                timeline.edges.clear()
+                seconds = first_token()
+                print(f"\nhost and device at each edge, one request ({seconds * 1e3:.2f} ms):")
+                print(timeline.report())
     activities = [ProfilerActivity.CPU] + (
         [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
     )

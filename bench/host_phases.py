@@ -91,6 +91,71 @@ class HostPhases:
         return "\n".join(lines)
 
 
+class Timeline(HostPhases):
+    """Where the device stood at each phase's start and end: at both edges of every
+    target call it notes the host's clock and records a CUDA event, so after the call
+    each edge has a host time and the time the device reached that point of its
+    stream. Where the device reached an edge about when the host got there, the
+    device had run out of work before it (the host was the critical path); where it
+    reached it later, it was still busy with earlier work. An event record costs a few
+    microseconds of host time, so the phases themselves take a little longer."""
+
+    def __init__(self, targets: list[str]) -> None:
+        super().__init__(targets)
+        self.edges: list[tuple[str, str, float, object]] = []
+
+    def _timed(self, name: str, original):
+        import torch
+
+        wrapped = (
+            original.__func__ if isinstance(original, (staticmethod, classmethod)) else original
+        )
+
+        def note(edge: str) -> None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.edges.append((name, edge, time.perf_counter(), event))
+
+        @functools.wraps(wrapped)
+        def timed(*args, **kwargs):
+            note("start")
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                note("end")
+
+        if isinstance(original, staticmethod):
+            return staticmethod(timed)
+        if isinstance(original, classmethod):
+            return classmethod(timed)
+        return timed
+
+    def wrap(self, owner: object, attr: str, label: str) -> None:
+        """Also note the edges of ``owner.attr``, a callable attribute of an object
+        (e.g. a closure a graph keeps), as ``label`` ("module:name"); undone on exit."""
+        original = getattr(owner, attr)
+        self._undo.append((owner, attr, original))
+        setattr(owner, attr, self._timed(label, original))
+
+    def report(self, calls: int = 1) -> str:
+        """The edges noted (clear them before the call to show), in order: host and
+        device milliseconds since the first edge, and how far the device was behind."""
+        import torch
+
+        torch.cuda.synchronize()
+        if not self.edges:
+            return "(no edges)"
+        _, _, host0, event0 = self.edges[0]
+        lines = [f"{'edge':<56} {'host ms':>8} {'device ms':>10} {'behind':>7}"]
+        for name, edge, host, event in self.edges:
+            device = event0.elapsed_time(event)
+            at = 1e3 * (host - host0)
+            lines.append(
+                f"{_label(name) + ' ' + edge:<56} {at:>8.3f} {device:>10.3f} {device - at:>7.3f}"
+            )
+        return "\n".join(lines)
+
+
 def _label(target: str) -> str:
     """``Class.method``, or ``module:function`` (one function may be patched in
     several modules that imported it)."""
@@ -118,9 +183,10 @@ ENGINE_STEP = [
     "workers.engine.placement:place_chunk",  # place_spans' copy to the device and launch
     "workers.engine.layers.placement_kernel:place_rows",
     "workers.engine.model_runner:ModelRunner.repair_selecting",
-    "workers.engine.selection_graphs:SelectionGraphs.run",
-    "workers.engine.selection_graphs:SelectionGraphs._stage",
-    "workers.engine.selection_graphs:plan_prefill",
+    "workers.engine.selection_graphs:SelectionGraphs.start",
+    "workers.engine.selection_graphs:stage_selection",
+    "workers.engine.selection_graphs:plan_prefill",  # at a bucket's capture
+    "workers.engine.selection_graphs:SelectionGraphs.finish",
     "flashinfer.prefill:BatchPrefillWithPagedKVCacheWrapper.plan",  # FlashInfer's own part
     "workers.engine.kept_graphs:KeptRowsGraphs.run",
     "workers.engine.flashinfer_graphs:FlashInferGraphs.replay",
@@ -138,4 +204,21 @@ ENGINE_STEP = [
     "workers.engine.engine:Engine._emit_token",
     "workers.engine.scheduler:Scheduler.finish",
     "workers.engine.kv_pool:KVPool.release",
+]
+
+# The edges ``Timeline`` notes for one approximate admission (bench/approx_profile.py).
+ADMISSION_TIMELINE = [
+    "workers.engine.engine:Engine.step",
+    "workers.engine.approximate:ChunkReuse.admit",
+    "workers.engine.model_runner:ModelRunner.repair_selecting",
+    "workers.engine.model_runner:build_inputs",
+    "workers.engine.selection_graphs:SelectionGraphs.start",
+    "workers.engine.selection_graphs:stage_selection",
+    "workers.engine.approximate:place_spans",
+    "workers.engine.selection_graphs:SelectionGraphs.finish",
+    "torch.cuda.graphs:CUDAGraph.replay",
+    "workers.engine.kept_graphs:KeptRowsGraphs.run",
+    "workers.engine.engine:sample_on_device",
+    "workers.engine.engine:Engine._resolve",
+    "workers.engine.engine:Engine._emit_token",
 ]

@@ -56,3 +56,41 @@ def test_an_inherited_method_is_refused_and_nothing_stays_patched(module):
         with HostPhases(["host_phases_target:helper", "host_phases_target:Child.work"]):
             pass
     assert module.helper is original_helper
+
+
+def test_the_benches_targets_name_what_the_code_defines():
+    """Every target of ENGINE_STEP and ADMISSION_TIMELINE names a class method or a
+    module-level name (defined or imported) that its module's source has, read
+    without importing it: the CUDA-only modules (selection graphs, FlashInfer) are
+    left out by HostPhases on a machine without them, so a renamed method there
+    would otherwise first show as a failed GPU run."""
+    import ast
+    import importlib.util
+
+    from bench.host_phases import ADMISSION_TIMELINE, ENGINE_STEP
+
+    missing = []
+    for target in sorted(set(ENGINE_STEP + ADMISSION_TIMELINE)):
+        module, _, path = target.partition(":")
+        if not module.startswith("workers."):  # torch and flashinfer: not ours to check
+            continue
+        tree = ast.parse(open(importlib.util.find_spec(module).origin).read())
+        names: dict[str, set[str] | None] = {}
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                names[node.name] = {
+                    n.name
+                    for n in node.body
+                    if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+                }
+            elif isinstance(node, ast.FunctionDef):
+                names[node.name] = None
+            elif isinstance(node, ast.ImportFrom):
+                names.update({alias.asname or alias.name: None for alias in node.names})
+        owner, _, attr = path.rpartition(".")
+        if owner:
+            if attr not in (names.get(owner) or ()):
+                missing.append(target)
+        elif path not in names:
+            missing.append(target)
+    assert not missing
