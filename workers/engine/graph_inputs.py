@@ -83,6 +83,8 @@ def stage_selection(
     never candidates."""
     n, at = len(input_ids), input_layout(tokens)
     end = start + n
+    pages = -(-end // page_size)
+    assert len(page_table) >= pages, "the sequence's pages must cover the row's KV"
     positions = staged[at["positions"]]
     positions[:n] = np.arange(start, end)
     slots = staged[at["slots"]]
@@ -95,7 +97,6 @@ def stage_selection(
         part = staged[at[name]]
         part[:n] = values
         part[n:] = 0
-    pages = -(-end // page_size)
     last = end - (pages - 1) * page_size
     plan[:PLAN_PAGES] = (0, n, 0, pages, last, end, 0, 0)
     plan[PLAN_PAGES : PLAN_PAGES + pages] = page_table[:pages]
