@@ -19,7 +19,9 @@ Admission of an approximate request:
    forward over the positions from the end of the exact prefix to the end of the last
    placed chunk (``ModelRunner.repair_selecting``; nothing waits for it): the layers
    before ``deviation_layer`` run over all of them, keeping the KV they write (those
-   layers of the placed tokens are in-context KV); at that layer the deviating tokens
+   layers of the placed tokens are in-context KV, so entries are placed only from
+   that layer on, queued while the device runs the layers below it); at that layer
+   the deviating tokens
    are chosen on the device, and only they and the positions not placed (an unmatched
    system prompt, first tokens, missed chunks) go on through the rest of the model,
    attending by position to scattered KV. The rest of the prompt (the question) goes
@@ -35,7 +37,7 @@ Admission of an approximate request:
    never read back); pages from there on are marked inexact and never keyed.
 
 Invariants: an exact request never receives placed KV (only ``ExactPrefixReuse``
-runs for it); entries are held only while being copied; a sequence's reuse info
+runs for it); entries are held only until their copies are queued; a sequence's reuse info
 counts placed tokens as reused and the repaired ones among them as recomputed.
 """
 
