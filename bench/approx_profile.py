@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import pstats
 import random
 import sys
@@ -26,12 +25,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.approx_speed import DOC, DOCS, FIRST_TOKEN, PAGES, QUESTION, SYSTEM, Runner, layout, sync  # noqa: E402
-from bench.common import bench_model  # noqa: E402
+from bench.approx_speed import FIRST_TOKEN, QUESTION, SYSTEM, held_documents, layout, sync  # noqa: E402
 from bench.host_phases import ADMISSION_TIMELINE, ENGINE_STEP, HostPhases, Timeline  # noqa: E402
 from bench.idle_gaps import idle_report  # noqa: E402
-from workers.engine.config import EngineConfig  # noqa: E402
-from workers.engine.engine import Engine  # noqa: E402
 from workers.engine.reuse_info import ReuseRequest  # noqa: E402
 
 
@@ -42,13 +38,8 @@ def main() -> None:
     ap.add_argument("--first-tokens", type=int, default=None, help="default: the engine's")
     ap.add_argument("--deviation-ratio", type=float, default=None)
     args = ap.parse_args()
-    model = bench_model(args.model)
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    rng = random.Random(1)
-    draw = lambda n: rng.choices(range(10, vocab - 1), k=n)  # noqa: E731
-    docs = [draw(DOC) for _ in range(DOCS)]
-    runner = Runner(Engine(EngineConfig(str(model), num_pages=PAGES)))
-    runner.fill(docs)
+    runner, docs, draw = held_documents(args.model)
+    rng = random.Random(2)  # the documents' order
     defaults = ReuseRequest("approximate")
     reuse = ReuseRequest(
         "approximate",

@@ -92,6 +92,23 @@ class Runner:
         self.drain()
 
 
+def held_documents(model_dir: str | None, seed: int = 1):
+    """The TTFT scenario's approximate engine (``bench_model``'s checkpoint unless
+    ``model_dir``) with its ``DOCS`` documents held position-free: the runner, the
+    documents and ``draw(n)``, n random token ids from the same generator."""
+    model = bench_model(model_dir)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    rng = random.Random(seed)
+
+    def draw(n: int) -> list[int]:
+        return rng.choices(range(10, vocab - 1), k=n)
+
+    docs = [draw(DOC) for _ in range(DOCS)]
+    runner = Runner(Engine(EngineConfig(str(model), num_pages=PAGES)))
+    runner.fill(docs)
+    return runner, docs, draw
+
+
 def ttft_scenario(model, trials, rng, vocab, repair, deviation_layer=None):
     draw = lambda n: rng.choices(range(10, vocab - 1), k=n)  # noqa: E731
     docs = [draw(DOC) for _ in range(DOCS)]

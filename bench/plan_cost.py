@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import json
 import pstats
-import random
 import sys
 import time
 from pathlib import Path
@@ -51,20 +49,11 @@ def timed(call, label: str, reps: int) -> None:
 
 def engine_planner(model_dir: str | None):
     """An engine after one approximate request, and its re-plan of the bucket used."""
-    from bench.approx_speed import DOC, DOCS, FIRST_TOKEN, PAGES, QUESTION, SYSTEM, Runner, layout
-    from bench.common import bench_model
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
+    from bench.approx_speed import FIRST_TOKEN, QUESTION, SYSTEM, held_documents, layout
     from workers.engine.graph_inputs import PLAN_FIELDS
     from workers.engine.reuse_info import ReuseRequest
 
-    model = bench_model(model_dir)
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    rng = random.Random(1)
-    draw = lambda n: rng.choices(range(10, vocab - 1), k=n)  # noqa: E731
-    docs = [draw(DOC) for _ in range(DOCS)]
-    runner = Runner(Engine(EngineConfig(str(model), num_pages=PAGES)))
-    runner.fill(docs)
+    runner, docs, draw = held_documents(model_dir)
     prompt, spans = layout(draw(SYSTEM), docs[::-1], draw(QUESTION))
     runner.submit(prompt, spans, ReuseRequest("approximate"), FIRST_TOKEN)
     runner.drain()
