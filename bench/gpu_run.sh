@@ -7,6 +7,11 @@
 #   bash bench/gpu_run.sh bench     # benchmarks, tables printed last
 #   bash bench/gpu_run.sh cluster   # bench/cluster_rag.py on Ray (needs both ray halves)
 #   bash bench/gpu_run.sh approx    # approximate reuse: speed, its profile, reuse quality
+#   bash bench/gpu_run.sh ab        # approximate TTFT, an older tree against this one, in
+#                                   # turns (ROUNDS, TRIALS): the older tree unpacked here
+#                                   # with `git archive REV workers chunkstore bench cluster
+#                                   # modeltools | tar -x -C ab_old` (ignored by git, so the
+#                                   # call must carry ab_old)
 #   bash bench/gpu_run.sh scattered # attention layouts for scattered queries (issue 12;
 #                                   # its custom-mask kernels JIT-compile on first use)
 #   bash bench/gpu_run.sh skinny    # the skinny-matmul kernel: its tests, the tile sweep
@@ -82,6 +87,15 @@ case "${1:-all}" in
     python3 bench/approx_profile.py --model $model 2>&1 | grep -v Warning > "$out/approx_profile.txt"
     python3 bench/reuse_quality.py --examples 100 --docs 4 8 16 --hops 1 2 \
       --json "$out/reuse_quality.json" 2>&1 | grep -v " hops " | tee "$out/reuse_quality.txt" ;;
+  ab)
+    [ -d ab_old/workers ] || { echo "gpu_run: ab needs ab_old/ (carry it)"; exit 2; }
+    for round in $(seq "${ROUNDS:-2}"); do
+      for tree in ab_old .; do
+        echo "== $tree (round $round)"
+        (cd $tree && PYTHONPATH="$PWD:/tmp/site" python3 bench/approx_speed.py --model $model \
+          --requests 0 --trials "${TRIALS:-9}" 2>&1 | grep -e "^| mode" -e "^| approximate" -e "^| exact")
+      done
+    done | tee "$out/ab.txt" ;;
   scattered)
     python3 bench/scattered_attention.py 2>&1 | grep -v Warning | tee "$out/scattered_attention.txt" ;;
   skinny)
