@@ -354,15 +354,25 @@ def one_row_planner(wrapper, shape: AttentionShape):
         wrapper._int_workspace_buffer,
         wrapper._pin_memory_int_workspace_buffer,
     )
-    rows = wrapper._max_total_num_rows
-    heads = (shape.num_heads, shape.num_kv_heads, shape.page_size, True)
-    dims = (shape.head_dim, shape.head_dim, True, -1)  # causal, no sliding window
-    fa2 = (-1, False, 0) if wrapper._backend == "fa2" else ()  # split size, split, colocated
+    # the compiled plan's arguments after the index arrays, in its order: rows, batch
+    # size, heads, KV heads, page size, CUDA-graph mode, head dims (QK, VO), causal,
+    # window (-1: none); FA2 also takes its split size (-1: its own), disable_split_kv
+    # (False) and colocated CTAs (0)
+    after = (
+        wrapper._max_total_num_rows,
+        1,
+        shape.num_heads,
+        shape.num_kv_heads,
+        shape.page_size,
+        True,
+        shape.head_dim,
+        shape.head_dim,
+        True,
+        -1,
+    ) + ((-1, False, 0) if wrapper._backend == "fa2" else ())
 
     def plan(qo_indptr: torch.Tensor, kv_page_indptr: torch.Tensor, kv_len: torch.Tensor) -> None:
-        wrapper._plan_info = module.plan(
-            *fixed, qo_indptr, kv_page_indptr, kv_len, rows, 1, *heads, *dims, *fa2
-        )
+        wrapper._plan_info = module.plan(*fixed, qo_indptr, kv_page_indptr, kv_len, *after)
 
     return plan
 
