@@ -25,12 +25,13 @@ A replay's inputs reach the device in two copies from pinned host buffers: the t
 ids, positions, KV slots and candidate flags (int64), and the plan's inputs (int32:
 the row's FlashInfer index arrays, which are the device buffers every bucket's
 wrapper reads, then the sequence's page indices). The re-plan calls FlashInfer's
-compiled planner directly (``flashinfer_backend.one_row_planner``): ``wrapper.plan``
-around it took 0.5-0.6 ms of host time on an H200's host. The kept rows' positions,
-slots and page table are read from the same device buffers (``Selection``), so
-nothing else is copied between the selection pass and the kept rows. Where
-FlashInfer's wrapper does not look as that planner expects, no graph is captured and
-the selection pass runs eagerly.
+compiled planner directly (``flashinfer_backend.one_row_planner``), about 0.1 ms less
+host time than ``wrapper.plan`` (0.5-0.6 ms on an H200's host; the compiled call
+itself 0.47 ms there, the largest host cost left before the first replay). The kept
+rows' positions, slots and page table are read from the same device buffers
+(``Selection``), so nothing else is copied between the selection pass and the kept
+rows. Where FlashInfer's wrapper does not look as that planner expects, no graph is
+captured and the selection pass runs eagerly.
 FlashInfer copies a plan to the device from a pinned host buffer of the wrapper,
 and these copies read the pinned buffers after the host moves on, so nothing pinned
 is written again until the last replay's copies ran (an event recorded after them):
