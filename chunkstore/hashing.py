@@ -107,9 +107,16 @@ def position_free_key(namespace: Namespace, token_ids: Sequence[int]) -> PageKey
     at position 0, so it is
     the same whichever request or worker computed it; the "pic" tag keeps these keys
     apart from page keys."""
+    return packed_position_free_key(namespace, pack_tokens(token_ids))
+
+
+def packed_position_free_key(namespace: Namespace, packed: bytes) -> PageKey:
+    """``position_free_key`` of token ids packed already (``pack_tokens``): an
+    admission reads its chunks from the prompt's packed ids instead of packing each
+    again."""
     h = hashlib.sha256(b"pic")
     h.update(namespace.digest)
-    h.update(pack_tokens(token_ids))
+    h.update(packed)
     return h.digest()
 
 

@@ -4,7 +4,14 @@ entry keys alike); B's lookups never see A's chunks or entries."""
 from __future__ import annotations
 
 from chunkstore.events import CacheEvent, EventKind
-from chunkstore.hashing import Namespace, chunk_keys, page_keys, position_free_key
+from chunkstore.hashing import (
+    Namespace,
+    chunk_keys,
+    pack_tokens,
+    packed_position_free_key,
+    page_keys,
+    position_free_key,
+)
 
 PAGE = 4
 SYSTEM = list(b"You are a helpful assistant. ")
@@ -49,6 +56,10 @@ def test_identical_chunks_under_two_tenants_give_different_entry_keys():
     b = Namespace("model", tenant_salt="tenant-b")
     assert position_free_key(a, DOCUMENT) != position_free_key(b, DOCUMENT)
     assert position_free_key(a, DOCUMENT) == position_free_key(a, list(DOCUMENT))
+    # the packed form an admission hashes (a slice of the prompt's packed ids) agrees
+    packed = pack_tokens([7, *DOCUMENT, 9])[4:-4]
+    assert packed_position_free_key(a, packed) == position_free_key(a, DOCUMENT)
+    assert packed_position_free_key(b, packed) != position_free_key(a, DOCUMENT)
     # and entry keys never collide with page keys of the same tokens
     assert position_free_key(a, DOCUMENT[:PAGE]) not in page_keys(DOCUMENT[:PAGE], PAGE, a)
 

@@ -50,7 +50,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from chunkstore.hashing import Namespace, PageKey, position_free_key
+from chunkstore.hashing import Namespace, PageKey, packed_position_free_key
 from workers.engine.kv_pool import ChunkEntry, KVPool
 from workers.engine.placement import place_spans
 from workers.engine.request import Sequence
@@ -93,14 +93,14 @@ class ChunkReuse:
         last = len(seq.token_ids) - 1  # its logits give the next token
         spans = [(s, e) for s, e in seq.placeable if 0 < s and s >= matched and e <= last]
         hits: list[tuple[int, int, ChunkEntry]] = []
+        packed = seq.packed_tokens(spans[-1][1]) if spans else b""
         for start, end in spans:
-            tokens = seq.token_ids[start:end]
-            key = position_free_key(seq.namespace, tokens)
+            key = packed_position_free_key(seq.namespace, packed[4 * start : 4 * end])
             entry = self.pool.entry(key)
             if entry is not None and entry.num_tokens == end - start:
                 hits.append((start, end, entry))
             elif end - start >= self.min_entry_tokens:
-                self.fill(key, tokens, seq.namespace)
+                self.fill(key, seq.token_ids[start:end], seq.namespace)
         recomputed = self._place(seq, hits, budget) if hits else 0
         if recomputed is None:
             return False
