@@ -324,11 +324,12 @@ class ModelRunner:
         capture on first use, which synchronizes).
         ``logits``: also return position ``end - 1``'s logits [1, vocab] (float32; it
         must not be a candidate), so that no step computes it again.
-        ``place(layer)``: queues the placement of the candidates' KV from ``layer`` on;
-        called once the layers before it are queued (they overwrite every candidate's
-        KV below ``layer`` and read no other layer's), so its host work overlaps them."""
+        ``place(layer)``: queues the placement of the entries' KV (every placed
+        position, all within ``[start, end)``) from ``layer`` on; called once the layers
+        before it are queued (they overwrite every placed position's KV below ``layer``
+        and read no other layer's), so its host work overlaps them."""
         assert not (logits and len(candidates) and candidates[-1] == end - 1)
-        # the top-k below takes the non-candidates and keep more: at most every row
+        # the top-k below takes the non-candidates and keep candidates: at most every row
         assert 0 < keep <= len(candidates), (keep, len(candidates))
         if self.aside is None:  # the first since the engine last took the aside work
             started = None
