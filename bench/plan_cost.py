@@ -4,9 +4,9 @@ approximate admission makes before its selection graph replays (issue 12): one r
 
     python bench/plan_cost.py [--tokens 4352] [--kv 4384] [--reps 200] [--engine [--model DIR]]
 
-Prints the mean host time of ``wrapper.plan`` (as ``plan_prefill`` calls it, index
-arrays in pinned host memory) and of the compiled module's own ``plan`` called with
-the same host arrays, then ``wrapper.plan``'s Python functions under cProfile: what
+Prints the mean host time of ``wrapper.plan`` (through ``plan_prefill``, index arrays
+in pinned host memory) and of the compiled planner alone with the same host arrays
+(through ``one_row_planner``, as the selection graphs call it), then ``wrapper.plan``'s Python functions under cProfile: what
 the wrapper spends around the compiled planner.
 
 ``--engine``: first build an engine as ``bench/approx_profile.py`` does and serve one
@@ -26,11 +26,15 @@ import pstats
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import flashinfer
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workers.engine.attention.base import AttentionShape  # noqa: E402
+from workers.engine.attention.flashinfer_backend import one_row_planner, plan_prefill  # noqa: E402
 
 QO_HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 16
 
@@ -73,8 +77,8 @@ def main() -> None:
     ap.add_argument("--model", help="with --engine: the checkpoint (default: qwen3-0.6b)")
     args = ap.parse_args()
     if args.engine:
-        alive, replan = engine_planner(args.model)  # the engine stays alive: its process state
-        timed(replan, "the engine's re-plan (one_row_planner)", args.reps)
+        alive, engine_replan = engine_planner(args.model)  # kept alive: its process state
+        timed(engine_replan, "the engine's re-plan (one_row_planner)", args.reps)
     device = torch.device("cuda")
     i32 = dict(dtype=torch.int32, device=device)
     pages = -(-args.kv // PAGE)
@@ -88,53 +92,30 @@ def main() -> None:
         paged_kv_last_page_len_buf=torch.zeros(1, **i32),
     )
     pinned = dict(dtype=torch.int32, pin_memory=True)
-    qo_indptr = torch.tensor([0, args.tokens], **pinned)
-    kv_indptr = torch.tensor([0, pages], **pinned)
-    last = torch.tensor([args.kv - (pages - 1) * PAGE], **pinned)
-    indices = torch.arange(pages, **i32)
+    layout = SimpleNamespace(  # what plan_prefill reads of a BatchLayout
+        qo_indptr=torch.tensor([0, args.tokens], **pinned),
+        kv_page_indptr=torch.tensor([0, pages], **pinned),
+        kv_page_indices=torch.arange(pages, **i32),
+        kv_last_page_len=torch.tensor([args.kv - (pages - 1) * PAGE], **pinned),
+    )
+    shape = AttentionShape(QO_HEADS, KV_HEADS, HEAD_DIM, PAGE, torch.bfloat16, device)
 
     def plan() -> None:
-        wrapper.plan(
-            qo_indptr,
-            kv_indptr,
-            indices,
-            last,
-            QO_HEADS,
-            KV_HEADS,
-            HEAD_DIM,
-            PAGE,
-            causal=True,
-            q_data_type=torch.bfloat16,
-            kv_data_type=torch.bfloat16,
-        )
+        plan_prefill(wrapper, layout, shape)
 
-    timed(plan, f"wrapper.plan ({wrapper._backend})", args.reps)
-    kv_lens = torch.tensor([args.kv], dtype=torch.int32)
-    module_args = [
-        wrapper._float_workspace_buffer,
-        wrapper._int_workspace_buffer,
-        wrapper._pin_memory_int_workspace_buffer,
-        qo_indptr,
-        kv_indptr,
-        kv_lens,
-        wrapper._max_total_num_rows,
-        1,
-        QO_HEADS,
-        KV_HEADS,
-        PAGE,
-        True,
-        HEAD_DIM,
-        HEAD_DIM,
-        True,
-        -1,
-    ]
-    if wrapper._backend == "fa2":
-        module_args += [-1, False, 0]
-    compiled = lambda: wrapper._cached_module.plan(*module_args)  # noqa: E731
+    timed(plan, "wrapper.plan (plan_prefill)", args.reps)
+    print(f"  kernel: {wrapper._backend}")
+    kv_len = torch.tensor([args.kv], **pinned)
+    replan = one_row_planner(wrapper, shape)  # what the selection graphs call
+    assert replan is not None, "this FlashInfer's wrapper is not as one_row_planner reads it"
+
+    def compiled() -> None:
+        replan(layout.qo_indptr, layout.kv_page_indptr, kv_len)
+
     timed(compiled, "compiled module's plan alone", args.reps)
     if args.engine:
         gc.freeze()  # the engine's objects out of the collector's way
-        timed(replan, "the engine's re-plan, gc frozen", args.reps)
+        timed(engine_replan, "the engine's re-plan, gc frozen", args.reps)
         timed(compiled, "compiled module's plan alone, gc frozen", args.reps)
         gc.unfreeze()
     host = cProfile.Profile()
