@@ -65,18 +65,25 @@ class HostPhases:
 
         @functools.wraps(wrapped)
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = self._begin(name)
             try:
                 return wrapped(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - start
-                self.calls[name] += 1
+                self._end(name, start)
 
         if isinstance(original, staticmethod):
             return staticmethod(timed)
         if isinstance(original, classmethod):
             return classmethod(timed)
         return timed
+
+    def _begin(self, name: str) -> float:
+        """At a target call's start; what it returns goes to ``_end``."""
+        return time.perf_counter()
+
+    def _end(self, name: str, start: float) -> None:
+        self.seconds[name] += time.perf_counter() - start
+        self.calls[name] += 1
 
     def report(self, calls: int) -> str:
         """Mean microseconds per ``calls`` (e.g. requests) of every phase that ran, in
@@ -104,31 +111,18 @@ class Timeline(HostPhases):
         super().__init__(targets)
         self.edges: list[tuple[str, str, float, object]] = []
 
-    def _timed(self, name: str, original):
+    def _begin(self, name: str) -> None:
+        self._note(name, "start")
+
+    def _end(self, name: str, start: None) -> None:
+        self._note(name, "end")
+
+    def _note(self, name: str, edge: str) -> None:
         import torch
 
-        wrapped = (
-            original.__func__ if isinstance(original, (staticmethod, classmethod)) else original
-        )
-
-        def note(edge: str) -> None:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.edges.append((name, edge, time.perf_counter(), event))
-
-        @functools.wraps(wrapped)
-        def timed(*args, **kwargs):
-            note("start")
-            try:
-                return wrapped(*args, **kwargs)
-            finally:
-                note("end")
-
-        if isinstance(original, staticmethod):
-            return staticmethod(timed)
-        if isinstance(original, classmethod):
-            return classmethod(timed)
-        return timed
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.edges.append((name, edge, time.perf_counter(), event))
 
     def wrap(self, owner: object, attr: str, label: str) -> None:
         """Also note the edges of ``owner.attr``, a callable attribute of an object
