@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from workers.engine.reuse_info import ReuseRequest
+
 
 def measure_bandwidth(size_bytes: int = 2 * 2**30, iters: int = 10) -> float:
     """Device memory bandwidth in bytes/s from a large device-to-device copy (each
@@ -127,3 +129,14 @@ def profiled_calls(fn: Callable[[], object], calls: int, with_stack: bool = Fals
         wall = (time.perf_counter() - start) / calls
     kernels_ms = sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1000
     return prof, wall, kernels_ms
+
+
+def parse_repair(text: str) -> ReuseRequest:
+    """``k=4`` or ``k=2,r=0.1`` -> an approximate ReuseRequest."""
+    values = {"k": "0", "r": "0"}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name.strip() not in values or not value:
+            raise ValueError(f"repair settings look like k=4 or k=2,r=0.1; got {text!r}")
+        values[name.strip()] = value
+    return ReuseRequest("approximate", int(values["k"]), float(values["r"]))

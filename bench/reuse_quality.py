@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import parse_repair  # noqa: E402
 from chunkstore.chunking import chunk_conversation  # noqa: E402
 from modeltools.docqa_data import DocQAExample, answer_matches, generate  # noqa: E402
 from workers.engine.config import DEFAULT_ENTRY_SYSTEM_PROMPT, EngineConfig  # noqa: E402
@@ -74,17 +75,6 @@ class Outcome:
     token_ids: list[int]
     placed: int  # prompt tokens taken from position-free entries (placing modes)
     recomputed: int  # of those, recomputed in context
-
-
-def parse_repair(text: str) -> ReuseRequest:
-    """``k=4`` or ``k=2,r=0.1`` -> an approximate ReuseRequest."""
-    values = {"k": "0", "r": "0"}
-    for item in text.split(","):
-        name, _, value = item.partition("=")
-        if name.strip() not in values or not value:
-            raise ValueError(f"repair settings look like k=4 or k=2,r=0.1; got {text!r}")
-        values[name.strip()] = value
-    return ReuseRequest("approximate", int(values["k"]), float(values["r"]))
 
 
 def swept(example: DocQAExample, position: int) -> DocQAExample:
