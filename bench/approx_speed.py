@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import bench_model, print_table  # noqa: E402
+from bench.common import bench_model, parse_repair, print_table  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 from workers.engine.reuse_info import ReuseRequest  # noqa: E402
@@ -109,7 +109,11 @@ def held_documents(model_dir: str | None, seed: int = 1):
     return runner, docs, draw
 
 
-def ttft_scenario(model, trials, rng, vocab, repair, deviation_layer=None):
+def ttft_scenario(model, trials, rng, vocab, repairs, deviation_layer=None):
+    """TTFT of a never-seen prompt over held documents: a row per repair setting
+    (``repairs``: {label: ReuseRequest}, rows "approximate <label>", one approximate
+    engine), then exact and cold. Every request of every row has a system prompt and
+    question of its own, so no row reuses another's exact prefix."""
     draw = lambda n: rng.choices(range(10, vocab - 1), k=n)  # noqa: E731
     docs = [draw(DOC) for _ in range(DOCS)]
     engines = {
@@ -121,30 +125,33 @@ def ttft_scenario(model, trials, rng, vocab, repair, deviation_layer=None):
     }
     runners = {name: Runner(e) for name, e in engines.items()}
     runners["approximate"].fill(docs)
+    rows = [(f"approximate {label}", "approximate", reuse) for label, reuse in repairs.items()]
+    rows += [("exact", "exact", None), ("cold", "cold", None)]
     # warm up kernels (and the exact engine's view of these documents in one order)
-    for name, runner in runners.items():
+    for _, engine, reuse in rows:
         prompt, spans = layout(draw(SYSTEM), docs, draw(QUESTION))
-        reuse = repair if name == "approximate" else None
-        runner.submit(prompt, spans, reuse, FIRST_TOKEN)
-        runner.drain()
-    times = {name: [] for name in runners}
-    reused = {name: [] for name in runners}
-    steps = {name: [] for name in runners}
-    shapes = {name: [] for name in runners}  # (new tokens, rows) of each prefill step
-    for name, runner in runners.items():
+        runners[engine].submit(prompt, spans, reuse, FIRST_TOKEN)
+        runners[engine].drain()
+    times = {name: [] for name, _, _ in rows}
+    reused = {name: [] for name, _, _ in rows}
+    steps = {name: [] for name, _, _ in rows}
+    shapes = {name: [] for name, _, _ in rows}  # (new tokens, rows) of each prefill step
+    current = [rows[0][0]]  # the row being timed
+    for runner in runners.values():
         model_runner = runner.engine.runner
         if model_runner.graphs is not None:
-            graphs, log = model_runner.graphs.prefill, shapes[name]
+            graphs = model_runner.graphs.prefill
             bucket = graphs._bucket
-            graphs._bucket = lambda lay, b=bucket, log=log: (
-                log.append((lay.num_tokens, lay.batch_size)) or b(lay)
+            graphs._bucket = lambda lay, b=bucket: (
+                shapes[current[0]].append((lay.num_tokens, lay.batch_size)) or b(lay)
             )
     for _ in range(trials):
         order = docs[:]
         rng.shuffle(order)
-        prompt, spans = layout(draw(SYSTEM), order, draw(QUESTION))  # never seen
-        for name, runner in runners.items():
-            reuse = repair if name == "approximate" else None
+        for name, engine, reuse in rows:
+            current[0] = name
+            runner = runners[engine]
+            prompt, spans = layout(draw(SYSTEM), order, draw(QUESTION))  # never seen
             rid = runner.submit(prompt, spans, reuse, FIRST_TOKEN)
             sync()
             start = time.perf_counter()
@@ -203,7 +210,7 @@ def rag_workload(
             )
         )
     out = {}
-    for name, reuse in (("approximate", repair), ("exact", None)):
+    for name, reuse in (("approximate", repair), ("exact", None)):  # repair: the first setting
         layer = deviation_layer if reuse is not None else None
         runner = Runner(Engine(EngineConfig(str(model), num_pages=pages, deviation_layer=layer)))
         for prompt, spans in stream[:warm]:  # kernels, graphs, and a warm cache
@@ -233,6 +240,12 @@ def main() -> None:
     ap.add_argument("--first-tokens", type=int, default=None, help="default: the engine's")
     ap.add_argument("--deviation-ratio", type=float, default=None)
     ap.add_argument(
+        "--repairs",
+        nargs="+",
+        help="TTFT rows of several repair settings (k=0,r=0.05 k=1 ...) in one run; the "
+        "RAG workload takes the first (instead of --first-tokens / --deviation-ratio)",
+    )
+    ap.add_argument(
         "--deviation-layer", type=int, default=None, help="default: the engine's (layer 3)"
     )
     ap.add_argument(
@@ -244,20 +257,27 @@ def main() -> None:
     )
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.repairs and (args.first_tokens is not None or args.deviation_ratio is not None):
+        ap.error("--repairs replaces --first-tokens and --deviation-ratio")
+    try:
+        repairs = {text: parse_repair(text) for text in args.repairs or ()}
+    except ValueError as error:
+        ap.error(str(error))
+    if not repairs:
+        defaults = ReuseRequest("approximate")
+        k = defaults.first_tokens if args.first_tokens is None else args.first_tokens
+        r = defaults.deviation_ratio if args.deviation_ratio is None else args.deviation_ratio
+        repairs = {f"k={k},r={r}": ReuseRequest("approximate", k, r)}
+    repair = next(iter(repairs.values()))
     model = bench_model(args.model)
-    defaults = ReuseRequest("approximate")
-    repair = ReuseRequest(
-        "approximate",
-        defaults.first_tokens if args.first_tokens is None else args.first_tokens,
-        defaults.deviation_ratio if args.deviation_ratio is None else args.deviation_ratio,
-    )
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
-    ttft = ttft_scenario(model, args.trials, rng, vocab, repair, args.deviation_layer)
+    ttft = ttft_scenario(model, args.trials, rng, vocab, repairs, args.deviation_layer)
     exact, cold = ttft["exact"]["ttft_ms"], ttft["cold"]["ttft_ms"]
+    first = f"approximate {next(iter(repairs))}"
     print_table(
         f"TTFT, {ttft['prompt_tokens']} prompt tokens, documents held position-free "
-        f"(repair k={repair.first_tokens}, r={repair.deviation_ratio}, selected at layer "
+        f"(repair k first tokens, r deviation ratio; deviating tokens selected at layer "
         f"{args.deviation_layer or 'default'})",
         [
             "mode",
@@ -308,10 +328,7 @@ def main() -> None:
         ],
     )
     ratio = rag["approximate"]["requests_per_s"] / rag["exact"]["requests_per_s"]
-    print(
-        f"\napproximate / exact: {exact / ttft['approximate']['ttft_ms']:.2f}x TTFT, "
-        f"{ratio:.2f}x requests/s"
-    )
+    print(f"\n{first} / exact: {exact / ttft[first]['ttft_ms']:.2f}x TTFT, {ratio:.2f}x requests/s")
     if args.json:
         Path(args.json).write_text(json.dumps({"ttft": ttft, "rag": rag}, indent=2) + "\n")
 
