@@ -231,7 +231,48 @@ def test_prefill_graphs_match_eager(qwen3_06b, engines):
     rows = [r for r, _ in replays]
     assert rows.count(1) >= len(prompts) - 1  # the first context request prefills 3K eagerly
     assert 3 in rows  # the batch's prompts in one step, one row each
-    assert (1, True) in replays  # a cached context's tail: the split-KV graph
+    assert (1, "split-kv") in replays  # a cached context's tail: the split-KV graph
+    assert all(d["near_tie"] for d in mismatches), mismatches
+
+
+def test_cache_hit_joining_decoding_requests_takes_small_query_tiles(engines):
+    """A loaded worker's mixed step: a cache hit's short tail beside 20 decoding
+    requests over long contexts replays a small-tile (FA2) prefill graph, and every
+    request's greedy tokens match a plain engine's (up to near ties)."""
+    from types import SimpleNamespace
+
+    reuse, plain = engines
+    engine = reuse.engine
+    graphs = engine.runner.graphs.prefill
+    replays, original = [], graphs.run
+    graphs.run = lambda *a: (
+        replays.append((a[2].batch_size, graphs._bucket(a[2])[2])) or original(*a)
+    )
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=TOP)
+    rng = random.Random(11)
+    decoding = [rng.choices(range(10, 1000), k=1100) for _ in range(20)]
+    hit = decoding[0] + rng.choices(range(10, 1000), k=48)  # decoding[0] is cached
+    tokens: dict[str, list[int]] = {}
+    try:
+        for i, prompt in enumerate(decoding):
+            engine.add_request(f"mixed-d{i}", prompt, params)
+        for _ in range(4):
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        engine.add_request("mixed-hit", hit, params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    finally:
+        graphs.run = original
+    assert any(rows >= 21 and kernel == "small-tiles" for rows, kernel in replays), replays
+    expected = plain.generate([*decoding, hit], params)
+    mismatches = []
+    names = [*(f"mixed-d{i}" for i in range(20)), "mixed-hit"]
+    for rid, ref in zip(names, expected, strict=True):
+        if tokens[rid] != ref.token_ids:
+            mismatches.append(_divergence(SimpleNamespace(token_ids=tokens[rid]), ref))
+    _record("mixed_step_small_tiles", {"requests": 21, "mismatches": mismatches})
     assert all(d["near_tie"] for d in mismatches), mismatches
 
 

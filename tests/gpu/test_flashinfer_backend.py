@@ -80,6 +80,20 @@ def test_short_rows_over_a_long_kv_take_the_split_kv_kernel():
     assert backend.last_plan_kind == "prefill-split"
 
 
+def test_one_token_rows_beside_a_short_tail_take_small_query_tiles():
+    """A loaded worker's mixed step (a cache hit's tail beside decoding requests): FA2,
+    whose query tile follows the rows' average length, agreeing with the torch
+    reference."""
+    from workers.engine.attention.flashinfer_backend import FlashInferBackend
+
+    rng = random.Random(6)
+    kv_lens = [2608] + [rng.randint(1500, 2600) for _ in range(20)]
+    layout = _layout(_random_pages(rng, 21, 170), kv_lens, [48] + [1] * 20)
+    backend = FlashInferBackend(_shape())
+    assert _compare(layout, backend) <= 1e-2
+    assert backend.last_plan_kind == "prefill-small-tiles"
+
+
 def test_decode():
     from workers.engine.attention.flashinfer_backend import FlashInferBackend
 

@@ -7,11 +7,12 @@ import torch
 from workers.engine.attention.base import (
     BatchLayout,
     max_split_kv_tokens,
+    prefers_small_query_tiles,
     prefers_split_kv,
 )
 
 PAGE = 16
-HEADS, SMS = 16, 132  # qwen3-0.6b query heads, an H100 / H200
+HEADS, KV_HEADS, SMS = 16, 8, 132  # qwen3-0.6b's heads, an H100 / H200
 
 
 def _layout(rows: list[tuple[int, int]]) -> BatchLayout:
@@ -52,3 +53,22 @@ def test_the_split_token_bound_covers_every_split_step():
     # more query heads: fewer tiles fit in half the SMs
     assert max_split_kv_tokens(32, SMS) == 256
     assert not prefers_split_kv(_layout([(32, 4384)]), 96, SMS)
+
+
+def test_rows_of_a_token_or_a_few_take_small_query_tiles():
+    hit_and_decodes = [(48, 2608)] + [(1, 2600)] * 20  # a loaded worker's mixed step
+    assert prefers_small_query_tiles(_layout(hit_and_decodes), HEADS, KV_HEADS)
+    assert prefers_small_query_tiles(_layout([(1, 300)] * 4 + [(4, 300)]), HEADS, KV_HEADS)
+    # at most 16 packed queries a row on average: 8 tokens at two query heads a KV head
+    assert prefers_small_query_tiles(_layout([(8, 900)] * 3), HEADS, KV_HEADS)
+    assert not prefers_small_query_tiles(_layout([(9, 900)] * 3), HEADS, KV_HEADS)
+    # four query heads a KV head pack twice the queries: 4 tokens a row at most
+    assert prefers_small_query_tiles(_layout([(4, 900)] * 3), 32, 8)
+    assert not prefers_small_query_tiles(_layout([(5, 900)] * 3), 32, 8)
+
+
+def test_one_row_or_long_rows_keep_their_kernel():
+    assert not prefers_small_query_tiles(_layout([(4, 4384)]), HEADS, KV_HEADS)  # one row
+    assert not prefers_small_query_tiles(_layout([(40, 3040)] * 8), HEADS, KV_HEADS)
+    two_hits = [(48, 2608)] * 2 + [(1, 2600)] * 4  # 100 tokens in 6 rows
+    assert not prefers_small_query_tiles(_layout(two_hits), HEADS, KV_HEADS)

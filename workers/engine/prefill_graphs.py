@@ -5,10 +5,16 @@ batched, and an approximate request's first-token repair (``first_tokens`` witho
 deviation ratio: one row per placed chunk's first tokens). Repairs chosen by deviation
 run at admission instead (``kept_graphs``).
 
-One graph per (token bucket, row bucket, kernel): steps that ``prefers_split_kv`` (a
+One graph per (token bucket, row bucket, kernel), the kernel the step's eager plan
+would take (``FlashInferBackend.prefill_kernel``): steps that ``prefers_split_kv`` (a
 few short rows over a long KV, at most ``max_split_kv_tokens`` new tokens) replay
-graphs whose attention is FlashInfer's FA2 with the KV split over CTAs, the others
-graphs of the default kernel (FA3 on Hopper). The step's real tokens fill the front of
+graphs whose attention is FlashInfer's FA2 with the KV split over CTAs; steps of many
+rows of a token or a few (``prefers_small_query_tiles``: decoding requests beside a
+cache hit's tail, scattered repair runs) FA2 graphs with as many rows as tokens; the
+others graphs of the default kernel (FA3 on Hopper), as does a step whose kernel has no
+graph that fits it. In CUDA-graph mode FA2 fixes its query tile when the graph is
+captured, from the longest row the captured shape allows (tokens - rows + 1): 1 in the
+small-tile graphs, so their tile is FA2's smallest. The step's real tokens fill the front of
 the token bucket; padding tokens compute on token 0 at position 0, write their KV only
 to the scratch page, and are never attended to. Padding rows have no query tokens and
 one scratch page of KV, so the attention kernels do no work for them. Before each
@@ -32,6 +38,7 @@ from workers.engine.attention.base import (
     max_split_kv_tokens,
 )
 from workers.engine.attention.flashinfer_backend import (
+    PLAN_KINDS,
     FlashInferBackend,
     FlashInferMetadata,
     plan_prefill,
@@ -45,13 +52,18 @@ from workers.engine.models.decoder import DecoderModel
 # ran their matmuls on up to twice their rows.
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 1024)
 ROW_BUCKETS = (1, 32, 1024)
+# small-tile graphs (as many rows as tokens): FA2's split scratch grows with the rows
+# (about 75 MiB of the shared workspace at 512), and a step of more than 512 tokens
+# averaging at most a few a row is rare
+SMALL_TILE_TOKENS = (32, 64, 128, 256, 512)
+KERNELS = ("default", "split-kv", "small-tiles")  # FlashInferBackend.prefill_kernel
 
 
 @dataclass
 class _PrefillGraph:
     tokens: int
     rows: int
-    split_kv: bool
+    kernel: str  # of KERNELS
     graph: torch.cuda.CUDAGraph
     wrapper: flashinfer.BatchPrefillWithPagedKVCacheWrapper
     input_ids: torch.Tensor
@@ -88,7 +100,7 @@ class PrefillGraphs:
         # a layout that needs row bucket r has more rows, so more tokens, than the bucket
         # below r: no graph for token buckets that cannot reach it
         keys = [
-            (t, r, False)
+            (t, r, "default")
             for t in TOKEN_BUCKETS
             for below, r in zip((0, *ROW_BUCKETS), ROW_BUCKETS, strict=False)
             if below < t
@@ -97,24 +109,27 @@ class PrefillGraphs:
         split_tokens = max_split_kv_tokens(backend.shape.num_heads, backend.num_sms)
         split_rows = split_tokens // QUERY_TILE
         keys += [
-            (t, r, True)
+            (t, r, "split-kv")
             for t, r, _ in keys
             if t <= split_tokens
             and (r == ROW_BUCKETS[0] or ROW_BUCKETS[ROW_BUCKETS.index(r) - 1] < split_rows)
         ]
+        keys += [(t, t, "small-tiles") for t in SMALL_TILE_TOKENS]
         self.graphs = {key: self._capture(*key) for key in sorted(keys, reverse=True)}
         self.buckets = sorted(self.graphs)
-        self._memo: tuple[BatchLayout, tuple[int, int, bool] | None] | None = None
+        self._memo: tuple[BatchLayout, tuple[int, int, str] | None] | None = None
 
-    def _bucket(self, layout: BatchLayout) -> tuple[int, int, bool] | None:
-        """The graph for ``layout`` (asked by ``can_run``, then ``run``: worked out once)."""
+    def _bucket(self, layout: BatchLayout) -> tuple[int, int, str] | None:
+        """The graph for ``layout`` (asked by ``can_run``, then ``run``: worked out once):
+        the smallest of the step's kernel that fits it, else of the default kernel."""
         if self._memo is not None and self._memo[0] is layout:
             return self._memo[1]
         n, rows = layout.num_tokens, layout.batch_size
-        split = self.backend.prefers_split_kv(layout)
-        key = next(
-            ((t, r, s) for t, r, s in self.buckets if t >= n and r >= rows and s == split), None
-        )
+        fitting = [(t, r, k) for t, r, k in self.buckets if t >= n and r >= rows]
+        kernel = self.backend.prefill_kernel(layout)
+        key = next((key for key in fitting if key[2] == kernel), None)
+        if key is None:
+            key = next((key for key in fitting if key[2] == "default"), None)
         self._memo = (layout, key)
         return key
 
@@ -133,7 +148,7 @@ class PrefillGraphs:
         load_step(g, input_ids, positions, layout.slot_mapping, self.scratch_page, self.page_size)
         plan_prefill(g.wrapper, self._padded(layout, g.rows), self.backend.shape)
         g.graph.replay()
-        self.backend.last_plan_kind = "prefill-split" if g.split_kv else "prefill"
+        self.backend.last_plan_kind = PLAN_KINDS[g.kernel]
         return g.hidden[:n]
 
     def _padded(self, layout: BatchLayout, rows: int) -> BatchLayout:
@@ -163,13 +178,13 @@ class PrefillGraphs:
         )
 
     @torch.inference_mode()
-    def _capture(self, tokens: int, rows: int, split_kv: bool) -> _PrefillGraph:
+    def _capture(self, tokens: int, rows: int, kernel: str) -> _PrefillGraph:
         device = self.backend.shape.device
         i32 = dict(dtype=torch.int32, device=device)
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.backend.workspace,
             "NHD",
-            backend="fa2" if split_kv else "auto",
+            backend="auto" if kernel == "default" else "fa2",
             use_cuda_graph=True,
             qo_indptr_buf=torch.zeros(rows + 1, **i32),
             paged_kv_indptr_buf=torch.zeros(rows + 1, **i32),
@@ -188,7 +203,7 @@ class PrefillGraphs:
 
         graph, hidden = capture(forward, self.pool)
         return _PrefillGraph(
-            tokens, rows, split_kv, graph, wrapper, input_ids, positions, kv_rows, hidden
+            tokens, rows, kernel, graph, wrapper, input_ids, positions, kv_rows, hidden
         )
 
 

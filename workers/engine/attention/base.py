@@ -235,3 +235,20 @@ def prefers_split_kv(layout: BatchLayout, num_heads: int, num_sms: int) -> bool:
 def max_split_kv_tokens(num_heads: int, num_sms: int) -> int:
     """The most new tokens a step that ``prefers_split_kv`` can have."""
     return (num_sms // 2 // num_heads) * QUERY_TILE
+
+
+# The other case FA3's 128-query tile serves badly: many rows of a token or a few, each
+# tile almost empty and walking its row's whole KV. That is a loaded worker's mixed step,
+# the one-token rows of decoding requests beside a cache hit's tail: 48 + 20 x 1 queries
+# over 2,600 keys 125 us a layer with FA3, 61 with FA2 (H200, bench/prefill_kernel.py,
+# session 28), which takes its smallest query tile, ``SMALL_QUERY_TILE`` packed queries
+# (new tokens x query heads per KV head), where a step's rows average at most that.
+SMALL_QUERY_TILE = 16
+
+
+def prefers_small_query_tiles(layout: BatchLayout, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether a prefill step of several rows averages at most ``SMALL_QUERY_TILE``
+    packed queries a row (mostly one-token rows), so that FA2 with its smallest query
+    tile should take it."""
+    rows, group = layout.batch_size, num_heads // num_kv_heads
+    return rows > 1 and layout.num_tokens * group <= SMALL_QUERY_TILE * rows

@@ -2,7 +2,9 @@
 decode, and cascade decode for requests that share leading pages. Scattered
 positions need nothing special: the layout gives each run its own causal row.
 Prefill steps of a few short rows over a long KV take FA2, which splits the KV over
-CTAs (``base.prefers_split_kv``); others FlashInfer's default (FA3 on Hopper).
+CTAs (``base.prefers_split_kv``), and so do steps of many rows of a token or a few
+(``base.prefers_small_query_tiles``: FA2's small query tiles); others FlashInfer's
+default (FA3 on Hopper).
 
 Plans are built once per step (``plan``) and reused by every layer (``forward``).
 """
@@ -19,6 +21,7 @@ from workers.engine.attention.base import (
     AttentionShape,
     BatchLayout,
     kv_write_rows,
+    prefers_small_query_tiles,
     prefers_split_kv,
     write_kv,
 )
@@ -30,22 +33,30 @@ from workers.engine.attention.cascade_plan import (
 )
 
 WORKSPACE_BYTES = 256 * 2**20
+# a prefill step's kernel (``FlashInferBackend.prefill_kernel``) and its last_plan_kind;
+# both FA2 kinds plan eagerly on one wrapper, which picks its query tile from the rows
+PLAN_KINDS = {
+    "default": "prefill",
+    "split-kv": "prefill-split",
+    "small-tiles": "prefill-small-tiles",
+}
 ASIDE_PLANS = 2  # plan_aside's ring: forwards queued at once before one waits
 
 
 class _PrefillWrappers:
     """A paged prefill wrapper of each kernel: FlashInfer's default (FA3 on Hopper),
-    and FA2, which splits a row's KV over several CTAs (``base.prefers_split_kv`` says
-    when). ``planned``: in ``plan_aside``'s ring, an event recorded after the last
-    plan's copy to the device was queued."""
+    and FA2, which splits a row's KV over several CTAs and picks its query tile from
+    the rows (``FlashInferBackend.prefill_kernel`` says when). ``planned``: in
+    ``plan_aside``'s ring, an event recorded after the last plan's copy to the device
+    was queued."""
 
     def __init__(self, workspace: torch.Tensor) -> None:
         self.default = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        self.split = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+        self.fa2 = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
         self.planned: torch.cuda.Event | None = None
 
-    def pick(self, split: bool):
-        return self.split if split else self.default
+    def pick(self, fa2: bool):
+        return self.fa2 if fa2 else self.default
 
 
 @dataclass(frozen=True)
@@ -85,7 +96,7 @@ class FlashInferBackend:
         self._level_wrappers: list[flashinfer.BatchPrefillWithPagedKVCacheWrapper] = []
         self.num_sms = device_properties.sm_count(shape.device)
         # the last step's attention, planned here or by a graph (for tests, benchmarks):
-        # "prefill" | "prefill-split" | "decode" | "cascade"
+        # a PLAN_KINDS value | "decode" | "cascade"
         self.last_plan_kind = ""
         self._memo: tuple[BatchLayout, CascadePlan | None] | None = None
         self._aside: list[_PrefillWrappers] = []  # plan_aside's ring
@@ -102,6 +113,16 @@ class FlashInferBackend:
     def prefers_split_kv(self, layout: BatchLayout) -> bool:
         return prefers_split_kv(layout, self.shape.num_heads, self.num_sms)
 
+    def prefill_kernel(self, layout: BatchLayout) -> str:
+        """The prefill kernel a step's attention takes (``PREFILL_KERNELS``): FA2 with
+        its smallest query tile for rows of a token or a few
+        (``base.prefers_small_query_tiles``), FA2 splitting the KV for a few short rows
+        over a long KV (``base.prefers_split_kv``), else the default."""
+        s = self.shape
+        if prefers_small_query_tiles(layout, s.num_heads, s.num_kv_heads):
+            return "small-tiles"
+        return "split-kv" if self.prefers_split_kv(layout) else "default"
+
     def wants_cascade(self, layout: BatchLayout) -> bool:
         return self.cascade_plan(layout) is not None
 
@@ -115,9 +136,9 @@ class FlashInferBackend:
 
     def plan(self, layout: BatchLayout) -> FlashInferMetadata:
         if not layout.is_decode:
-            split = self.prefers_split_kv(layout)
-            self.last_plan_kind = "prefill-split" if split else "prefill"
-            return self._plan_prefill(layout, self.prefill.pick(split))
+            kernel = self.prefill_kernel(layout)
+            self.last_plan_kind = PLAN_KINDS[kernel]
+            return self._plan_prefill(layout, self.prefill.pick(kernel != "default"))
         slots = kv_write_rows(layout.slot_mapping, layout.page_size).to(
             self.shape.device, non_blocking=True
         )
