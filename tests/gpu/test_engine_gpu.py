@@ -414,10 +414,12 @@ def test_selecting_forward_finds_and_restores_deviating_kv(engines):
 
 def test_selecting_forwards_queued_back_to_back(engines):
     """Two selecting forwards queued one after the other, both through the same
-    selection graph (one token bucket) but over KV of different lengths, nothing
-    waited for in between: each restores its own sequence's noisy KV and gives its own
-    last logits (a plan of the second overwriting the first's before its replay read
-    it would make the first attend over the wrong keys)."""
+    selection graph (one token bucket) but over KV of different lengths, the second
+    after 48 positions of held KV (a matched prefix: its row starts elsewhere, so the
+    graph is planned again), nothing waited for in between: each restores its own
+    sequence's noisy KV and gives its own last logits (a plan of the second
+    overwriting the first's before its replay read it would make the first attend over
+    the wrong keys)."""
     import numpy as np
 
     from workers.engine.scheduler import ScheduledSeq
@@ -427,26 +429,30 @@ def test_selecting_forwards_queued_back_to_back(engines):
     rng = np.random.default_rng(2)
     layer = engine.deviation_layer
     cases = []
-    for name, length in (("gpu-queued-a", 2000), ("gpu-queued-b", 1700)):
+    for name, length, start in (("gpu-queued-a", 2000, 0), ("gpu-queued-b", 1700, 48)):
         tokens = rng.integers(10, 50_000, size=length).tolist()
         seq, rows, kv = _sequence_with_pages(engine, name, tokens)
         plain_logits = runner.run([ScheduledSeq(seq, 0, length)])[0].float()
         tail = length - 40
-        noisy = torch.from_numpy(np.sort(rng.choice(tail, size=120, replace=False))).cuda()
+        noisy = rng.choice(np.arange(start, tail), size=120, replace=False)
+        noisy = torch.from_numpy(np.sort(noisy)).cuda()
         for cache in runner.kv_caches:
             cache[rows[0][noisy], :, rows[1][noisy]] = 5 * torch.randn_like(
                 cache[rows[0][noisy], :, rows[1][noisy]]
             )
-        cases.append((seq, kv, plain_logits, tail))
+        cases.append((seq, kv, plain_logits, start, tail))
     torch.cuda.synchronize()
+    selection = runner.selection_graphs
     logits = [  # queued back to back: nothing here waits for the device
-        runner.repair_selecting(seq, 0, len(seq.token_ids), np.arange(tail), 120, layer, True)
-        for seq, _, _, tail in cases
+        runner.repair_selecting(
+            seq, start, len(seq.token_ids), np.arange(start, tail), 120, layer, True
+        )
+        for seq, _, _, start, tail in cases
     ]
-    assert 2048 in runner.selection_graphs.graphs
-    repaired = [kv() for _, kv, _, _ in cases]
+    assert selection.graphs[2048].planned_start == 48  # planned again for the second
+    repaired = [kv() for _, kv, _, _, _ in cases]
     results = {}
-    for (seq, kv, plain_logits, _), got, kv_after in zip(cases, logits, repaired, strict=True):
+    for (seq, kv, plain_logits, *_), got, kv_after in zip(cases, logits, repaired, strict=True):
         # the reference KV: a plain pass over the same tokens into the same pages
         runner.run([ScheduledSeq(seq, 0, len(seq.token_ids))])
         plain_kv = kv()

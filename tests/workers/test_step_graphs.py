@@ -142,45 +142,58 @@ def test_a_selection_forward_stages_its_inputs_for_two_copies():
     """graph_inputs.stage_selection: a selection graph's inputs for one row of
     consecutive positions, packed where input_layout puts them, equal to what
     build_inputs gives that row (real tokens first; padding is token 0 at position 0
-    on the scratch slot, never a candidate), and its plan inputs where PLAN_FIELDS and
-    PLAN_PAGES put them (the row's index arrays, its KV length, the sequence's pages);
-    stale values of a bigger earlier forward are overwritten."""
+    on the scratch page, never a candidate), and its plan inputs where PLAN_FIELDS and
+    PLAN_PAGES put them: the whole bucket as one row (its padding queries last, their
+    keys past the sequence's pages on the scratch page), so the plan depends on the
+    bucket and the row's start alone; stale values of a bigger earlier forward are
+    overwritten."""
     import numpy as np
 
-    from workers.engine.graph_inputs import PLAN_FIELDS, PLAN_PAGES, input_layout, stage_selection
+    from workers.engine.graph_inputs import (
+        PLAN_FIELDS,
+        PLAN_PAGES,
+        input_layout,
+        padded_row_pages,
+        stage_selection,
+    )
     from workers.engine.model_runner import _run_ids, build_inputs
 
     seq = Sequence("staged", 0, list(range(100, 150)), SamplingParams(), Namespace("m"))
     seq.page_ids = array("i", [7, 3, 9, 4])  # 50 tokens over 4 pages
-    start, n, tokens, scratch = 20, 30, 40, 99
+    start, n, tokens, scratch = 20, 30, 64, 99
     candidate = np.zeros(n, dtype=bool)
     candidate[[0, 5, 29]] = True
     staged = np.full(4 * tokens, -7, dtype=np.int64)  # an earlier forward's values
-    plan = np.full(PLAN_PAGES + 6, -7, dtype=np.int32)
+    plan = np.full(PLAN_PAGES + 7, -7, dtype=np.int32)
     table = np.frombuffer(seq.page_ids, dtype=np.int32)
     ids = _run_ids(seq, start, start + n)
-    pages = stage_selection(
-        staged, plan, tokens, ids, start, table, candidate, scratch * PAGE, PAGE
-    )
+    pages = stage_selection(staged, plan, tokens, ids, start, table, candidate, scratch, PAGE)
     at = input_layout(tokens)
+    pad = tokens - n
     reference = build_inputs([ScheduledSeq(seq, start, n)], PAGE)
-    assert staged[at["input_ids"]].tolist() == reference.input_ids.tolist() + [0] * 10
+    assert staged[at["input_ids"]].tolist() == reference.input_ids.tolist() + [0] * pad
     assert staged[at["input_ids"]][:n].tolist() == list(range(120, 150))
-    assert staged[at["positions"]].tolist() == reference.positions.tolist() + [0] * 10
+    assert staged[at["positions"]].tolist() == reference.positions.tolist() + [0] * pad
     assert np.flatnonzero(staged[at["candidate"]]).tolist() == [0, 5, 29]
     assert reference.layout.slot_mapping[0] == 3 * PAGE + 4  # position 20: page 1 (id 3)
-    padded = reference.layout.slot_mapping.tolist() + [scratch * PAGE] * 10
+    padded = reference.layout.slot_mapping.tolist() + [scratch * PAGE] * pad
     assert staged[at["slots"]].tolist() == padded
-    # one row of 30 new tokens over 4 pages, the last holding 50 - 48 = 2 tokens
+    # the planned row: 64 queries over 20 + 64 = 84 keys on 6 pages, the last holding 4
     fields = {name: plan[where].tolist() for name, where in PLAN_FIELDS.items()}
     assert fields == {
-        "qo_indptr": reference.layout.qo_indptr.tolist(),
-        "kv_page_indptr": reference.layout.kv_page_indptr.tolist(),
-        "kv_last_page_len": reference.layout.kv_last_page_len.tolist(),
-        "kv_len": reference.layout.kv_lens.tolist(),
+        "qo_indptr": [0, tokens],
+        "kv_page_indptr": [0, 6],
+        "kv_last_page_len": [84 - 5 * PAGE],
+        "kv_len": [start + tokens],
     }
-    assert fields["kv_last_page_len"] == [2] and fields["kv_len"] == [50]
-    assert pages == 4 and plan[PLAN_PAGES : PLAN_PAGES + 4].tolist() == [7, 3, 9, 4]
+    assert padded_row_pages(start, tokens, PAGE) == 6
+    # the real tokens' KV spans the sequence's 4 pages, the padding's the scratch page
+    assert pages == 4 and plan[PLAN_PAGES : PLAN_PAGES + 6].tolist() == [7, 3, 9, 4, 99, 99]
+    assert plan[PLAN_PAGES + 6] == -7  # nothing written past the row
+    # the same bucket from the same start plans the same row, whatever n is
+    again = np.full_like(plan, -7)
+    stage_selection(staged, again, tokens, ids[:12], start, table, candidate[:12], scratch, PAGE)
+    assert again[:PLAN_PAGES].tolist() == plan[:PLAN_PAGES].tolist()
     # a run past the prompt (a resumed sequence's generated tokens) reads the token list
     seq.token_ids.extend([7, 8])
     assert _run_ids(seq, 45, 52).tolist() == [145, 146, 147, 148, 149, 7, 8]

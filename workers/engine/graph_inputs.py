@@ -65,22 +65,28 @@ PLAN_PAGES = 8  # where the page indices start (32-byte aligned)
 
 def stage_selection(
     staged: np.ndarray,  # int64, at least 4 * tokens
-    plan: np.ndarray,  # int32, at least PLAN_PAGES + the sequence's pages
+    plan: np.ndarray,  # int32, at least PLAN_PAGES + padded_row_pages(start, tokens)
     tokens: int,
     input_ids: np.ndarray,  # [n]: the ids at positions start..start + n - 1
     start: int,
     page_table: np.ndarray,  # int32: the sequence's pages
     candidate: np.ndarray,  # [n] bool
-    scratch_slot: int,
+    scratch_page: int,
     page_size: int,
 ) -> int:
     """Write a selection graph's inputs for one row of n <= ``tokens`` consecutive
     positions from ``start`` where ``input_layout`` puts them, and its plan inputs
-    (the row sees the KV of positions 0 to start + n - 1) where ``PLAN_FIELDS`` and
-    ``PLAN_PAGES`` put them; returns the number of pages. What ``build_inputs`` would
-    give for that row, in a few array operations. Padding tokens compute token 0 at
-    position 0, write their KV to the scratch slot (never read by a real row) and are
-    never candidates."""
+    where ``PLAN_FIELDS`` and ``PLAN_PAGES`` put them; returns the number of the
+    sequence's pages the real tokens' KV spans (0 to start + n - 1). The inputs are
+    what ``build_inputs`` would give for that row, in a few array operations. Padding
+    tokens compute token 0 at position 0, write their KV to the scratch page and are
+    never candidates.
+
+    The planned row is the whole bucket: ``tokens`` queries over start + ``tokens``
+    keys, the padding tokens its last queries, their keys on the sequence's last page
+    and then the scratch page (never read by a real token: attention is causal within
+    the row). So the plan depends on (tokens, start) alone, and a graph planned for
+    them once needs no plan again (``SelectionGraphs.start``)."""
     n, at = len(input_ids), input_layout(tokens)
     end = start + n
     pages = -(-end // page_size)
@@ -92,12 +98,20 @@ def stage_selection(
     slots[:n] *= page_size
     slots[:n] += positions[:n] % page_size
     positions[n:] = 0
-    slots[n:] = scratch_slot
+    slots[n:] = scratch_page * page_size
     for name, values in (("input_ids", input_ids), ("candidate", candidate)):
         part = staged[at[name]]
         part[:n] = values
         part[n:] = 0
-    last = end - (pages - 1) * page_size
-    plan[:PLAN_PAGES] = (0, n, 0, pages, last, end, 0, 0)
+    row_end = start + tokens
+    row_pages = padded_row_pages(start, tokens, page_size)
+    last = row_end - (row_pages - 1) * page_size
+    plan[:PLAN_PAGES] = (0, tokens, 0, row_pages, last, row_end, 0, 0)
     plan[PLAN_PAGES : PLAN_PAGES + pages] = page_table[:pages]
+    plan[PLAN_PAGES + pages : PLAN_PAGES + row_pages] = scratch_page
     return pages
+
+
+def padded_row_pages(start: int, tokens: int, page_size: int) -> int:
+    """The pages of a selection graph's planned row (``stage_selection``)."""
+    return -(-(start + tokens) // page_size)

@@ -16,18 +16,22 @@ padding token costs its matmuls in every selection layer, so buckets are
 fine-grained), captured on first use (about 0.1 s each; an engine that never serves
 approximate reuse captures none). The forward is one layout row (consecutive
 positions). Padding tokens compute token 0 at position 0, write their KV to the
-scratch page and are never attended to (``graph_inputs.stage_selection``); outputs
-past the real tokens are never read. Outputs land in buffers shared by every bucket,
+scratch page and are never attended to by a real token (``graph_inputs.stage_selection``);
+outputs past the real tokens are never read. Outputs land in buffers shared by every bucket,
 sized for the largest, so a graph keeps no output memory of its own; intermediates
 draw on one memory pool.
 
 A replay's inputs reach the device in two copies from pinned host buffers: the token
 ids, positions, KV slots and candidate flags (int64), and the plan's inputs (int32:
 the row's FlashInfer index arrays, which are the device buffers every bucket's
-wrapper reads, then the sequence's page indices). The re-plan calls FlashInfer's
-compiled planner directly (``flashinfer_backend.one_row_planner``), about 0.1 ms less
-host time than ``wrapper.plan`` (0.5-0.6 ms on an H200's host; the compiled call
-itself 0.47 ms there, the largest host cost left before the first replay). The kept
+wrapper reads, then the sequence's page indices). The planned row is the whole
+bucket, padding tokens last (``stage_selection``), so a bucket's plan depends only on
+where the row starts (the exactly matched prefix before it): a graph is planned again
+only when that differs from its last replay's, so admissions after the same system
+prompt, or after none, start their early layers with no plan at all (the plan was the
+largest host cost before the first replay: 0.47 ms on an H200's host). A re-plan calls
+FlashInfer's compiled planner directly (``flashinfer_backend.one_row_planner``), about
+0.1 ms less host time than ``wrapper.plan``. The kept
 rows' positions, slots and page table are read from the same device buffers
 (``Selection``), so nothing else is copied between the selection pass and the kept
 rows. Where FlashInfer's wrapper does not look as that planner expects, no graph is
@@ -70,7 +74,13 @@ from workers.engine.attention.flashinfer_backend import (
     plan_prefill,
 )
 from workers.engine.cuda_graphs import capture
-from workers.engine.graph_inputs import PLAN_FIELDS, PLAN_PAGES, input_layout, stage_selection
+from workers.engine.graph_inputs import (
+    PLAN_FIELDS,
+    PLAN_PAGES,
+    input_layout,
+    padded_row_pages,
+    stage_selection,
+)
 from workers.engine.models.decoder import DecoderModel
 from workers.engine.prefill_graphs import capture_layout
 
@@ -98,6 +108,7 @@ class _Graph:
     early: torch.cuda.CUDAGraph
     deviation: torch.cuda.CUDAGraph
     plan: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # one_row_planner's
+    planned_start: int  # the row's start its wrapper holds a plan for (stage_selection)
     # views of the shared device input buffer, sized to the bucket (input_layout)
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -145,8 +156,8 @@ class SelectionGraphs:
         self.inputs = torch.zeros(4 * n, dtype=torch.long, device=device)
         self.staged = torch.zeros(4 * n, dtype=torch.long, pin_memory=True)
         self.staged_np = self.staged.numpy()
-        # a sequence's pages, or a capture layout's (the largest bucket's scratch pages)
-        pages = PLAN_PAGES + max(self.max_pages_per_seq, -(-n // self.page_size))
+        # a planned row's pages: a sequence's and a bucket's padding after them
+        pages = PLAN_PAGES + self.max_pages_per_seq + -(-n // self.page_size)
         self.plan_inputs = torch.zeros(pages, dtype=torch.int32, device=device)
         self.plan_staged = torch.zeros(pages, dtype=torch.int32, pin_memory=True)
         self.plan_np = self.plan_staged.numpy()
@@ -195,22 +206,24 @@ class SelectionGraphs:
             start,
             page_table,
             candidate,
-            self.scratch_page * self.page_size,
+            self.scratch_page,
             self.page_size,
         )
         self.inputs[: 4 * tokens].copy_(self.staged[: 4 * tokens], non_blocking=True)
-        end = PLAN_PAGES + pages
-        self.plan_inputs[:end].copy_(self.plan_staged[:end], non_blocking=True)
-        host = self.plan_staged
-        g.plan(
-            host[PLAN_FIELDS["qo_indptr"]],
-            host[PLAN_FIELDS["kv_page_indptr"]],
-            host[PLAN_FIELDS["kv_len"]],
-        )
+        row_end = PLAN_PAGES + padded_row_pages(start, tokens, self.page_size)
+        self.plan_inputs[:row_end].copy_(self.plan_staged[:row_end], non_blocking=True)
+        if g.planned_start != start:
+            host = self.plan_staged
+            g.plan(
+                host[PLAN_FIELDS["qo_indptr"]],
+                host[PLAN_FIELDS["kv_page_indptr"]],
+                host[PLAN_FIELDS["kv_len"]],
+            )
+            g.planned_start = start
         self.copied = torch.cuda.Event()
         self.copied.record()
         g.early.replay()
-        return Started(g, n, end)
+        return Started(g, n, PLAN_PAGES + pages)
 
     @torch.inference_mode()
     def finish(self, started: Started) -> Selection:
@@ -256,6 +269,7 @@ class SelectionGraphs:
             None,
             None,
             plan,
+            0,  # the capture layout's row is the bucket's row from position 0
             self.inputs[at["input_ids"]],
             self.inputs[at["positions"]],
             self.inputs[at["slots"]],
