@@ -159,4 +159,4 @@ def test_prefill_at_scattered_positions_runs_as_causal_rows():
     assert layout.batch_size > 3  # runs became rows
     backend = FlashInferBackend(_shape())
     assert _compare(layout, backend) <= 1e-2
-    assert backend.last_plan_kind == "prefill"
+    assert backend.last_plan_kind == "prefill-small-tiles"  # runs of a token or a few
