@@ -48,6 +48,12 @@ SHAPES = [
         [(256, 256), (216, 2000), (99, 3000), (95, 4000), (32, 4384)],
     ),
     ("repair: 700 in 30 runs over 4,400", [(23, 256 + 140 * i) for i in range(30)]),
+    # first-token repair (k=1) of 8 placed documents: the system prompt, each document's
+    # first token, the question (bench/approx_speed.py: 1.1 ms slower than no repair)
+    (
+        "approx k=1 step: 256 + 8 x 1 + 32 over 4,384",
+        [(256, 256)] + [(1, 257 + 512 * i) for i in range(8)] + [(32, 4384)],
+    ),
     # a cache hit joining decoding requests: the mixed step of a loaded chunk-aware
     # worker (bench/cluster_rag.py: system 512 + document 2,048 + question)
     ("hit joining 20 decodes: 48 + 20 x 1 over 2,600", [(48, 2608)] + [(1, 2600)] * 20),
