@@ -65,8 +65,7 @@ def main() -> None:
     graphs = runner.engine.runner.graphs and runner.engine.runner.graphs.prefill
     if graphs is not None:  # which kernels each prefill graph bucket took
         kernels = {
-            f"{t}x{r}{' split' if split else ''}": g.wrapper._backend
-            for (t, r, split), g in graphs.graphs.items()
+            f"{t}x{r} {kernel}": g.wrapper._backend for (t, r, kernel), g in graphs.graphs.items()
         }
         print("prefill graph kernels (tokens x rows):", kernels)
 

@@ -266,6 +266,19 @@ def test_cache_hit_joining_decoding_requests_takes_small_query_tiles(engines):
     finally:
         graphs.run = original
     assert any(rows >= 21 and kernel == "small-tiles" for rows, kernel in replays), replays
+    # FA2 fixed each small-tile graph's query tile at capture: its smallest, and its split
+    # scratch (plan info: padded tile slots first, the tile fourth) fits the budget
+    from workers.engine.attention.base import SMALL_QUERY_TILE
+    from workers.engine.attention.flashinfer_backend import WORKSPACE_BYTES
+
+    shape = graphs.backend.shape
+    small = [key for key in graphs.graphs if key[2] == "small-tiles"]
+    assert small
+    for key in small:
+        info = graphs.graphs[key].wrapper._plan_info
+        assert info[3] == SMALL_QUERY_TILE, (key, info[:4])
+        scratch = info[0] * shape.num_heads * SMALL_QUERY_TILE * (shape.head_dim + 1) * 4
+        assert scratch <= WORKSPACE_BYTES // 2, (key, scratch)
     expected = plain.generate([*decoding, hit], params)
     mismatches = []
     names = [*(f"mixed-d{i}" for i in range(20)), "mixed-hit"]

@@ -6,9 +6,11 @@ import torch
 
 from workers.engine.attention.base import (
     BatchLayout,
+    choose_graph,
     max_split_kv_tokens,
     prefers_small_query_tiles,
     prefers_split_kv,
+    small_tile_scratch_bytes,
 )
 
 PAGE = 16
@@ -72,3 +74,28 @@ def test_one_row_or_long_rows_keep_their_kernel():
     assert not prefers_small_query_tiles(_layout([(40, 3040)] * 8), HEADS, KV_HEADS)
     two_hits = [(48, 2608)] * 2 + [(1, 2600)] * 4  # 100 tokens in 6 rows
     assert not prefers_small_query_tiles(_layout(two_hits), HEADS, KV_HEADS)
+
+
+def test_small_tile_scratch_grows_with_the_query_heads():
+    # qwen3-0.6b (16 / 8 heads, dim 128), 512 tokens in 512 rows: 64 + 511 tile slots
+    assert small_tile_scratch_bytes(512, 16, 8, 128) == 575 * 16 * 16 * 129 * 4  # 76 MB
+    # four query heads a KV head: twice the packed queries, and twice the heads
+    assert small_tile_scratch_bytes(512, 32, 8, 128) == 639 * 32 * 16 * 129 * 4  # 169 MB
+    assert small_tile_scratch_bytes(32, 16, 8, 128) < small_tile_scratch_bytes(64, 16, 8, 128)
+
+
+def test_a_step_replays_the_smallest_graph_of_its_kernel_else_the_default_kernels():
+    buckets = sorted(
+        [(t, r, "default") for t in (64, 128, 1024) for r in (1, 32, 1024) if r <= t]
+        + [(64, 32, "split-kv"), (64, 1, "split-kv")]
+        + [(t, t, "small-tiles") for t in (32, 64, 128)]
+    )
+    assert choose_graph(buckets, 68, 21, "small-tiles") == (128, 128, "small-tiles")
+    assert choose_graph(buckets, 30, 30, "small-tiles") == (32, 32, "small-tiles")
+    assert choose_graph(buckets, 40, 2, "split-kv") == (64, 32, "split-kv")
+    assert choose_graph(buckets, 40, 1, "split-kv") == (64, 1, "split-kv")
+    # no graph of its kernel holds it: the default kernel's
+    assert choose_graph(buckets, 700, 600, "small-tiles") == (1024, 1024, "default")
+    assert choose_graph(buckets, 100, 2, "split-kv") == (128, 32, "default")
+    assert choose_graph(buckets, 100, 40, "default") == (1024, 1024, "default")
+    assert choose_graph(buckets, 2000, 1, "default") is None  # eager

@@ -34,11 +34,14 @@ import torch
 from workers.engine.attention.base import (
     QUERY_TILE,
     BatchLayout,
+    choose_graph,
     kv_write_rows,
     max_split_kv_tokens,
+    small_tile_scratch_bytes,
 )
 from workers.engine.attention.flashinfer_backend import (
     PLAN_KINDS,
+    WORKSPACE_BYTES,
     FlashInferBackend,
     FlashInferMetadata,
     plan_prefill,
@@ -52,18 +55,18 @@ from workers.engine.models.decoder import DecoderModel
 # ran their matmuls on up to twice their rows.
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 1024)
 ROW_BUCKETS = (1, 32, 1024)
-# small-tile graphs (as many rows as tokens): FA2's split scratch grows with the rows
-# (about 75 MiB of the shared workspace at 512), and a step of more than 512 tokens
-# averaging at most a few a row is rare
+# small-tile graphs (as many rows as tokens), those whose FA2 split scratch takes at most
+# half the shared workspace (``small_tile_scratch_bytes``: all of these for qwen3-0.6b,
+# up to 256 for 32 query heads); a step of more than 512 tokens averaging at most a few
+# a row is rare
 SMALL_TILE_TOKENS = (32, 64, 128, 256, 512)
-KERNELS = ("default", "split-kv", "small-tiles")  # FlashInferBackend.prefill_kernel
 
 
 @dataclass
 class _PrefillGraph:
     tokens: int
     rows: int
-    kernel: str  # of KERNELS
+    kernel: str  # a PLAN_KINDS key (FlashInferBackend.prefill_kernel)
     graph: torch.cuda.CUDAGraph
     wrapper: flashinfer.BatchPrefillWithPagedKVCacheWrapper
     input_ids: torch.Tensor
@@ -114,7 +117,13 @@ class PrefillGraphs:
             if t <= split_tokens
             and (r == ROW_BUCKETS[0] or ROW_BUCKETS[ROW_BUCKETS.index(r) - 1] < split_rows)
         ]
-        keys += [(t, t, "small-tiles") for t in SMALL_TILE_TOKENS]
+        shape = backend.shape
+        keys += [
+            (t, t, "small-tiles")
+            for t in SMALL_TILE_TOKENS
+            if small_tile_scratch_bytes(t, shape.num_heads, shape.num_kv_heads, shape.head_dim)
+            <= WORKSPACE_BYTES // 2
+        ]
         self.graphs = {key: self._capture(*key) for key in sorted(keys, reverse=True)}
         self.buckets = sorted(self.graphs)
         self._memo: tuple[BatchLayout, tuple[int, int, str] | None] | None = None
@@ -124,12 +133,8 @@ class PrefillGraphs:
         the smallest of the step's kernel that fits it, else of the default kernel."""
         if self._memo is not None and self._memo[0] is layout:
             return self._memo[1]
-        n, rows = layout.num_tokens, layout.batch_size
-        fitting = [(t, r, k) for t, r, k in self.buckets if t >= n and r >= rows]
         kernel = self.backend.prefill_kernel(layout)
-        key = next((key for key in fitting if key[2] == kernel), None)
-        if key is None:
-            key = next((key for key in fitting if key[2] == "default"), None)
+        key = choose_graph(self.buckets, layout.num_tokens, layout.batch_size, kernel)
         self._memo = (layout, key)
         return key
 

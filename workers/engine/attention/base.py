@@ -252,3 +252,30 @@ def prefers_small_query_tiles(layout: BatchLayout, num_heads: int, num_kv_heads:
     tile should take it."""
     rows, group = layout.batch_size, num_heads // num_kv_heads
     return rows > 1 and layout.num_tokens * group <= SMALL_QUERY_TILE * rows
+
+
+def small_tile_scratch_bytes(tokens: int, num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """The float workspace FA2 reserves when planned for a CUDA graph of ``tokens``
+    tokens in as many rows (its query tile then ``SMALL_QUERY_TILE``): in graph mode it
+    always splits the KV, keeping a float32 partial output and log-sum-exp per query
+    head and tile row for each of ceil(tokens x group / tile) + tokens - 1 tile slots
+    (FlashInfer 0.6.6's ``PrefillSplitQOKVIndptr`` and ``PrefillPlan``). It grows with
+    the query heads: 76 MB for qwen3-0.6b at 512 tokens, 169 MB for 32 heads."""
+    group = num_heads // num_kv_heads
+    slots = -(-tokens * group // SMALL_QUERY_TILE) + tokens - 1
+    return slots * num_heads * SMALL_QUERY_TILE * (head_dim + 1) * 4
+
+
+def choose_graph(
+    buckets: list[tuple[int, int, str]], tokens: int, rows: int, kernel: str
+) -> tuple[int, int, str] | None:
+    """The prefill graph for a step of ``tokens`` new tokens in ``rows`` rows whose
+    attention takes ``kernel``: the first of ``buckets`` (sorted (tokens, rows, kernel)
+    keys) of that kernel holding them, else the first of the default kernel, else None
+    (the step runs eagerly)."""
+    fitting = [key for key in buckets if key[0] >= tokens and key[1] >= rows]
+    for wanted in (kernel, "default"):
+        key = next((key for key in fitting if key[2] == wanted), None)
+        if key is not None:
+            return key
+    return None

@@ -114,7 +114,7 @@ class FlashInferBackend:
         return prefers_split_kv(layout, self.shape.num_heads, self.num_sms)
 
     def prefill_kernel(self, layout: BatchLayout) -> str:
-        """The prefill kernel a step's attention takes (``PREFILL_KERNELS``): FA2 with
+        """The prefill kernel a step's attention takes (a ``PLAN_KINDS`` key): FA2 with
         its smallest query tile for rows of a token or a few
         (``base.prefers_small_query_tiles``), FA2 splitting the KV for a few short rows
         over a long KV (``base.prefers_split_kv``), else the default."""
