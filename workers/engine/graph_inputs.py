@@ -1,13 +1,14 @@
 """Loading a step into a CUDA graph's fixed input buffers (the step graphs by
 ``load_step``, the selection graphs by ``stage_selection``, which packs them for two
-copies; no CUDA or FlashInfer needed, so both are tested on the CPU)."""
+copies), and the layout graphs are captured over (``capture_layout``); no CUDA or
+FlashInfer needed, so all are tested on the CPU."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from workers.engine.attention.base import kv_write_rows_host
+from workers.engine.attention.base import BatchLayout, kv_write_rows_host
 
 
 def load_step(
@@ -115,3 +116,27 @@ def stage_selection(
 def padded_row_pages(start: int, tokens: int, page_size: int) -> int:
     """The pages of a selection graph's planned row (``stage_selection``)."""
     return -(-(start + tokens) // page_size)
+
+
+def capture_layout(tokens: int, rows: int, scratch_page: int, page_size: int) -> BatchLayout:
+    """``tokens`` new tokens in ``rows`` rows: one token each and the rest in the last
+    row, or, with more rows than tokens, empty rows after the first ``tokens``; every
+    row's KV on the scratch page (what a graph is captured over)."""
+    i32 = torch.int32
+    counts = torch.ones(rows, dtype=i32)
+    if rows > tokens:
+        counts[tokens:] = 0
+    else:
+        counts[-1] = tokens - rows + 1
+    kv_lens = counts.clamp_min(1)
+    pages = (kv_lens + page_size - 1) // page_size
+    zero = torch.zeros(1, dtype=i32)
+    return BatchLayout(
+        qo_indptr=torch.cat((zero, counts.cumsum(0, dtype=i32))),
+        kv_page_indptr=torch.cat((zero, pages.cumsum(0, dtype=i32))),
+        kv_page_indices=torch.full((int(pages.sum()),), scratch_page, dtype=i32),
+        kv_last_page_len=kv_lens - (pages - 1) * page_size,
+        kv_lens=kv_lens,
+        slot_mapping=torch.full((tokens,), scratch_page * page_size, dtype=i32),
+        page_size=page_size,
+    )

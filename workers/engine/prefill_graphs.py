@@ -47,7 +47,7 @@ from workers.engine.attention.flashinfer_backend import (
     plan_prefill,
 )
 from workers.engine.cuda_graphs import capture
-from workers.engine.graph_inputs import load_step
+from workers.engine.graph_inputs import capture_layout, load_step
 from workers.engine.models.decoder import DecoderModel
 
 # 384, 640 and 768: steps of a few hundred tokens (a cache hit's tail; before session
@@ -210,27 +210,3 @@ class PrefillGraphs:
         return _PrefillGraph(
             tokens, rows, kernel, graph, wrapper, input_ids, positions, kv_rows, hidden
         )
-
-
-def capture_layout(tokens: int, rows: int, scratch_page: int, page_size: int) -> BatchLayout:
-    """``tokens`` new tokens in ``rows`` rows: one token each and the rest in the last
-    row, or, with more rows than tokens, empty rows after the first ``tokens``; every
-    row's KV on the scratch page (what a graph is captured over)."""
-    i32 = torch.int32
-    counts = torch.ones(rows, dtype=i32)
-    if rows > tokens:
-        counts[tokens:] = 0
-    else:
-        counts[-1] = tokens - rows + 1
-    kv_lens = counts.clamp_min(1)
-    pages = (kv_lens + page_size - 1) // page_size
-    zero = torch.zeros(1, dtype=i32)
-    return BatchLayout(
-        qo_indptr=torch.cat((zero, counts.cumsum(0, dtype=i32))),
-        kv_page_indptr=torch.cat((zero, pages.cumsum(0, dtype=i32))),
-        kv_page_indices=torch.full((int(pages.sum()),), scratch_page, dtype=i32),
-        kv_last_page_len=kv_lens - (pages - 1) * page_size,
-        kv_lens=kv_lens,
-        slot_mapping=torch.full((tokens,), scratch_page * page_size, dtype=i32),
-        page_size=page_size,
-    )

@@ -77,12 +77,12 @@ from workers.engine.cuda_graphs import capture
 from workers.engine.graph_inputs import (
     PLAN_FIELDS,
     PLAN_PAGES,
+    capture_layout,
     input_layout,
     padded_row_pages,
     stage_selection,
 )
 from workers.engine.models.decoder import DecoderModel
-from workers.engine.prefill_graphs import capture_layout
 
 log = logging.getLogger(__name__)
 
