@@ -135,15 +135,15 @@ def ttft_scenario(model, trials, rng, vocab, repairs, deviation_layer=None):
     times = {name: [] for name, _, _ in rows}
     reused = {name: [] for name, _, _ in rows}
     steps = {name: [] for name, _, _ in rows}
-    shapes = {name: [] for name, _, _ in rows}  # (new tokens, rows) of each prefill step
+    shapes = {name: [] for name, _, _ in rows}  # (new tokens, rows) of each graph replay
     current = [rows[0][0]]  # the row being timed
     for runner in runners.values():
         model_runner = runner.engine.runner
-        if model_runner.graphs is not None:
+        if model_runner.graphs is not None:  # each replay once (not can_run's question too)
             graphs = model_runner.graphs.prefill
-            bucket = graphs._bucket
-            graphs._bucket = lambda lay, b=bucket: (
-                shapes[current[0]].append((lay.num_tokens, lay.batch_size)) or b(lay)
+            graphs.run = lambda ids, positions, lay, run=graphs.run: (
+                shapes[current[0]].append((lay.num_tokens, lay.batch_size))
+                or run(ids, positions, lay)
             )
     for _ in range(trials):
         order = docs[:]
@@ -173,7 +173,7 @@ def ttft_scenario(model, trials, rng, vocab, repairs, deviation_layer=None):
             "ttft_ms": 1e3 * statistics.median(t),
             "ttft_ms_trials": [round(1e3 * x, 2) for x in t],
             "steps_to_first_token": steps[name],
-            "graph_steps_tokens_rows": shapes[name],
+            "graph_steps_tokens_rows": shapes[name],  # (new tokens, rows) of each replay
             "reused_tokens": reused[name][-1][0],
             "recomputed_tokens": reused[name][-1][1],
         }
@@ -243,7 +243,8 @@ def main() -> None:
         "--repairs",
         nargs="+",
         help="TTFT rows of several repair settings (k=0,r=0.05 k=1 ...) in one run; the "
-        "RAG workload takes the first (instead of --first-tokens / --deviation-ratio)",
+        "RAG workload takes the first (instead of --first-tokens / --deviation-ratio). A "
+        "setting leaving out k or r takes 0 for it, not the engine's default",
     )
     ap.add_argument(
         "--deviation-layer", type=int, default=None, help="default: the engine's (layer 3)"
@@ -259,6 +260,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.repairs and (args.first_tokens is not None or args.deviation_ratio is not None):
         ap.error("--repairs replaces --first-tokens and --deviation-ratio")
+    if args.repairs and len(set(args.repairs)) < len(args.repairs):
+        ap.error(f"--repairs lists a setting twice: {' '.join(args.repairs)}")
     try:
         repairs = {text: parse_repair(text) for text in args.repairs or ()}
     except ValueError as error:

@@ -194,6 +194,24 @@ def test_a_selection_forward_stages_its_inputs_for_two_copies():
     again = np.full_like(plan, -7)
     stage_selection(staged, again, tokens, ids[:12], start, table, candidate[:12], scratch, PAGE)
     assert again[:PLAN_PAGES].tolist() == plan[:PLAN_PAGES].tolist()
+    # a bucket's capture layout is its row from position 0: the plan a graph holds after
+    # capture is the one stage_selection asks for at start 0 (SelectionGraphs skips it)
+    from workers.engine.graph_inputs import capture_layout
+
+    for bucket in (64, 512, 520):
+        captured = capture_layout(bucket, 1, scratch, PAGE)
+        staged_plan = np.full(PLAN_PAGES + bucket // PAGE + 1, -7, dtype=np.int32)
+        short = min(n, bucket)
+        inputs = np.zeros(4 * bucket, dtype=np.int64)
+        stage_selection(
+            inputs, staged_plan, bucket, ids[:short], 0, table, candidate[:short], scratch, PAGE
+        )
+        assert {name: staged_plan[where].tolist() for name, where in PLAN_FIELDS.items()} == {
+            "qo_indptr": captured.qo_indptr.tolist(),
+            "kv_page_indptr": captured.kv_page_indptr.tolist(),
+            "kv_last_page_len": captured.kv_last_page_len.tolist(),
+            "kv_len": captured.kv_lens.tolist(),
+        }
     # a run past the prompt (a resumed sequence's generated tokens) reads the token list
     seq.token_ids.extend([7, 8])
     assert _run_ids(seq, 45, 52).tolist() == [145, 146, 147, 148, 149, 7, 8]
