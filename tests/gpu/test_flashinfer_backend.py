@@ -130,10 +130,16 @@ def test_cascade_decode(levels):
     assert backend.last_plan_kind == "cascade"
 
 
-def test_prefill_at_scattered_positions_runs_as_causal_rows():
+@pytest.mark.parametrize(
+    ("run", "kind"),
+    [(1, "prefill-small-tiles"), (12, "prefill")],  # FA2's small tiles; FA3 (longer runs)
+)
+def test_prefill_at_scattered_positions_runs_as_causal_rows(run, kind):
     """Queries at scattered positions over filled KV (repairs of placed chunks) beside
     a plain tail: the runner gives each run of positions its own causal row over the
-    KV up to the run's end; FlashInfer agrees with the torch reference (by position)."""
+    KV up to the run's end; FlashInfer agrees with the torch reference (by position),
+    with runs of single positions (FA2's small query tiles) and of ``run`` positions
+    (the default kernel)."""
     from array import array
 
     import numpy as np
@@ -152,11 +158,12 @@ def test_prefill_at_scattered_positions_runs_as_causal_rows():
         seq.page_ids = array("i", pages[i])
         scattered = None
         if i != 1:  # the second sequence is a plain tail in the same step
-            chosen = sorted(rng.sample(range(kv_len - tail), 60))
+            starts = sorted(rng.sample(range(0, kv_len - tail - run, run), 60 // run))
+            chosen = [p for start in starts for p in range(start, start + run)]
             scattered = np.asarray(chosen, dtype=np.int64)
         items.append(ScheduledSeq(seq, kv_len - tail, tail, scattered))
     layout = build_inputs(items, PAGE).layout
     assert layout.batch_size > 3  # runs became rows
     backend = FlashInferBackend(_shape())
     assert _compare(layout, backend) <= 1e-2
-    assert backend.last_plan_kind == "prefill-small-tiles"  # runs of a token or a few
+    assert backend.last_plan_kind == kind
