@@ -10,11 +10,13 @@ would take (``FlashInferBackend.prefill_kernel``): steps that ``prefers_split_kv
 few short rows over a long KV, at most ``max_split_kv_tokens`` new tokens) replay
 graphs whose attention is FlashInfer's FA2 with the KV split over CTAs; steps of many
 rows of a token or a few (``prefers_small_query_tiles``: decoding requests beside a
-cache hit's tail, scattered repair runs) FA2 graphs with as many rows as tokens; the
+cache hit's tail, scattered repair runs) FA2 graphs with as many rows as tokens
+(``SMALL_TILE_TOKENS``, those whose split scratch fits the shared workspace); the
 others graphs of the default kernel (FA3 on Hopper), as does a step whose kernel has no
-graph that fits it. In CUDA-graph mode FA2 fixes its query tile when the graph is
-captured, from the longest row the captured shape allows (tokens - rows + 1): 1 in the
-small-tile graphs, so their tile is FA2's smallest. The step's real tokens fill the front of
+graph that fits it (``base.choose_graph``). In CUDA-graph mode FA2 fixes its query tile
+when the graph is captured, from the longest row the captured shape allows (tokens -
+rows + 1): 1 in the small-tile graphs, so their tile is FA2's smallest. The step's real
+tokens fill the front of
 the token bucket; padding tokens compute on token 0 at position 0, write their KV only
 to the scratch page, and are never attended to. Padding rows have no query tokens and
 one scratch page of KV, so the attention kernels do no work for them. Before each
