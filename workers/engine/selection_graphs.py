@@ -4,8 +4,8 @@ early layers (``DecoderModel.early_layers``: the layers before the selection lay
 over every position the forward computes) and the deviation step
 (``DecoderModel.selection_deviation``: that layer's projection and each candidate's
 deviation there). Eagerly those are about 60 launches, which kept the host ~3 ms
-behind the device at every approximate admission; through graphs they are one plan
-and two replays. Between the two the caller places the entries' KV from the
+behind the device at every approximate admission; through graphs they are two
+replays (and a plan where a bucket's row starts elsewhere than last time, below). Between the two the caller places the entries' KV from the
 selection layer on (``repair_selecting``'s ``place``): the early layers overwrite
 the layers below it at every placed position and read no other layer, so placement
 is needed only by the deviation step, and its host work runs while the device runs
