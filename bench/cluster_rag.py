@@ -44,7 +44,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import io
 import json
+import pstats
 import random
 import statistics
 import sys
@@ -421,18 +424,46 @@ class RouterReplica:
     tokenizer thread, worker-load view and directory client over the shared workers."""
 
     def __init__(
-        self, cfg: ClusterConfig, model_dir: Path, actors: ClusterActors, count: int, policy: str
+        self,
+        cfg: ClusterConfig,
+        model_dir: Path,
+        actors: ClusterActors,
+        count: int,
+        policy: str,
+        profile: bool = False,
     ) -> None:
         self.service = subset_service(cfg, model_dir, actors, count, policy)
+        # the event loop's thread under cProfile during a run (clients included)
+        self._profiler = cProfile.Profile() if profile else None
 
     async def ready(self) -> None:
         await self.service.router.pool.start()  # first load poll of every worker
 
     async def run(self, bodies: list[ChatCompletionRequest], clients: int) -> RunResult:
-        return await run_workload(self.service, bodies, clients, "replica")
+        return await self._profiled(run_workload(self.service, bodies, clients, "replica"))
 
     async def run_open(self, bodies: list[ChatCompletionRequest], rate: float, seed: int):
-        return await run_open_loop(self.service, bodies, rate, seed)
+        return await self._profiled(run_open_loop(self.service, bodies, rate, seed))
+
+    def profile_text(self, top: int = 40) -> str:
+        """The profile's functions by their own time, then by cumulative time ("" if
+        not profiled)."""
+        if self._profiler is None:
+            return ""
+        out = io.StringIO()
+        stats = pstats.Stats(self._profiler, stream=out)
+        stats.sort_stats("tottime").print_stats(top)
+        stats.sort_stats("cumulative").print_stats(top)
+        return out.getvalue()
+
+    async def _profiled(self, work):
+        if self._profiler is None:
+            return await work
+        self._profiler.enable()
+        try:
+            return await work
+        finally:
+            self._profiler.disable()
 
     async def close(self) -> None:
         await self.service.router.pool.close()
@@ -589,8 +620,11 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
     while plan:
         count, policy, open_rate = plan.pop(0)
         routers = max(1, round(count * args.routers_per_worker))
+        profile = args.profile_routers is not None
         replicas = [
-            ray.remote(num_cpus=0)(RouterReplica).remote(cfg, args.model, actors, count, policy)
+            ray.remote(num_cpus=0)(RouterReplica).remote(
+                cfg, args.model, actors, count, policy, profile
+            )
             for _ in range(routers)
         ]
         requests = sequence[: args.requests_per_worker * count]
@@ -603,6 +637,11 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
         run.steps = tally_difference(before, await step_tallies(used))
         run.workers, run.policy = count, policy
         run.label = f"{count} × {run.policy_label}"
+        if profile:  # the first replica's profile stands for all (they run alike)
+            loop = "closed" if open_rate is None else f"open{open_rate:.0f}"
+            path = args.profile_routers / f"router-{count}-{policy}-{loop}.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(await replicas[0].profile_text.remote())
         await asyncio.gather(*(r.close.remote() for r in replicas))
         for replica in replicas:
             ray.kill(replica)
@@ -883,6 +922,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kill", action="store_true", help="also run the kill test")
     ap.add_argument("--json", type=Path, help="also write each run's summary here")
+    ap.add_argument(
+        "--profile-routers",
+        type=Path,
+        metavar="DIR",
+        help="run each router replica's event loop under cProfile and write the first "
+        "replica's profile of each run into DIR (slows the routers: for finding where "
+        "their time goes, not for comparing rates)",
+    )
     ap.add_argument("--kill-at", type=float, default=0.3, help="share answered before the kill")
     args = ap.parse_args()
     if args.pages is None:
