@@ -255,9 +255,17 @@ class Worker:
             rate, step_s = 1 / self.cost.per_prompt_token_s, self.last_step_s
         return WorkerView(self.worker_id, self.requests, self.tokens, backlog, rate, step_s)
 
-    def add(self, request_id: str, request: Request, params: SamplingParams, cached: int) -> None:
+    def add(
+        self, request_id: str, request: Request, params: SamplingParams, decision: Decision
+    ) -> None:
+        """As the router sends it: with its cache estimate, and marked held elsewhere
+        where the decision is a spill."""
         self.engine.add_request(
-            request_id, list(request.prompt.token_ids), params, expected_cached_tokens=cached
+            request_id,
+            list(request.prompt.token_ids),
+            params,
+            expected_cached_tokens=decision.expected_cached_tokens,
+            held_elsewhere=decision.reason is Reason.SPILL,
         )
         self.requests += 1
         self.tokens += len(request.prompt.token_ids) + params.max_tokens
@@ -412,7 +420,7 @@ def simulate(
             # for a cache: one the directory lists, or one this router just filled
             affinity += decision.reason in (Reason.AFFINITY, Reason.RECENT)
             worker = by_id[decision.worker_id]
-            worker.add(f"req-{index}", request, params, decision.expected_cached_tokens)
+            worker.add(f"req-{index}", request, params, decision)
             in_flight[f"req-{index}"] = worker
             routed_at[f"req-{index}"] = time_s
         round_s = 0.0

@@ -201,6 +201,7 @@ class Router:
                 request,
                 request_id=f"{request.request_id}.{len(attempts.tried)}",
                 expected_cached_tokens=decision.expected_cached_tokens,
+                held_elsewhere=decision.reason is Reason.SPILL,
             )
             attempts.tried.add(decision.worker_id)
             attempts.left -= 1

@@ -1,6 +1,7 @@
 """The router asks the chunk directory only when it has a choice to make: with one
 worker open a request is routed without the lookup's round trip (reason ``sole``);
-with two, it looks up once."""
+with two, it looks up once. A request sent away from the worker holding its prompt
+(a spill) tells the worker so (``held_elsewhere``)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from tests.cluster.worker_doubles import (
 )
 from workers.engine.reuse_info import ReuseRequest
 from workers.engine.sampling_params import SamplingParams
-from workers.runtime.worker_types import WorkerRequest
+from workers.runtime.worker_types import EngineLoad, WorkerRequest
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -39,13 +40,30 @@ class CountingDirectory(NoDirectory):
         return d.NO_INFORMATION
 
 
-def route_one(workers: int) -> tuple[Reason, int]:
-    """Routes one request over ``workers`` stand-ins (each answers one delta);
-    returns the decision's reason and the directory lookups made."""
+class HolderDirectory(CountingDirectory):
+    """Says worker w0 holds the first 32 tokens of every prompt."""
+
+    async def lookup(self, keys, token_ends, entry_keys=()) -> d.LookupResult:
+        self.lookups += 1
+        return d.LookupResult(True, (d.WorkerHolding("w0", 1, 32),))
+
+
+def route_one(
+    workers: int,
+    directory: CountingDirectory | None = None,
+    loads: dict[str, EngineLoad] | None = None,
+) -> tuple[Reason, int, list[tuple[str, WorkerRequest]]]:
+    """Routes one request over ``workers`` stand-ins (each answers one delta; ``loads``:
+    what some report when polled); returns the decision's reason, the directory
+    lookups made, and the (worker, request) each start was sent."""
     log = StartLog.remote([HANG_AFTER_FIRST_DELTA])  # no exit racing the delta to the router
-    handles = {f"w{i}": FakeWorker.remote(worker_info(f"w{i}"), log) for i in range(workers)}
+    loads = loads or {}
+    handles = {
+        f"w{i}": FakeWorker.remote(worker_info(f"w{i}"), log, loads.get(f"w{i}"))
+        for i in range(workers)
+    }
     ray.get([handle.status.remote() for handle in handles.values()])
-    directory = CountingDirectory()
+    directory = directory or CountingDirectory()
 
     async def run() -> Reason:
         pool = WorkerPool(handles, AGREEMENT, poll_interval_s=0.05, poll_timeout_s=10)
@@ -68,12 +86,24 @@ def route_one(workers: int) -> tuple[Reason, int]:
             await pool.close()
 
     reason = asyncio.run(run())
+    sent = ray.get(log.requests.remote())
     for handle in [*handles.values(), log]:
         ray.kill(handle)
-    return reason, directory.lookups
+    return reason, directory.lookups, sent
 
 
 def test_one_worker_is_routed_without_a_lookup_two_with_one(ray_cluster):
-    assert route_one(1) == (Reason.SOLE, 0)
-    reason, lookups = route_one(2)
+    assert route_one(1)[:2] == (Reason.SOLE, 0)
+    reason, lookups, _ = route_one(2)
     assert lookups == 1 and reason is Reason.NO_DIRECTORY  # the stand-in knows nothing
+
+
+def test_a_spilled_request_tells_its_worker_the_prompt_is_held_elsewhere(ray_cluster):
+    reason, _, sent = route_one(2, HolderDirectory())
+    assert reason is Reason.AFFINITY
+    assert [(w, r.held_elsewhere) for w, r in sent] == [("w0", False)]
+    # the holder's queued prefill (a second at the assumed rate) outweighs its 32 tokens
+    busy = EngineLoad(2, 20_000, 0, 0, 0, 0, prefill_backlog_tokens=20_000)
+    reason, _, sent = route_one(2, HolderDirectory(), {"w0": busy})
+    assert reason is Reason.SPILL
+    assert [(w, r.held_elsewhere) for w, r in sent] == [("w1", True)]

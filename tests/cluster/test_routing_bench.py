@@ -69,7 +69,7 @@ def test_measured_rates_are_the_engine_loops_averages_of_modeled_steps(tiny_qwen
     requests = routing.make_workload(args, engine.namespace(), engine.model_config.vocab_size)
     params = routing.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     for i, request in enumerate(requests[:3]):
-        worker.add(f"r{i}", request, params, 0)
+        worker.add(f"r{i}", request, params, routing.Decision("w", routing.Reason.LOAD, 0))
     expected, held = MeasuredSpeed(), []
     cost = routing.H200_QWEN3_06B_CONTEXT
     while engine.has_unfinished():

@@ -59,19 +59,26 @@ def worker_info(worker_id: str, agreement: Agreement = AGREEMENT) -> WorkerInfo:
 
 @ray.remote(num_cpus=0)
 class StartLog:
-    """Counts worker starts of requests and tells each start how to fail, in turn."""
+    """Counts worker starts of requests, records what each start was sent, and tells
+    each start how to fail, in turn."""
 
     def __init__(self, behaviours: Sequence[str]) -> None:
         self._behaviours = list(behaviours)
         self.starts = 0
+        self.sent: list[tuple[str, WorkerRequest]] = []  # (worker id, request)
 
-    def start(self) -> str:
+    def start(self, worker_id: str = "", request: WorkerRequest | None = None) -> str:
         behaviour = self._behaviours[self.starts % len(self._behaviours)]
         self.starts += 1
+        if request is not None:
+            self.sent.append((worker_id, request))
         return behaviour
 
     def count(self) -> int:
         return self.starts
+
+    def requests(self) -> list[tuple[str, WorkerRequest]]:
+        return self.sent
 
 
 @ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
@@ -81,14 +88,20 @@ class FakeWorker:
     hangs, before or after one delta, while polls see a new epoch, as if the
     worker had restarted without Ray failing the call)."""
 
-    def __init__(self, info: WorkerInfo, log: ray.actor.ActorHandle | None = None) -> None:
+    def __init__(
+        self,
+        info: WorkerInfo,
+        log: ray.actor.ActorHandle | None = None,
+        load: EngineLoad | None = None,
+    ) -> None:
         self._info = info
         self._log = log
+        self._load = load or EngineLoad(0, 0, 0, 0, 0, 0)  # what polls report, always
 
     async def status(self) -> WorkerStatus:
         return WorkerStatus(
             info=self._info,
-            load=EngineLoad(0, 0, 0, 0, 0, 0),
+            load=self._load,
             cached_pages=0,
             kv_pages_total=64,
             kv_pages_in_use=0,
@@ -98,7 +111,7 @@ class FakeWorker:
         )
 
     async def generate(self, request: WorkerRequest) -> AsyncIterator[bytes]:
-        behaviour = await self._log.start.remote()
+        behaviour = await self._log.start.remote(self._info.worker_id, request)
         if behaviour == REFUSE_AS_DRAINING:
             yield pack_item(WorkerRefusal("worker is draining", retryable=True))
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from chunkstore.hashing import pack_tokens, root_key
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, LoadShape
 from workers.engine.reuse_info import ReuseInfo, ReuseRequest
@@ -169,6 +170,36 @@ def test_a_wrong_hint_changes_no_token(tiny_qwen3):
     assert _run(hinted) == _run(plain)
     with pytest.raises(ValueError, match="expected_cached_tokens"):
         plain.add_request("bad", prompt, GREEDY, expected_cached_tokens=-1)
+
+
+@pytest.mark.parametrize("held_elsewhere", [True, False])
+def test_a_request_held_elsewhere_gives_up_its_pages_first(tiny_qwen3, held_elsewhere):
+    """A spilled request's own pages are evicted before older cached ones (its hit
+    on the shared system prompt is not); without the hint, least recently used
+    first. Tokens are the same either way."""
+    config = EngineConfig(model_dir=str(tiny_qwen3), page_size=PAGE, num_pages=16)
+    engine, plain = Engine(config), Engine(config)
+    system = list(range(100, 132))  # 2 pages
+    older, spilled = system + list(range(200, 264)), system + list(range(300, 364))
+    outputs = []
+    for e, hint in ((engine, held_elsewhere), (plain, False)):
+        e.add_request("older", older, GREEDY)
+        tokens = _run(e)
+        e.add_request("spilled", spilled, GREEDY, held_elsewhere=hint)
+        tokens |= _run(e)
+        outputs.append(tokens)
+    assert outputs[0] == outputs[1]
+    # 10 keyed pages cached, 6 free: a new 9-page prompt evicts 4 cached pages
+    engine.add_request("new", list(range(400, 544)), GREEDY)
+    _run(engine)
+    root, pool = root_key(engine.namespace()), engine.pool
+
+    def cached_pages(prompt: list[int]) -> int:
+        return len(pool.match_chain(root, pack_tokens(prompt), len(prompt) // PAGE))
+
+    kept, lost = (older, spilled) if held_elsewhere else (spilled, older)
+    assert cached_pages(kept) == 6
+    assert cached_pages(lost) == 2  # the system prompt, released as usual
 
 
 def test_a_worker_request_refuses_a_negative_hint():

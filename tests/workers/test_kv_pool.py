@@ -65,6 +65,34 @@ def test_tail_pages_evicted_before_head():
     assert pool.match_chain(ROOT, pack_tokens(tokens), 3) == pages[:2]
 
 
+def test_pages_released_cold_are_evicted_first_tail_first_until_used_again():
+    """An older chain released as usual outlives a newer one released cold from its
+    second page: the cold pages go first (tail first), then the usual LRU order; a
+    hit on a cold page makes it as recent as any."""
+    pool = KVPool(6, 4)
+    old_pages, new_pages = pool.allocate(3), pool.allocate(3)
+    _publish_chain(pool, old_pages, list(range(12)))
+    _publish_chain(pool, new_pages, list(range(100, 112)))
+    pool.release(old_pages)
+    pool.release(new_pages, cold_from=1)  # its first page was a hit: released as usual
+    assert pool.allocate(1) == [new_pages[2]]
+    assert pool.allocate(1) == [new_pages[1]]
+    assert pool.allocate(1) == [old_pages[2]]  # then least recently used first
+    assert pool.match_chain(ROOT, pack_tokens(list(range(100, 112))), 3) == new_pages[:1]
+
+    pool = KVPool(4, 4)
+    old_pages, new_pages = pool.allocate(2), pool.allocate(2)
+    _publish_chain(pool, old_pages, list(range(8)))
+    _publish_chain(pool, new_pages, list(range(100, 108)))
+    pool.release(old_pages)
+    pool.release(new_pages, cold_from=0)
+    pool.acquire(new_pages)  # used again: released as usual, it is the most recent
+    pool.release(new_pages)
+    assert pool.allocate(2) == [old_pages[1], old_pages[0]]
+    with pytest.raises(ValueError, match="released more often"):
+        pool.release(new_pages, cold_from=0)
+
+
 def test_duplicate_key_keeps_first_page_and_acquire_protects():
     pool = KVPool(4, 4)
     key = _keys([1, 2, 3, 4])[0]

@@ -262,6 +262,7 @@ class Engine:
         placeable: tuple[tuple[int, int], ...] = (),
         reuse: ReuseRequest | None = None,
         expected_cached_tokens: int = 0,
+        held_elsewhere: bool = False,
     ) -> None:
         """``placeable``: sorted, disjoint (start, end) spans of the prompt (its
         chunks) that approximate reuse may take from position-free entries; exact
@@ -269,7 +270,10 @@ class Engine:
         exact); on an engine with reuse off every request is served without.
         ``expected_cached_tokens``: the caller's estimate of the prompt tokens this
         engine holds, for ``load_shape`` while the request waits; it changes nothing
-        that is computed."""
+        that is computed. ``held_elsewhere``: the caller knows another engine holds
+        more of this prompt; the pages this request computes are then released cold
+        (evicted first, unless used again; ``Sequence.held_elsewhere``). Output never
+        depends on it."""
         prompt = list(prompt_token_ids)  # validated, packed and stored alike
         packed = self._validate(request_id, prompt)
         _validate_spans(placeable, len(prompt))
@@ -288,6 +292,7 @@ class Engine:
             placeable=tuple(placeable),
             reuse_request=reuse,
             expected_cached_tokens=expected_cached_tokens,
+            held_elsewhere=held_elsewhere,
         )
         if params.seed is not None and not params.greedy:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)

@@ -3,7 +3,8 @@ pages keyed by exact chain keys, and position-free chunk entries.
 
 Every page is in exactly one of three states:
 - *free*: no key, ref count 0 — in ``_free``;
-- *cached*: keyed, ref count 0 — in ``_lru`` (evictable, least recently used first);
+- *cached*: keyed, ref count 0 — in ``_lru`` (evictable, least recently used first;
+  pages released cold come first, see ``release``);
 - *in use*: ref count > 0, keyed or not. Pages of a running request are never evicted.
 
 A pin is a reference that outlives requests (a registered chunk's pages): pinning
@@ -167,19 +168,34 @@ class KVPool:
             self._events.append(CacheEvent(EventKind.REMOVED, tuple(evicted)))
         return taken
 
-    def release(self, page_ids: Sequence[int]) -> None:
+    def release(self, page_ids: Sequence[int], cold_from: int | None = None) -> None:
         """Drop one reference from each page. Released pages are freed in reverse so
-        a sequence's tail pages are evicted before its head (heads are shared more)."""
-        for page_id in reversed(page_ids):
-            page = self._pages[page_id]
-            if page.ref_count <= 0:
-                raise ValueError(f"page {page_id} released more often than acquired")
-            page.ref_count -= 1
-            if page.ref_count == 0:
-                if page.key is None:
-                    self._free.append(page_id)
-                else:
-                    self._lru[page_id] = None
+        a sequence's tail pages are evicted before its head (heads are shared more).
+
+        ``cold_from``: cached pages from this index on go to the cold end of the LRU
+        order instead (evicted before every other cached page, tail first), for KV
+        that is probably held elsewhere too (a spilled request's): it stays
+        findable, and a later hit makes it as recent as any (``acquire``)."""
+        cold = len(page_ids) if cold_from is None else max(0, cold_from)
+        for page_id in reversed(page_ids[:cold]):
+            self._drop_reference(page_id)
+        for page_id in page_ids[cold:]:  # each before the last: the tail ends up first
+            if self._drop_reference(page_id):
+                self._lru.move_to_end(page_id, last=False)
+
+    def _drop_reference(self, page_id: int) -> bool:
+        """True if the page became cached (keyed and unreferenced: in ``_lru``)."""
+        page = self._pages[page_id]
+        if page.ref_count <= 0:
+            raise ValueError(f"page {page_id} released more often than acquired")
+        page.ref_count -= 1
+        if page.ref_count:
+            return False
+        if page.key is None:
+            self._free.append(page_id)
+            return False
+        self._lru[page_id] = None
+        return True
 
     def publish(self, page_id: int, key: PageKey, tokens: bytes, parent: PageKey) -> bool:
         """Record that in-use ``page_id`` now holds the full page named ``key``: the

@@ -61,6 +61,10 @@ class Sequence:
     # the prefill backlog of the sequence while it waits (``Engine.load_shape``); it
     # never changes what is computed (admission finds the real cache hits)
     expected_cached_tokens: int = 0
+    # the router sent it here although another worker holds more of its prompt (a
+    # spill): the pages it computes are released cold (``KVPool.release``), so this
+    # copy displaces nothing unless it is used again
+    held_elsewhere: bool = False
     # set on the engine's internal sequences that compute a position-free entry: no
     # token is sampled; the pages become the entry under this key when done
     fill_key: PageKey | None = None

@@ -125,12 +125,20 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         if release:
-            self.pool.release(seq.page_ids)
+            self.pool.release(seq.page_ids, self._cold_from(seq))
         seq.page_ids = array("i")
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
     # -- internals -------------------------------------------------------------
+    def _cold_from(self, seq: Sequence) -> int | None:
+        """Where a finished sequence's own pages start, if they are to be released cold
+        (``Sequence.held_elsewhere``): past those its first admission took from the
+        cache. None: all released as usual."""
+        if not seq.held_elsewhere or seq.reuse is None:
+            return None
+        return seq.reuse.reused_tokens // self.pool.page_size
+
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         if not self.reuse.admit(seq, budget):
             return None

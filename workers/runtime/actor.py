@@ -139,6 +139,7 @@ class Worker:
                 placeable=request.placeable,
                 reuse=request.reuse,
                 expected_cached_tokens=request.expected_cached_tokens,
+                held_elsewhere=request.held_elsewhere,
             )
         recorded = not request.chunk_ids
         try:

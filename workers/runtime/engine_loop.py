@@ -94,6 +94,7 @@ class _Submit:
     placeable: tuple[tuple[int, int], ...]
     reuse: ReuseRequest | None
     expected_cached_tokens: int
+    held_elsewhere: bool
 
 
 @dataclass(frozen=True)
@@ -197,12 +198,13 @@ class EngineLoop:
         placeable: tuple[tuple[int, int], ...] = (),
         reuse: ReuseRequest | None = None,
         expected_cached_tokens: int = 0,
+        held_elsewhere: bool = False,
     ) -> None:
-        """``placeable``, ``reuse`` and ``expected_cached_tokens`` (the router's
+        """``placeable``, ``reuse``, ``expected_cached_tokens`` (the router's
         estimate of the prompt tokens cached here, for the load's backlog while the
-        request waits): as ``Engine.add_request`` takes them (a request the engine
-        refuses, e.g. approximate on a model that cannot place chunks, gets a
-        ``Rejected`` naming why)."""
+        request waits) and ``held_elsewhere``: as ``Engine.add_request`` takes them (a
+        request the engine refuses, e.g. approximate on a model that cannot place
+        chunks, gets a ``Rejected`` naming why)."""
         command = _Submit(
             request_id,
             prompt_token_ids,
@@ -212,6 +214,7 @@ class EngineLoop:
             tuple(placeable),
             reuse,
             expected_cached_tokens,
+            held_elsewhere,
         )
         self._commands.put(command)
 
@@ -360,6 +363,7 @@ class EngineLoop:
                 placeable=command.placeable,
                 reuse=command.reuse,
                 expected_cached_tokens=command.expected_cached_tokens,
+                held_elsewhere=command.held_elsewhere,
             )
         except ValueError as error:
             command.sink(Rejected(command.request_id, str(error)))

@@ -58,6 +58,10 @@ class WorkerRequest:
     # used only for the worker's prefill backlog while the request waits for admission
     # (``EngineLoad.prefill_backlog_tokens``); what is computed never depends on it
     expected_cached_tokens: int = 0
+    # the router chose this worker although another holds more of the prompt (a
+    # spill): what the request computes is kept at the lowest priority here
+    # (``Sequence.held_elsewhere``)
+    held_elsewhere: bool = False
 
     def __post_init__(self) -> None:
         if not self.params:
