@@ -41,7 +41,7 @@ Mutation semantics (every implementation follows them exactly):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
@@ -228,6 +228,20 @@ def leading_run(held: Iterable[bool]) -> int:
             break
         n += 1
     return n
+
+
+def lookup_in(
+    live: Mapping[str, Collection[PageKey]],
+    keys: Sequence[PageKey],
+    token_ends: Sequence[int],
+    entry_keys: Sequence[PageKey] = (),
+) -> LookupResult:
+    """``lookup`` over ``live``: each live worker's held keys (page and entry keys)."""
+    runs = {w: leading_run(key in held for key in keys) for w, held in live.items()}
+    entries = {
+        w: [i for i, key in enumerate(entry_keys) if key in held] for w, held in live.items()
+    }
+    return lookup_result(runs, token_ends, entries)
 
 
 def lookup_result(

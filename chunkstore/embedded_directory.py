@@ -4,6 +4,10 @@ Follows the semantics in ``chunkstore.directory`` exactly. Invariants:
 - ``_records`` holds at most one record per worker, for its newest known epoch.
 - A record is collected once its lease ended one TTL ago (checked on every call),
   so keys never outlive their worker's lease by more than one TTL.
+- Every change to a record (its keys, or the record itself) is logged under the next
+  version, for ``changes`` (the feed routers' copies follow, see
+  ``chunkstore.directory_mirror``); the log keeps the newest changes whose count plus
+  keys stays within ``max_log``.
 - Every public method takes ``_lock``: safe to share between threads.
 """
 
@@ -11,12 +15,17 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from chunkstore import directory as d
-from chunkstore.events import CacheEvent
+from chunkstore.directory_mirror import DirectoryChanges, RecordChange
+from chunkstore.events import CacheEvent, EventKind, apply_event
 from chunkstore.hashing import PageKey
+
+DEFAULT_MAX_LOG = 1 << 20  # changes plus their keys: many publishes of a busy cluster
 
 FRESH = -1  # new stream: the next batch must carry seq 0
 BROKEN = -2  # a gap was seen: only a snapshot restarts the stream
@@ -37,15 +46,23 @@ class EmbeddedChunkDirectory:
         self,
         lease_ttl_s: float = d.DEFAULT_LEASE_TTL_S,
         clock: Callable[[], float] = time.monotonic,
+        max_log: int = DEFAULT_MAX_LOG,
     ) -> None:
         if not lease_ttl_s > 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s!r}")
+        if max_log < 0:
+            raise ValueError(f"max_log must be >= 0, got {max_log!r}")
         self._ttl = lease_ttl_s
         self._clock = clock
         self._lock = threading.Lock()
         self._records: dict[str, _Record] = {}
         self._lookups = 0
         self._hits = 0
+        self._id = uuid.uuid4().hex  # this incarnation, for the feed's followers
+        self._version = 0  # of the newest change
+        self._log: deque[tuple[int, RecordChange]] = deque()  # oldest first
+        self._log_weight = 0  # the log's changes plus their keys (RecordChange.weight)
+        self._max_log = max_log
 
     def publish(
         self, worker_id: str, epoch: int, seq: int, events: Sequence[CacheEvent]
@@ -59,10 +76,13 @@ class EmbeddedChunkDirectory:
             if seq != record.last_seq + 1:  # BROKEN + 1 never matches a seq >= 0
                 record.keys.clear()
                 record.last_seq = BROKEN
+                self._logged(RecordChange(worker_id, reset=True))
                 return d.NEEDS_SNAPSHOT
             for event in events:
-                _apply(record.keys, event)
+                apply_event(record.keys, event)
             record.last_seq = seq
+            if events:
+                self._logged(RecordChange(worker_id, tuple(events)))
             return d.APPLIED
 
     def publish_snapshot(
@@ -76,6 +96,8 @@ class EmbeddedChunkDirectory:
                 return d.STALE_EPOCH
             record.keys = set(keys)
             record.last_seq = seq
+            stored = (CacheEvent(EventKind.STORED, tuple(record.keys)),) if keys else ()
+            self._logged(RecordChange(worker_id, stored, reset=True))
             return d.APPLIED
 
     def heartbeat(self, worker_id: str, epoch: int) -> d.PublishResult:
@@ -96,19 +118,40 @@ class EmbeddedChunkDirectory:
         with self._lock:
             now = self._collect()
             live = {w: r.keys for w, r in self._records.items() if r.lease_until > now}
-            runs = {w: d.leading_run(key in held for key in keys) for w, held in live.items()}
-            entries = {
-                w: [i for i, key in enumerate(entry_keys) if key in held]
-                for w, held in live.items()
-            }
-            result = d.lookup_result(runs, token_ends, entries)
+            result = d.lookup_in(live, keys, token_ends, entry_keys)
             self._lookups += 1
             self._hits += bool(result.holdings)
             return result
 
+    def changes(
+        self, directory_id: str, since: int, lookups: int = 0, hits: int = 0
+    ) -> DirectoryChanges:
+        """What a copy at version ``since`` of incarnation ``directory_id`` lacks: the
+        changes after it, or every record if they are not all logged (or the copy
+        follows another incarnation, or none: ``since`` < 0). ``lookups`` / ``hits``:
+        the asker's own lookups since its last answer, counted into ``stats``."""
+        if lookups < 0 or not 0 <= hits <= lookups:
+            raise ValueError(f"need 0 <= hits <= lookups, got {hits}, {lookups}")
+        with self._lock:
+            now = self._collect()
+            self._lookups += lookups
+            self._hits += hits
+            leases = {w: r.lease_until - now for w, r in self._records.items()}
+            oldest = self._log[0][0] if self._log else self._version + 1
+            if directory_id != self._id or not oldest - 1 <= since <= self._version:
+                snapshot = {w: frozenset(r.keys) for w, r in self._records.items()}
+                return DirectoryChanges(self._id, self._version, leases, snapshot=snapshot)
+            newer = []
+            for version, change in reversed(self._log):
+                if version <= since:
+                    break
+                newer.append(change)
+            return DirectoryChanges(self._id, self._version, leases, tuple(reversed(newer)))
+
     def remove_worker(self, worker_id: str) -> None:
         with self._lock:
-            self._records.pop(worker_id, None)
+            if self._records.pop(worker_id, None) is not None:
+                self._logged(RecordChange(worker_id, removed=True))
 
     def stats(self) -> d.DirectoryStats:
         with self._lock:
@@ -125,7 +168,9 @@ class EmbeddedChunkDirectory:
 
     def close(self) -> None:
         with self._lock:
-            self._records.clear()
+            for worker_id in list(self._records):
+                del self._records[worker_id]
+                self._logged(RecordChange(worker_id, removed=True))
 
     def _open(self, worker_id: str, epoch: int) -> _Record | None:
         """The worker's record for ``epoch`` with a renewed lease; None if epoch is stale."""
@@ -136,6 +181,7 @@ class EmbeddedChunkDirectory:
         if record is None or record.epoch < epoch:
             record = _Record(epoch=epoch, last_seq=FRESH, lease_until=now)
             self._records[worker_id] = record
+            self._logged(RecordChange(worker_id, reset=True))
         record.lease_until = now + self._ttl
         return record
 
@@ -145,13 +191,15 @@ class EmbeddedChunkDirectory:
         dead = [w for w, r in self._records.items() if r.lease_until + self._ttl <= now]
         for worker in dead:
             del self._records[worker]
+            self._logged(RecordChange(worker, removed=True))
         return now
 
-
-def _apply(keys: set[PageKey], event: CacheEvent) -> None:
-    if event.adds:
-        keys.update(event.keys)
-    elif event.drops:
-        keys.difference_update(event.keys)
-    else:
-        keys.clear()
+    def _logged(self, change: RecordChange) -> None:
+        """Log ``change`` under the next version, dropping the oldest changes beyond
+        ``max_log`` (a copy older than the log then gets a snapshot)."""
+        self._version += 1
+        self._log.append((self._version, change))
+        self._log_weight += change.weight
+        while self._log and self._log_weight > self._max_log:
+            _, dropped = self._log.popleft()
+            self._log_weight -= dropped.weight

@@ -39,3 +39,13 @@ class CacheEvent:
     @property
     def drops(self) -> bool:
         return self.kind in (EventKind.REMOVED, EventKind.ENTRY_REMOVED)
+
+
+def apply_event(keys: set[PageKey], event: CacheEvent) -> None:
+    """What a consumer does with one event of a worker: ``keys`` is what it holds."""
+    if event.adds:
+        keys.update(event.keys)
+    elif event.drops:
+        keys.difference_update(event.keys)
+    else:
+        keys.clear()

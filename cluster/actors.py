@@ -70,6 +70,7 @@ def directory_spec(cfg: ClusterConfig) -> DirectorySpec:
         host_actor=f"{cfg.name}-directory",
         ray_namespace=cfg.ray.namespace,
         call_timeout_s=section.call_timeout_s,
+        router_sync_interval_s=section.router_sync_interval_s,
         redis_url=section.redis.url,
         redis_prefix=section.redis.prefix,
         redis_timeout_s=section.redis.timeout_s,

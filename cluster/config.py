@@ -165,6 +165,13 @@ class DirectorySection(_Section):
     call_timeout_s: float = Field(
         1.0, gt=0, description="timeout of one call to the embedded directory's actor"
     )
+    router_sync_interval_s: float = Field(
+        0.05,
+        ge=0,
+        description="embedded: each router keeps a copy of the directory, brought up to "
+        "date from its actor this often, and looks requests up there (no call per "
+        "request); 0: every lookup calls the actor",
+    )
     redis: RedisSection = Field(
         default_factory=RedisSection, description="Redis settings (kind: redis)"
     )

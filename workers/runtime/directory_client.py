@@ -3,9 +3,10 @@
 Redis: every worker and router opens its own ``RedisChunkDirectory`` client.
 Embedded: the ``EmbeddedChunkDirectory`` lives in one small named Ray actor, the
 ``DirectoryHost``; workers publish to it through ``ActorDirectory`` (a blocking
-``ChunkDirectory``, used only from the publisher's thread) and routers await it.
-So "embedded" means one process of a single-node cluster, never a copy per process:
-a copy per process would be a directory nobody else reads.
+``ChunkDirectory``, used only from the publisher's thread) and routers await it, or
+(``router_sync_interval_s`` > 0) follow its change feed into a read-only copy of their
+own and look up there. So "embedded" means one process of a single-node cluster that
+every write goes to; routers' copies only follow it.
 
 Invariants of ``ActorDirectory`` (same as the protocol's): arguments are checked
 locally, so a remote failure is always "unreachable": mutations return
@@ -25,6 +26,7 @@ import ray
 from ray.exceptions import RayError
 
 from chunkstore import directory as d
+from chunkstore.directory_mirror import DirectoryChanges
 from chunkstore.embedded_directory import EmbeddedChunkDirectory
 from chunkstore.events import CacheEvent
 from chunkstore.hashing import PageKey
@@ -50,6 +52,10 @@ class DirectorySpec:
     redis_url: str = ""
     redis_prefix: str = "chunkserve"
     redis_timeout_s: float = 0.05
+    # embedded: a router's copy of the directory is brought up to date this often, and
+    # its lookups are answered there (``cluster.directory_access.MirroredHostAccess``);
+    # 0: every lookup is a call to the host actor
+    router_sync_interval_s: float = 0.0
 
 
 class DirectoryHost:
@@ -78,6 +84,12 @@ class DirectoryHost:
         entry_keys: Sequence[PageKey] = (),
     ) -> d.LookupResult:
         return self._directory.lookup(keys, token_ends, entry_keys)
+
+    def changes(
+        self, directory_id: str, since: int, lookups: int = 0, hits: int = 0
+    ) -> DirectoryChanges:
+        """The feed routers' copies follow (``EmbeddedChunkDirectory.changes``)."""
+        return self._directory.changes(directory_id, since, lookups, hits)
 
     def remove_worker(self, worker_id: str) -> None:
         self._directory.remove_worker(worker_id)
