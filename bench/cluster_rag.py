@@ -64,7 +64,7 @@ from ray.actor import ActorHandle
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import router_phases  # noqa: E402
-from bench.common import print_table  # noqa: E402
+from bench.common import Shape, print_table  # noqa: E402
 from cluster.actors import ClusterActors, ensure_cluster, kill_cluster, wait_ready  # noqa: E402
 from cluster.assembly import build_service  # noqa: E402
 from cluster.completions import CompletionService  # noqa: E402
@@ -78,16 +78,6 @@ MODEL_NAME = "bench"
 CORPUS = Path(__file__).resolve().parents[1] / "modeltools/data/corpus.txt"
 POLICIES = ("chunk_aware", "round_robin")
 HIT_SHARE = 0.5  # a request with at least this share of its prompt cached counts as a hit
-
-
-@dataclass(frozen=True)
-class Shape:
-    docs: int
-    zipf: float
-    system_tokens: int
-    doc_tokens: int
-    question_tokens: int
-    max_tokens: int
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -140,3 +141,16 @@ def parse_repair(text: str) -> ReuseRequest:
             raise ValueError(f"repair settings look like k=4 or k=2,r=0.1; got {text!r}")
         values[name.strip()] = value
     return ReuseRequest("approximate", int(values["k"]), float(values["r"]))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A RAG workload's requests (``cluster_rag``, ``http_rag``, ``routing_model``): one
+    of 3 system prompts + one of ``docs`` documents (Zipf ``zipf``) + a question."""
+
+    docs: int
+    zipf: float
+    system_tokens: int
+    doc_tokens: int
+    question_tokens: int
+    max_tokens: int

@@ -36,7 +36,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from bench.common import print_table
+from bench.common import Shape, print_table
 from bench.routing import H200_QWEN3_06B_CONTEXT
 from cluster import routing_policy
 from cluster.routing_policy import (
@@ -50,20 +50,6 @@ SYSTEM_PROMPTS = 3
 MAX_BATCHED_TOKENS = 8192
 COST = H200_QWEN3_06B_CONTEXT
 POLICIES = ("chunk_aware", "round_robin")
-
-
-@dataclass(frozen=True)
-class Shape:
-    docs: int
-    zipf: float
-    system_tokens: int
-    doc_tokens: int
-    question_tokens: int
-    max_tokens: int
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.system_tokens + self.doc_tokens + self.question_tokens
 
 
 @dataclass
@@ -131,10 +117,8 @@ def simulate(policy: str, workers_n: int, shape: Shape, args: argparse.Namespace
     done: list[Request] = []
     reasons: Counter = Counter()
     rotation = itertools.count()
-    prompt_tokens, ends = (
-        shape.prompt_tokens,
-        (shape.system_tokens, shape.system_tokens + shape.doc_tokens),
-    )
+    ends = (shape.system_tokens, shape.system_tokens + shape.doc_tokens)
+    prompt_tokens = ends[1] + shape.question_tokens
 
     def at(when_s: float, action, *data) -> None:
         heapq.heappush(events, (when_s, next(order), action, data))
