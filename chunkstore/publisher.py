@@ -6,7 +6,9 @@ Invariants:
   snapshot. The batch is sent even when empty: it renews the lease (it *is* the
   heartbeat) and its seq lets the directory detect a gap while the pool is idle.
   A second call follows only when the directory asks for a snapshot.
-- ``_pending`` holds, in order, every drained event not yet confirmed applied.
+- ``_pending`` holds, in order, every drained event not yet confirmed applied, with
+  adjacent events of one kind merged into one (the pool emits one per page stored;
+  applying them together is applying them in turn).
   While the directory is unreachable it is retried with the same seq, so a batch
   that did land before the failure shows up as a gap (the directory then asks
   for a snapshot) and is never applied twice.
@@ -86,7 +88,8 @@ class EventPublisher:
         self._lock = threading.Lock()  # one cycle at a time
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pending: list[CacheEvent] = []
+        # (kind, keys) runs: one CacheEvent each when sent
+        self._pending: list[tuple[EventKind, list[PageKey]]] = []
         self._pending_keys = 0
         self._need_snapshot = True  # the first call establishes the stream
         self._next_seq = 0
@@ -147,11 +150,15 @@ class EventPublisher:
     def _buffer(self, events: list[CacheEvent]) -> None:
         if self._need_snapshot:
             return  # the snapshot owed supersedes these events
+        pending = self._pending
         for event in events:
             if event.kind is EventKind.CLEARED:
-                self._pending.clear()  # a clear makes every earlier event moot
+                pending.clear()  # a clear makes every earlier event moot
                 self._pending_keys = 0
-            self._pending.append(event)
+            if pending and pending[-1][0] is event.kind and event.keys:
+                pending[-1][1].extend(event.keys)
+            else:
+                pending.append((event.kind, list(event.keys)))
             self._pending_keys += len(event.keys)
         if self._pending_keys > self._max_buffered_keys:
             self._counts.dropped_buffers += 1
@@ -163,9 +170,8 @@ class EventPublisher:
         self._need_snapshot = True
 
     def _send_batch(self) -> d.PublishResult:
-        result = self._directory.publish(
-            self._worker_id, self._epoch, self._next_seq, self._pending
-        )
+        events = [CacheEvent(kind, tuple(keys)) for kind, keys in self._pending]
+        result = self._directory.publish(self._worker_id, self._epoch, self._next_seq, events)
         if result.applied:
             self._counts.batches += 1
             self._pending.clear()

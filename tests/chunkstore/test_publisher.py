@@ -154,3 +154,32 @@ def test_bad_arguments_raise_value_error():
         EventPublisher(directory, "w", 1, pool.drain, pool.snapshot, interval_s=0)
     with pytest.raises(ValueError, match="worker_id"):
         EventPublisher(directory, "", 1, pool.drain, pool.snapshot)
+
+
+class RecordingDirectory(EmbeddedChunkDirectory):
+    def __init__(self) -> None:
+        super().__init__(lease_ttl_s=5.0)
+        self.batches: list[list] = []
+
+    def publish(self, worker_id, epoch, seq, events):
+        self.batches.append([(e.kind.value, e.keys) for e in events])
+        return super().publish(worker_id, epoch, seq, events)
+
+
+def test_adjacent_events_of_one_kind_travel_as_one():
+    """The pool emits one event per page stored: a batch carries each run of one kind
+    as one event, in order, and the directory ends up the same."""
+    pool = SimPool()
+    directory = RecordingDirectory()
+    publisher = EventPublisher(directory, "w", 1, pool.drain, pool.snapshot)
+    publisher.flush()  # the first cycle is a snapshot
+    for key in KEYS[:3]:
+        pool.store([key])
+    pool.remove(KEYS[:1])
+    pool.remove(KEYS[1:2])
+    pool.store(KEYS[3:4])
+    assert publisher.flush().applied
+    assert directory.batches == [
+        [("stored", tuple(KEYS[:3])), ("removed", tuple(KEYS[:2])), ("stored", (KEYS[3],))]
+    ]
+    assert view(directory) == pool.keys == {KEYS[2], KEYS[3]}
