@@ -277,11 +277,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[int, dict[str, Outcome]]:
+    """Runs and prints the model; ``--tolerance`` / ``--slack-ms`` hold only meanwhile."""
     args = parse_args(argv)
+    saved = routing_policy.WAIT_TOLERANCE, routing_policy.WAIT_SLACK_S
     if args.tolerance is not None:
         routing_policy.WAIT_TOLERANCE = args.tolerance
     if args.slack_ms is not None:
         routing_policy.WAIT_SLACK_S = args.slack_ms / 1000
+    try:
+        return _run(args)
+    finally:
+        routing_policy.WAIT_TOLERANCE, routing_policy.WAIT_SLACK_S = saved
+
+
+def _run(args: argparse.Namespace) -> dict[int, dict[str, Outcome]]:
     shape = Shape(
         args.docs,
         args.zipf,

@@ -14,8 +14,10 @@ Invariants:
   keys) equal the directory's at the answer's version.
 - A mirror lookup is ``directory.lookup_in`` over the workers whose lease, as the
   last answer gave it, has not ended: the directory's own lookup at that version.
-- ``remove_worker`` drops a record at once (a router that found a worker dead stops
-  routing by its keys before the next answer confirms it).
+- ``hide_worker`` leaves a worker out of lookups at once (a router that found it dead
+  stops routing by its keys before the directory confirms), without touching its
+  record, which keeps following the feed; it shows again once the directory removes
+  the record or resets it (a new incarnation), or when the hiding ends.
 """
 
 from __future__ import annotations
@@ -65,11 +67,14 @@ class DirectoryMirror:
     version: int = -1  # nothing applied yet: the first answer is a snapshot
     _records: dict[str, set[PageKey]] = field(default_factory=dict)
     _lease_until: dict[str, float] = field(default_factory=dict)  # on the caller's clock
+    _hidden_until: dict[str, float] = field(default_factory=dict)  # hide_worker's, ditto
 
     def apply(self, answer: DirectoryChanges, now: float) -> None:
         """Bring the copy to ``answer.version``; ``now``: when the answer arrived."""
         if answer.snapshot is not None:
             self._records = {w: set(keys) for w, keys in answer.snapshot.items()}
+            for worker in [w for w in self._hidden_until if w not in self._records]:
+                del self._hidden_until[worker]
         elif answer.directory_id != self.directory_id or not self._follows(answer):
             raise ValueError(
                 f"changes after version {answer.version - len(answer.changes)} of directory "
@@ -77,6 +82,8 @@ class DirectoryMirror:
                 f"{self.directory_id!r}"
             )
         for change in answer.changes:
+            if change.removed or change.reset:  # the hidden incarnation's record is gone
+                self._hidden_until.pop(change.worker_id, None)
             if change.removed:
                 self._records.pop(change.worker_id, None)
                 continue
@@ -104,12 +111,14 @@ class DirectoryMirror:
             w: held
             for w, held in self._records.items()
             if self._lease_until.get(w, float("-inf")) > now
+            and self._hidden_until.get(w, float("-inf")) <= now
         }
         return d.lookup_in(live, keys, token_ends, entry_keys)
 
-    def remove_worker(self, worker_id: str) -> None:
-        self._records.pop(worker_id, None)
-        self._lease_until.pop(worker_id, None)
+    def hide_worker(self, worker_id: str, until: float) -> None:
+        """Leave ``worker_id`` out of lookups until ``until`` (the caller's clock), or
+        until the directory removes or resets its record, whichever comes first."""
+        self._hidden_until[worker_id] = until
 
     def _follows(self, answer: DirectoryChanges) -> bool:
         return answer.version == self.version + len(answer.changes)

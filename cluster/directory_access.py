@@ -120,7 +120,10 @@ class MirroredHostAccess:
       answering), lookups answer ``NO_INFORMATION``, as through an unreachable host.
     - Each feed call reports the lookups answered here since the previous answer, so
       the host's ``stats`` still count every router's lookups.
-    - ``remove_worker`` drops the worker from the copy at once and from the host.
+    - ``remove_worker`` hides the worker in the copy at once (for up to the lease TTL:
+      by then the host has dropped the dead incarnation's lease, or a new incarnation
+      has reset its record) and asks the host to remove it.
+    - Concurrent first lookups share one first feed call; one task follows the feed.
     """
 
     def __init__(self, spec: DirectorySpec, clock: Callable[[], float] = time.monotonic) -> None:
@@ -135,6 +138,7 @@ class MirroredHostAccess:
         self._synced_at = float("-inf")  # when the last answer arrived
         self._unreported = [0, 0]  # lookups, hits answered here since the last answer
         self._sync_lock = asyncio.Lock()
+        self._first_sync: asyncio.Future | None = None
         self._follower: asyncio.Task | None = None
         self._reachable = True  # as last logged
 
@@ -145,9 +149,14 @@ class MirroredHostAccess:
         entry_keys: Sequence[PageKey] = (),
     ) -> d.LookupResult:
         d.check_lookup(keys, token_ends, entry_keys)
-        if self._follower is None:
-            await self._sync()
+        if self._first_sync is None:  # before any await: one first sync, one follower
+            self._first_sync = asyncio.ensure_future(self._sync())
             self._follower = asyncio.get_running_loop().create_task(self._follow())
+        if not self._first_sync.done():
+            try:
+                await asyncio.shield(self._first_sync)
+            except Exception:  # logged by nobody else: the copy stays empty, i.e. stale
+                logger.exception("the first copy of the chunk directory failed")
         now = self._clock()
         if now - self._synced_at > self._stale_after_s:
             return d.NO_INFORMATION
@@ -160,12 +169,13 @@ class MirroredHostAccess:
         return await self._call(self._host.stats.remote())
 
     async def remove_worker(self, worker_id: str) -> None:
-        self._mirror.remove_worker(worker_id)
+        self._mirror.hide_worker(worker_id, self._clock() + self._stale_after_s)
         await self._call(self._host.remove_worker.remote(worker_id))
 
     def close(self) -> None:
-        if self._follower is not None:
-            self._follower.cancel()
+        for task in (self._first_sync, self._follower):
+            if task is not None:
+                task.cancel()
 
     async def _follow(self) -> None:
         while True:

@@ -142,3 +142,34 @@ def test_changes_that_do_not_follow_the_copy_are_refused():
         mirror.apply(skipped, clock.now)
     mirror.apply(answer, clock.now)
     assert mirror.version == answer.version
+
+
+def test_a_hidden_worker_is_left_out_until_the_directory_removes_or_resets_it():
+    """A router hides a worker it found dead before the directory removes it; changes
+    to that worker keep applying meanwhile, so the copy never holds part of a record."""
+    clock = Clock()
+    directory = EmbeddedChunkDirectory(lease_ttl_s=TTL_S, clock=clock)
+    directory.publish("w0", 1, 0, [CacheEvent(EventKind.STORED, (KEYS[0], KEYS[1]))])
+    mirror = DirectoryMirror()
+    follow(mirror, directory, clock)
+    mirror.hide_worker("w0", until=clock.now + 1.0)
+    assert mirror.lookup(KEYS[:2], [16, 32], (), clock.now).holdings == ()
+    directory.publish("w0", 1, 1, [CacheEvent(EventKind.STORED, (KEYS[2],))])  # in flight
+    follow(mirror, directory, clock)
+    assert mirror.lookup(KEYS[:2], [16, 32], (), clock.now).holdings == ()
+    clock.now += 1.0  # the hiding ended; the directory never removed it: the whole record
+    assert_same_lookups(mirror, directory, clock, random.Random(0))
+    assert mirror.lookup(KEYS[:3], [16, 32, 48], (), clock.now) == directory.lookup(
+        KEYS[:3], [16, 32, 48]
+    )
+    mirror.hide_worker("w0", until=clock.now + 60.0)
+    directory.heartbeat("w0", 2)  # a new incarnation: its record starts over
+    directory.publish_snapshot("w0", 2, 0, [KEYS[3]])
+    follow(mirror, directory, clock)
+    assert [h.worker_id for h in mirror.lookup(KEYS[3:4], [16], (), clock.now).holdings] == ["w0"]
+    mirror.hide_worker("w0", until=clock.now + 60.0)
+    directory.remove_worker("w0")
+    follow(mirror, directory, clock)
+    directory.publish("w0", 3, 0, [CacheEvent(EventKind.STORED, (KEYS[4],))])
+    follow(mirror, directory, clock)  # removed, then a new record: shown again
+    assert [h.worker_id for h in mirror.lookup(KEYS[4:5], [16], (), clock.now).holdings] == ["w0"]

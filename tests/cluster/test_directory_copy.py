@@ -1,6 +1,7 @@
 """A router's copy of the embedded directory (``MirroredHostAccess``) against the real
 host actor: lookups answered in the router's process follow what workers publish
-within a few sync intervals, a removed worker vanishes at once, the host still counts
+within a few sync intervals, concurrent first lookups share one follower, a removed
+worker vanishes at once, the host still counts
 the router's lookups, and without the host the copy turns to "no information" once
 it is older than the lease TTL."""
 
@@ -58,9 +59,16 @@ def test_a_routers_copy_follows_the_host_and_goes_stale_without_it(ray_cluster):
         access = open_directory(spec)
         assert isinstance(access, MirroredHostAccess)
         try:
-            # the first lookup waits for the first copy
-            first = await access.lookup(KEYS, [16, 32])
-            assert [(h.worker_id, h.chunks) for h in first.holdings] == [("w0", 1)]
+            # the first lookups wait for the first copy; one task follows the feed
+            firsts = await asyncio.gather(*(access.lookup(KEYS, [16, 32]) for _ in range(8)))
+            for first in firsts:
+                assert [(h.worker_id, h.chunks) for h in first.holdings] == [("w0", 1)]
+            followers = [
+                t
+                for t in asyncio.all_tasks()
+                if t.get_coro().__qualname__ == "MirroredHostAccess._follow"
+            ]
+            assert len(followers) == 1
             stored = [CacheEvent(EventKind.STORED, (KEYS[1],))]
             assert (await asyncio.to_thread(worker.publish, "w0", 1, 1, stored)).applied
 
@@ -69,7 +77,9 @@ def test_a_routers_copy_follows_the_host_and_goes_stale_without_it(ray_cluster):
                 return [(h.worker_id, h.chunks) for h in result.holdings] == [("w0", 2)]
 
             assert await eventually(both_held)
-            await access.remove_worker("w0")
+            await access.remove_worker("w0")  # hidden at once, then gone from the host
+            assert (await access.lookup(KEYS, [16, 32])).holdings == ()
+            await asyncio.sleep(0.2)
             assert (await access.lookup(KEYS, [16, 32])).holdings == ()
 
             async def counted():  # reported with a later sync

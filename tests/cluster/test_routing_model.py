@@ -17,7 +17,6 @@ def test_chunk_aware_keeps_more_cached_and_every_request_is_answered():
     assert sum(aware.reasons.values()) == 120
     assert set(aware.reasons) <= {"affinity", "recent", "spill", "load"}
     assert 0 < rr.hit_rate < aware.hit_rate <= 1
-    assert aware.ttft_ms[0] <= aware.ttft_ms[1]
     cold = routing_model.main([*SMALL, "--cold-spills"])[2]["chunk_aware"]
     assert sum(cold.reasons.values()) == 120
     assert routing_model.main(SMALL)[2] == results  # deterministic

@@ -65,6 +65,9 @@ class Sequence:
     # spill): the pages it computes are released cold (``KVPool.release``), so this
     # copy displaces nothing unless it is used again
     held_elsewhere: bool = False
+    # leading pages of ``page_ids`` its latest admission found cached (its exact
+    # prefix; ``reuse.start_from``): the rest it computed or placed itself
+    cached_pages: int = 0
     # set on the engine's internal sequences that compute a position-free entry: no
     # token is sampled; the pages become the entry under this key when done
     fill_key: PageKey | None = None

@@ -60,6 +60,7 @@ def start_from(seq: Sequence, mode: str, page_ids: list[int], num_computed: int)
     """Admit ``seq`` on ``page_ids`` (references already taken) holding the exact KV
     of its first ``num_computed`` tokens."""
     seq.page_ids = array("i", page_ids)
+    seq.cached_pages = len(page_ids)
     seq.num_computed = num_computed
     seq.pending = np.empty(0, dtype=np.int64)
     seq.exact_until = ALL_EXACT

@@ -133,11 +133,9 @@ class Scheduler:
     # -- internals -------------------------------------------------------------
     def _cold_from(self, seq: Sequence) -> int | None:
         """Where a finished sequence's own pages start, if they are to be released cold
-        (``Sequence.held_elsewhere``): past those its first admission took from the
-        cache. None: all released as usual."""
-        if not seq.held_elsewhere or seq.reuse is None:
-            return None
-        return seq.reuse.reused_tokens // self.pool.page_size
+        (``Sequence.held_elsewhere``): past the exact prefix its admission found cached.
+        None: all released as usual."""
+        return seq.cached_pages if seq.held_elsewhere else None
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         if not self.reuse.admit(seq, budget):
