@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from chunkstore.events import CacheEvent
+from chunkstore.events import CacheEvent, apply_event
 from chunkstore.hashing import PageKey
 
 
@@ -28,12 +28,7 @@ class CacheMirror:
             return
         with self._lock:
             for event in events:
-                if event.adds:
-                    self._keys.update(event.keys)
-                elif event.drops:
-                    self._keys.difference_update(event.keys)
-                else:
-                    self._keys.clear()
+                apply_event(self._keys, event)
             self._pending.extend(events)
 
     def drain(self) -> list[CacheEvent]:
