@@ -76,11 +76,13 @@ class RedisAccess:
 
 
 class HostAccess:
-    """The embedded directory, in its Ray actor."""
+    """The embedded directory, in its Ray actor. An unreachable host is logged once
+    per outage, not once per call."""
 
     def __init__(self, spec: DirectorySpec) -> None:
         self._host = ray.get_actor(spec.host_actor, namespace=spec.ray_namespace)
         self._timeout_s = spec.call_timeout_s
+        self._reachable = True  # as last logged
 
     async def lookup(
         self,
@@ -103,14 +105,19 @@ class HostAccess:
         pass
 
     async def _call(self, ref: ray.ObjectRef):
+        """The call's result; None if the host did not answer within the timeout."""
         try:
-            return await asyncio.wait_for(ref, self._timeout_s)
+            result = await asyncio.wait_for(ref, self._timeout_s)
         except (TimeoutError, RayError) as error:
-            logger.warning("chunk directory host unreachable: %s", type(error).__name__)
+            if self._reachable:
+                logger.warning("chunk directory host unreachable: %s", type(error).__name__)
+            self._reachable = False
             return None
+        self._reachable = True
+        return result
 
 
-class MirroredHostAccess:
+class MirroredHostAccess(HostAccess):
     """The embedded directory through a copy of it in this process (see the module).
 
     - The copy follows the host's feed (``EmbeddedChunkDirectory.changes``): a task
@@ -129,8 +136,7 @@ class MirroredHostAccess:
     def __init__(self, spec: DirectorySpec, clock: Callable[[], float] = time.monotonic) -> None:
         if not spec.router_sync_interval_s > 0:
             raise ValueError("a mirrored directory needs router_sync_interval_s > 0")
-        self._host = ray.get_actor(spec.host_actor, namespace=spec.ray_namespace)
-        self._timeout_s = spec.call_timeout_s
+        super().__init__(spec)
         self._interval_s = spec.router_sync_interval_s
         self._stale_after_s = spec.lease_ttl_s
         self._clock = clock
@@ -140,7 +146,6 @@ class MirroredHostAccess:
         self._sync_lock = asyncio.Lock()
         self._first_sync: asyncio.Future | None = None
         self._follower: asyncio.Task | None = None
-        self._reachable = True  # as last logged
 
     async def lookup(
         self,
@@ -165,12 +170,9 @@ class MirroredHostAccess:
         self._unreported[1] += bool(result.holdings)
         return result
 
-    async def stats(self) -> d.DirectoryStats | None:
-        return await self._call(self._host.stats.remote())
-
     async def remove_worker(self, worker_id: str) -> None:
         self._mirror.hide_worker(worker_id, self._clock() + self._stale_after_s)
-        await self._call(self._host.remove_worker.remote(worker_id))
+        await super().remove_worker(worker_id)
 
     def close(self) -> None:
         for task in (self._first_sync, self._follower):
@@ -205,17 +207,6 @@ class MirroredHostAccess:
                 self._mirror = DirectoryMirror()
                 return
             self._synced_at = now
-
-    async def _call(self, ref: ray.ObjectRef):
-        try:
-            result = await asyncio.wait_for(ref, self._timeout_s)
-        except (TimeoutError, RayError) as error:
-            if self._reachable:  # once per outage, not every interval
-                logger.warning("chunk directory host unreachable: %s", type(error).__name__)
-            self._reachable = False
-            return None
-        self._reachable = True
-        return result
 
 
 def open_directory(spec: DirectorySpec) -> AsyncDirectory:
