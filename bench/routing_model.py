@@ -311,7 +311,8 @@ def _run(args: argparse.Namespace) -> dict[int, dict[str, Outcome]]:
             )
     print_table(
         f"Routing model: view lag {args.view_lag_ms:g} ms, cold spills {args.cold_spills}, "
-        f"tolerance {routing_policy.WAIT_TOLERANCE:g}, slack {1000 * routing_policy.WAIT_SLACK_S:g} ms",
+        f"tolerance {routing_policy.WAIT_TOLERANCE:g}, "
+        f"slack {1000 * routing_policy.WAIT_SLACK_S:g} ms",
         ["workers", "policy", "req/s", "x RR", "hit", "TTFT p50 ms", "p90", "reasons"],
         rows,
     )

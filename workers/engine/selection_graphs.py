@@ -5,21 +5,21 @@ over every position the forward computes) and the deviation step
 (``DecoderModel.selection_deviation``: that layer's projection and each candidate's
 deviation there). Eagerly those are about 60 launches, which kept the host ~3 ms
 behind the device at every approximate admission; through graphs they are two
-replays (and a plan where a bucket's row starts elsewhere than last time, below). Between the two the caller places the entries' KV from the
-selection layer on (``repair_selecting``'s ``place``): the early layers overwrite
-the layers below it at every placed position and read no other layer, so placement
-is needed only by the deviation step, and its host work runs while the device runs
-the early layers.
+replays (and a plan where a bucket's row starts elsewhere than last time, below).
+Between the two the caller places the entries' KV from the selection layer on
+(``repair_selecting``'s ``place``): the early layers overwrite the layers below it at
+every placed position and read no other layer, so placement is needed only by the
+deviation step, and its host work runs while the device runs the early layers.
 
 Graphs come per token bucket (multiples of ``TOKEN_STEP`` up to ``MAX_TOKENS``: a
 padding token costs its matmuls in every selection layer, so buckets are
 fine-grained), captured on first use (about 0.1 s each; an engine that never serves
 approximate reuse captures none). The forward is one layout row (consecutive
 positions). Padding tokens compute token 0 at position 0, write their KV to the
-scratch page and are never attended to by a real token (``graph_inputs.stage_selection``);
-outputs past the real tokens are never read. Outputs land in buffers shared by every bucket,
-sized for the largest, so a graph keeps no output memory of its own; intermediates
-draw on one memory pool.
+scratch page and are never attended to by a real token
+(``graph_inputs.stage_selection``); outputs past the real tokens are never read.
+Outputs land in buffers shared by every bucket, sized for the largest, so a graph
+keeps no output memory of its own; intermediates draw on one memory pool.
 
 A replay's inputs reach the device in two copies from pinned host buffers: the token
 ids, positions, KV slots and candidate flags (int64), and the plan's inputs (int32:
