@@ -12,6 +12,7 @@ Events of one worker are applied in order; order across workers does not matter.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -49,3 +50,37 @@ def apply_event(keys: set[PageKey], event: CacheEvent) -> None:
         keys.difference_update(event.keys)
     else:
         keys.clear()
+
+
+class EventRuns:
+    """Cache events in order, each run of adjacent events of one kind kept as one
+    (applying them together is applying them in turn). A KV pool emits one event per
+    page it stores: a pool's queue and a publisher's batch hold runs, so whoever ships
+    or applies them handles one event per run, not per page."""
+
+    def __init__(self) -> None:
+        self._runs: list[tuple[EventKind, list[PageKey]]] = []
+        self.num_keys = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._runs)
+
+    def append(self, kind: EventKind, keys: Sequence[PageKey] = ()) -> None:
+        if self._runs and self._runs[-1][0] is kind and keys:
+            self._runs[-1][1].extend(keys)
+        else:
+            self._runs.append((kind, list(keys)))
+        self.num_keys += len(keys)
+
+    def events(self) -> list[CacheEvent]:
+        return [CacheEvent(kind, tuple(keys)) for kind, keys in self._runs]
+
+    def clear(self) -> None:
+        self._runs.clear()
+        self.num_keys = 0
+
+    def drain(self) -> list[CacheEvent]:
+        """``events()``, then ``clear()``."""
+        events = self.events()
+        self.clear()
+        return events

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from chunkstore import directory as d
-from chunkstore.events import CacheEvent, EventKind
+from chunkstore.events import CacheEvent, EventKind, EventRuns
 from chunkstore.hashing import PageKey
 
 logger = logging.getLogger(__name__)
@@ -88,9 +88,7 @@ class EventPublisher:
         self._lock = threading.Lock()  # one cycle at a time
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # (kind, keys) runs: one CacheEvent each when sent
-        self._pending: list[tuple[EventKind, list[PageKey]]] = []
-        self._pending_keys = 0
+        self._pending = EventRuns()
         self._need_snapshot = True  # the first call establishes the stream
         self._next_seq = 0
         self._superseded = False
@@ -150,32 +148,24 @@ class EventPublisher:
     def _buffer(self, events: list[CacheEvent]) -> None:
         if self._need_snapshot:
             return  # the snapshot owed supersedes these events
-        pending = self._pending
         for event in events:
             if event.kind is EventKind.CLEARED:
-                pending.clear()  # a clear makes every earlier event moot
-                self._pending_keys = 0
-            if pending and pending[-1][0] is event.kind and event.keys:
-                pending[-1][1].extend(event.keys)
-            else:
-                pending.append((event.kind, list(event.keys)))
-            self._pending_keys += len(event.keys)
-        if self._pending_keys > self._max_buffered_keys:
+                self._pending.clear()  # a clear makes every earlier event moot
+            self._pending.append(event.kind, event.keys)
+        if self._pending.num_keys > self._max_buffered_keys:
             self._counts.dropped_buffers += 1
             self._drop_pending()
 
     def _drop_pending(self) -> None:
         self._pending.clear()
-        self._pending_keys = 0
         self._need_snapshot = True
 
     def _send_batch(self) -> d.PublishResult:
-        events = [CacheEvent(kind, tuple(keys)) for kind, keys in self._pending]
+        events = self._pending.events()
         result = self._directory.publish(self._worker_id, self._epoch, self._next_seq, events)
         if result.applied:
             self._counts.batches += 1
             self._pending.clear()
-            self._pending_keys = 0
             self._next_seq += 1
         else:
             self._note_failure(result)

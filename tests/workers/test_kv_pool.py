@@ -48,6 +48,7 @@ def test_publish_match_verifies_tokens_and_evicts_lru():
     assert pool.match_chain(ROOT, pack_tokens([99, 99, 99, 99]), 1) == []
     stored = [e for e in pool.drain_events() if e.kind is EventKind.STORED]
     assert [k for e in stored for k in e.keys] == keys
+    assert len(stored) == 1  # three pages stored in a row: one event
     # allocating evicts least recently used first: release order was tail first
     new = pool.allocate(1)
     assert new == [pages[0]] or new == [pages[2]]

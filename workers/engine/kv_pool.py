@@ -35,7 +35,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from chunkstore.events import CacheEvent, EventKind
+from chunkstore.events import CacheEvent, EventKind, EventRuns
 from chunkstore.hashing import PageKey
 
 
@@ -75,7 +75,7 @@ class KVPool:
         self._by_key: dict[PageKey, int] = {}
         # every keyed page, also under (its parent's key, its packed tokens)
         self._by_chain: dict[tuple[PageKey, bytes], int] = {}
-        self._events: list[CacheEvent] = []
+        self._events = EventRuns()  # key changes in order, runs of one kind as one event
         self._num_pinned = 0  # pages with pins > 0
         self._entries: dict[PageKey, ChunkEntry] = {}
         self._entry_lru: OrderedDict[PageKey, None] = OrderedDict()  # listed, users == 0
@@ -165,7 +165,7 @@ class KVPool:
             page.ref_count, page.exact = 1, True
             taken.append(page_id)
         if evicted:
-            self._events.append(CacheEvent(EventKind.REMOVED, tuple(evicted)))
+            self._events.append(EventKind.REMOVED, evicted)
         return taken
 
     def release(self, page_ids: Sequence[int], cold_from: int | None = None) -> None:
@@ -217,7 +217,7 @@ class KVPool:
         page.key, page.parent, page.tokens = key, parent, tokens
         self._by_key[key] = page_id
         self._by_chain[(parent, page.tokens)] = page_id
-        self._events.append(CacheEvent(EventKind.STORED, (key,)))
+        self._events.append(EventKind.STORED, (key,))
         return True
 
     def mark_inexact(self, page_ids: Sequence[int]) -> None:
@@ -269,7 +269,7 @@ class KVPool:
                 evicted.append(self._unkey(page_id))
                 self._free.append(page_id)
         if evicted:
-            self._events.append(CacheEvent(EventKind.REMOVED, tuple(evicted)))
+            self._events.append(EventKind.REMOVED, evicted)
         return evicted
 
     # -- position-free entries ------------------------------------------------
@@ -287,7 +287,7 @@ class KVPool:
                 raise ValueError(f"page {page_id} must be in use once and unkeyed")
         self._entries[key] = ChunkEntry(key, tuple(page_ids), num_tokens)
         self._make_evictable(self._entries[key])
-        self._events.append(CacheEvent(EventKind.ENTRY_STORED, (key,)))
+        self._events.append(EventKind.ENTRY_STORED, (key,))
         return True
 
     def hold_entry(self, entry: ChunkEntry, pin: bool = False) -> None:
@@ -331,7 +331,7 @@ class KVPool:
         self._evictable_entry_pages -= len(entry.pages)
         entry.listed = False
         self.release(entry.pages)
-        self._events.append(CacheEvent(EventKind.ENTRY_REMOVED, (key,)))
+        self._events.append(EventKind.ENTRY_REMOVED, (key,))
 
     def clear(self) -> None:
         """Forget every key and entry. Pages in use stay allocated but become
@@ -347,11 +347,12 @@ class KVPool:
         self._lru.clear()
         for page_id in list(self._by_key.values()):
             self._unkey(page_id)
-        self._events.append(CacheEvent(EventKind.CLEARED))
+        self._events.append(EventKind.CLEARED)
 
     def drain_events(self) -> list[CacheEvent]:
-        events, self._events = self._events, []
-        return events
+        """The key changes since the last drain, in order (adjacent ones of a kind as one
+        event)."""
+        return self._events.drain()
 
     def _unkey(self, page_id: int) -> PageKey:
         page = self._pages[page_id]
