@@ -55,7 +55,6 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
 from pathlib import Path
 
 import ray
@@ -64,7 +63,7 @@ from ray.actor import ActorHandle
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import router_phases  # noqa: E402
-from bench.common import Shape, print_table  # noqa: E402
+from bench.common import Shape, document_sequence, print_table  # noqa: E402
 from cluster.actors import ClusterActors, ensure_cluster, kill_cluster, wait_ready  # noqa: E402
 from cluster.assembly import build_service  # noqa: E402
 from cluster.completions import CompletionService  # noqa: E402
@@ -257,14 +256,6 @@ class TextMaker:
     def text(self, rng: random.Random, tokens: int) -> str:
         count = max(1, round(tokens / self.tokens_per_word))
         return " ".join(rng.choices(self.words, k=count))
-
-
-def document_sequence(shape: Shape, requests: int, seed: int) -> list[tuple[int, int]]:
-    """(system index, document index) per request: the same for every run."""
-    rng = random.Random(seed)
-    weights = list(accumulate(1 / (k + 1) ** shape.zipf for k in range(shape.docs)))
-    docs = rng.choices(range(shape.docs), cum_weights=weights, k=requests)
-    return [(rng.randrange(3), d) for d in docs]
 
 
 def make_bodies(

@@ -3,10 +3,12 @@ tables, and the benchmark model."""
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -154,3 +156,11 @@ class Shape:
     doc_tokens: int
     question_tokens: int
     max_tokens: int
+
+
+def document_sequence(shape: Shape, requests: int, seed: int) -> list[tuple[int, int]]:
+    """(system index, document index) per request: the same for every run."""
+    rng = random.Random(seed)
+    weights = list(accumulate(1 / (k + 1) ** shape.zipf for k in range(shape.docs)))
+    docs = rng.choices(range(shape.docs), cum_weights=weights, k=requests)
+    return [(rng.randrange(3), d) for d in docs]

@@ -56,12 +56,11 @@ sys.path.insert(0, str(REPO))
 from bench.cluster_rag import (  # noqa: E402
     MODEL_NAME,
     TextMaker,
-    document_sequence,
     make_bodies,
     ttft_quantile_ms,
 )
 from bench.cluster_rag import RequestResult as Result  # noqa: E402
-from bench.common import Shape  # noqa: E402
+from bench.common import Shape, document_sequence  # noqa: E402
 from workers.engine.checkpoint import load_tokenizer  # noqa: E402
 
 BASE_CONFIG = REPO / "configs/redis.yaml"
