@@ -31,12 +31,11 @@ from __future__ import annotations
 import argparse
 import heapq
 import itertools
-import random
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from bench.common import Shape, print_table
+from bench.common import Shape, document_sequence, print_table
 from bench.routing import H200_QWEN3_06B_CONTEXT
 from cluster import routing_policy
 from cluster.routing_policy import (
@@ -46,7 +45,6 @@ from cluster.routing_policy import (
     choose_worker,
 )
 
-SYSTEM_PROMPTS = 3
 MAX_BATCHED_TOKENS = 8192
 COST = H200_QWEN3_06B_CONTEXT
 POLICIES = ("chunk_aware", "round_robin")
@@ -97,7 +95,6 @@ class Outcome:
 
 
 def simulate(policy: str, workers_n: int, shape: Shape, args: argparse.Namespace) -> Outcome:
-    rng = random.Random(args.seed)
     router_times = [float(ms) / 1000 for ms in args.router_ms.split(",")]
     router_s = router_times[POLICIES.index(policy) % len(router_times)]
     workers = [Worker(f"w{i}", args.cache_pairs) for i in range(workers_n)]
@@ -107,10 +104,8 @@ def simulate(policy: str, workers_n: int, shape: Shape, args: argparse.Namespace
     )
     memories = [RouteMemory(args.lease_s) for _ in range(workers_n)]
     own_sends: list[list[tuple[float, str, int]]] = [[] for _ in range(workers_n)]
-    weights_zipf = list(itertools.accumulate(1 / (k + 1) ** shape.zipf for k in range(shape.docs)))
     total = args.requests_per_worker * workers_n
-    docs = rng.choices(range(shape.docs), cum_weights=weights_zipf, k=total)
-    pairs = [(rng.randrange(SYSTEM_PROMPTS), doc) for doc in docs]
+    pairs = document_sequence(shape, total, args.seed)  # cluster_rag's requests
     events: list = []
     order = itertools.count()
     sent = itertools.count()
