@@ -321,7 +321,8 @@ def worker_families(statuses: Mapping[str, WorkerStatus | None]) -> list[Family]
     steps = Counter(
         "chunkserve_worker_steps_total",
         "engine steps the worker ran, by kind: a CUDA graph or eager, and the attention "
-        "kind (decode, prefill, prefill-split, prefill-small-tiles, cascade; torch on the CPU backend)",
+        "kind (decode, prefill, prefill-split, prefill-small-tiles, cascade; torch on the "
+        "CPU backend)",
         ("worker", "kind"),
     )
     step_seconds = Counter(
