@@ -21,15 +21,18 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import NoReturn
 
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field
 from ray import serve
-from ray.exceptions import RayError
+from ray.exceptions import RayError, TaskCancelledError
 from ray.serve import Application
+from ray.serve import context as serve_context
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from cluster.actors import check_placement, ensure_cluster, replica_demand
 from cluster.assembly import build_service
@@ -108,6 +111,37 @@ async def parse_body(body_type: type[BaseModel], raw: bytes):
     if len(raw) > PARSE_INLINE_BYTES:
         return await asyncio.to_thread(parse_request, body_type, raw)
     return parse_request(body_type, raw)
+
+
+# A client that disconnects cancels its request: Serve cancels the handler, and Ray
+# the actor calls it made (a read of one then raises TaskCancelledError); a body still
+# arriving ends with Starlette's ClientDisconnect.
+CLIENT_LEFT = (asyncio.CancelledError, TaskCancelledError, ClientDisconnect)
+# What the request counters record for a request whose client left before its answer
+# was sent in full (nginx's "client closed request"; never sent to anyone).
+CLIENT_CLOSED_REQUEST = 499
+
+
+def _client_left(request: Request) -> NoReturn:
+    """Log a client's disconnect as one line and end its handler as cancelled (no
+    traceback: nothing went wrong on this side)."""
+    request_id = serve_context._get_serve_request_context().request_id
+    logger.info(
+        "client disconnected: %s %s (request %s)", request.method, request.url.path, request_id
+    )
+    raise asyncio.CancelledError
+
+
+class EventStream(StreamingResponse):
+    """A streamed answer whose client may leave: Serve's ``receive`` ends with
+    ``TaskCancelledError`` when it does, where Starlette awaits an ``http.disconnect``
+    message; both mean the client is gone and end the stream quietly."""
+
+    async def listen_for_disconnect(self, receive) -> None:
+        try:
+            await super().listen_for_disconnect(receive)
+        except TaskCancelledError:
+            pass
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -227,6 +261,8 @@ class ChunkserveServer:
             return _json(await run(tenant))
         except APIError as error:
             return error_response(error)
+        except CLIENT_LEFT:
+            _client_left(request)
 
     async def _complete(
         self,
@@ -245,6 +281,9 @@ class ChunkserveServer:
         except APIError as error:
             self._finish(endpoint, error.status)
             return error_response(error)
+        except CLIENT_LEFT:
+            self._finish(endpoint, CLIENT_CLOSED_REQUEST)
+            _client_left(request)
         except BaseException:
             self._finish(endpoint, 500)
             raise
@@ -252,20 +291,23 @@ class ChunkserveServer:
         if reply.events is None:
             self._finish(endpoint, 200, arrived)
             return _json(reply.body, headers=headers)
-        events = self._counted(reply.events, endpoint, arrived)
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        events = self._counted(request, reply.events, endpoint, arrived)
+        return EventStream(events, media_type="text/event-stream", headers=headers)
 
     async def _counted(
-        self, events: AsyncGenerator[str, None], endpoint: str, arrived: float
+        self, request: Request, events: AsyncGenerator[str, None], endpoint: str, arrived: float
     ) -> AsyncIterator[str]:
         completed = False
         try:
             async for event in events:
                 yield event
             completed = True
+        except CLIENT_LEFT:
+            _client_left(request)
         finally:
             await events.aclose()  # now, not at garbage collection: it counts the tokens
-            self._finish(endpoint, 200, arrived if completed else None)
+            status = 200 if completed else CLIENT_CLOSED_REQUEST
+            self._finish(endpoint, status, arrived if completed else None)
 
     def _finish(self, endpoint: str, status: int, arrived: float | None = None) -> None:
         """``arrived``: for an answer sent in full, when its request arrived."""

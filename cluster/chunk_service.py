@@ -7,7 +7,9 @@ Invariants:
 - Every call passes the caller's tenant salt; a worker answers from that tenant's
   registry only, so another tenant's id is unknown (404) everywhere.
 - A registration that fails on any chosen worker is undone on the workers where it
-  created the chunk, so nothing stays pinned on error.
+  created the chunk, and so is one whose client left before it was answered, so
+  nothing stays pinned on error or abandonment (``Worker.roll_back_chunk``: a
+  registration of the same chunk that came meanwhile is kept).
 - No call blocks the event loop: actor calls are awaited with a timeout.
 """
 
@@ -17,7 +19,9 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+from ray import ObjectRef
 from ray.actor import ActorHandle
+from ray.exceptions import RayError, TaskCancelledError
 
 from chunkstore.chunking import Message
 from cluster.chunk_protocol import Chunk, DeletedChunk, RegisterChunkRequest
@@ -36,22 +40,30 @@ class ChunkService:
     def __init__(self, pool: WorkerPool, timeout_s: float) -> None:
         self._pool = pool
         self._timeout_s = timeout_s
+        self._undoing: set[asyncio.Task] = set()  # roll-backs under way (held: not GC'd)
 
     async def register(self, body: RegisterChunkRequest, tenant: str) -> Chunk:
         await self._pool.start()
         chosen = await self._choose(body, tenant)
         content = body.content_for_registry()
-        results = await self._each(
-            chosen,
-            lambda w: w.register_chunk.remote(
+        calls = {
+            w: self._pool.handle(w).register_chunk.remote(
                 tenant, content, body.role, body.ttl_s, body.after, body.mode
-            ),
-        )
+            )
+            for w in chosen
+        }
+        try:
+            results = await self._gather(calls)
+        except asyncio.CancelledError:  # the client left: nothing it asked for stays
+            self._undo_later(tenant, calls)
+            raise
         done = {w: r for w, r in results.items() if isinstance(r, Registered)}
         if len(done) < len(chosen):
-            created = [w for w, r in done.items() if r.created]
-            chunk_id = next(iter(done.values())).info.chunk_id if done else ""
-            await self._each(created, lambda w: w.unregister_chunk.remote(tenant, chunk_id))
+            # unanswered calls may still register: undo them if they ever do
+            self._undo_later(tenant, {w: calls[w] for w, r in results.items() if r is _FAILED})
+            await self._gather(
+                {w: self._pool.handle(w).roll_back_chunk.remote(tenant, r) for w, r in done.items()}
+            )
             raise _failure(results)
         info = next(iter(done.values())).info
         return _chunk(info, sorted(done), [r.info for r in done.values()])
@@ -129,6 +141,26 @@ class ChunkService:
         ordered = sorted(views, key=lambda v: (v.requests, v.tokens, v.worker_id))
         return [v.worker_id for v in ordered[: body.replicas]]
 
+    def _undo_later(self, tenant: str, calls: dict[str, ObjectRef]) -> None:
+        """Roll back, once they end, the registrations ``calls`` made for a caller
+        that gave up (a worker whose call Ray cancelled rolled it back itself)."""
+
+        async def undo(worker_id: str, call: ObjectRef) -> None:
+            try:
+                registered = await asyncio.wait_for(call, self._timeout_s)
+                if isinstance(registered, Registered):
+                    handle = self._pool.handle(worker_id)
+                    await asyncio.wait_for(
+                        handle.roll_back_chunk.remote(tenant, registered), self._timeout_s
+                    )
+            except (RayError, TimeoutError):
+                pass  # cancelled at the worker (which rolls back), or the worker is gone
+
+        for worker_id, call in calls.items():
+            task = asyncio.get_running_loop().create_task(undo(worker_id, call))
+            self._undoing.add(task)
+            task.add_done_callback(self._undoing.discard)
+
     async def _infos(self, tenant: str) -> dict[str, list[ChunkInfo]]:
         await self._pool.start()
         results = await self._each(self._workers(), lambda w: w.list_chunks.remote(tenant))
@@ -138,16 +170,22 @@ class ChunkService:
         self, worker_ids: Sequence[str], call: Callable[[ActorHandle], Awaitable]
     ) -> dict[str, object]:
         """Each worker's answer to ``call`` (``_FAILED`` where it did not answer)."""
+        return await self._gather({w: call(self._pool.handle(w)) for w in worker_ids})
 
-        async def one(worker_id: str) -> object:
+    async def _gather(self, calls: dict[str, Awaitable]) -> dict[str, object]:
+        """Each worker's answer to its call (``_FAILED`` where it did not answer)."""
+
+        async def one(worker_id: str, call: Awaitable) -> object:
             try:
-                return await asyncio.wait_for(call(self._pool.handle(worker_id)), self._timeout_s)
+                return await asyncio.wait_for(call, self._timeout_s)
+            except TaskCancelledError:  # Ray cancelled it because our caller left
+                raise asyncio.CancelledError from None
             except Exception:  # noqa: BLE001 - a dead or slow worker: reported as failed
                 logger.warning("chunk call to worker %s failed", worker_id, exc_info=True)
                 return _FAILED
 
-        answers = await asyncio.gather(*(one(w) for w in worker_ids))
-        return dict(zip(worker_ids, answers, strict=True))
+        answers = await asyncio.gather(*(one(w, c) for w, c in calls.items()))
+        return dict(zip(calls, answers, strict=True))
 
 
 def _expand_message(message: ChatMessage, found: dict[str, list[Message]]) -> list[Message]:

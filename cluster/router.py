@@ -334,8 +334,7 @@ async def _next_item(
                 raise _WorkerGone(f"worker {watch.worker_id} was found gone")
         return read.result()
     finally:
-        if not read.done():
-            abandon(read)
+        abandon(read)  # unfinished, or finished as its reader left: its end is dropped
 
 
 async def _read_next(generator: ray.ObjectRefGenerator) -> WorkerDelta | WorkerRefusal:

@@ -110,7 +110,9 @@ async def settle(future: asyncio.Future, timeout_s: float) -> bool:
 
 
 def abandon(future: asyncio.Future) -> None:
-    """Cancel ``future`` without waiting for it, and drop whatever it ends with."""
+    """Cancel ``future`` without waiting for it, and drop whatever it ends with (also
+    when it is done already: an exception nobody reads would be logged as never
+    retrieved)."""
     future.cancel()
     future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
@@ -259,8 +261,7 @@ class WorkerPool:
                 tracked.health = Health.DOWN
             return
         finally:
-            if not call.done():
-                abandon(call)
+            abandon(call)  # unfinished, or finished as this poll was cancelled
         refusal = disagreement(self._agreement, status.info)
         if refusal is not None:
             if refusal != tracked.refusal:

@@ -147,3 +147,45 @@ def test_the_actor_learns_when_the_child_dies(tiny_qwen3):
     assert died.wait(30)
     assert "engine process ended" in str(fatal[0])
     host.close()
+
+
+@pytest.mark.parametrize("where", ["local", "child"])
+def test_a_chunk_call_whose_caller_gave_up_never_fails_the_engine(where, tiny_qwen3):
+    """A caller that cancels a chunk call's future: a call not yet started is skipped
+    (local), one under way runs to its end; neither reaches the engine as an error,
+    and ``roll_back`` then undoes a registration nobody learned of."""
+    fatal: list[BaseException] = []
+    if where == "child":
+        host = ChildEngine(_config(tiny_qwen3), 1, lambda e: None, fatal.append)
+    else:
+        engine = Engine(_config(tiny_qwen3), stream_text=True)
+        host = LocalEngine(engine, lambda e: None, fatal.append)
+    host.start()
+    try:
+        gate = threading.Event()
+        if where == "local":  # hold the loop thread so the next call is still queued
+            blocker = host._loop.call(gate.wait)
+        registering = host.chunks("register", "", "a system prompt", "system", None, ())
+        cancelled = registering.cancel()
+        gate.set()
+        if where == "local":
+            blocker.result(timeout=60)
+            assert cancelled and registering.cancelled()
+            assert host.chunks("infos", "").result(60) == []  # it never ran
+            registering = host.chunks("register", "", "a system prompt", "system", None, ())
+        else:
+            assert not cancelled  # sent means started: it runs to its end
+        registered = registering.result(timeout=60)
+        assert registered.created and host.chunks("infos", "").result(60) != []
+        # a registration of the same chunk came since: rolling the first back keeps it
+        again = host.chunks("register", "", "a system prompt", "system", None, ()).result(60)
+        assert not again.created
+        chunk_id = registered.info.chunk_id
+        undo = host.chunks("roll_back", "", chunk_id, registered.registration)
+        assert undo.result(60) is False and host.chunks("infos", "").result(60) != []
+        # rolling back the chunk's latest registration unpins it
+        assert host.chunks("roll_back", "", chunk_id, again.registration).result(60)
+        assert host.chunks("infos", "").result(60) == []  # the engine lives on
+        assert not fatal
+    finally:
+        host.close()

@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 
 import ray
 import torch
@@ -172,9 +173,35 @@ class Worker:
         after: Sequence[str],
         mode: str = "exact",
     ) -> Registered | ChunkFailure:
+        """A caller that gives up (the call is cancelled) leaves nothing pinned: a
+        registration not started yet never runs, one under way is rolled back once
+        it ends."""
+        future = self._engine.chunks("register", tenant_salt, content, role, ttl_s, after, mode)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(lambda f: self._roll_back_abandoned(tenant_salt, f))
+            raise
+
+    async def roll_back_chunk(self, tenant_salt: str, registered: Registered) -> bool:
+        """Undo a registration whose caller gave up (``WorkerChunks.roll_back``)."""
+        if not registered.created:
+            return False
+        chunk_id, number = registered.info.chunk_id, registered.registration
         return await asyncio.wrap_future(
-            self._engine.chunks("register", tenant_salt, content, role, ttl_s, after, mode)
+            self._engine.chunks("roll_back", tenant_salt, chunk_id, number)
         )
+
+    def _roll_back_abandoned(self, tenant_salt: str, future: Future) -> None:
+        """On the thread that ended ``future``: roll its registration back, if it
+        created a chunk (a cancelled future never ran)."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        registered = future.result()
+        if isinstance(registered, Registered) and registered.created:
+            chunk_id, number = registered.info.chunk_id, registered.registration
+            logger.info("chunk %s: its registering caller left; rolling it back", chunk_id)
+            self._engine.chunks("roll_back", tenant_salt, chunk_id, number)
 
     async def unregister_chunk(self, tenant_salt: str, chunk_id: str) -> bool:
         return await asyncio.wrap_future(self._engine.chunks("unregister", tenant_salt, chunk_id))

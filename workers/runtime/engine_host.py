@@ -21,6 +21,11 @@ Invariants of ``ChildEngine``:
   rejection) or at ``abort``; what arrives for a dropped sink is discarded. Each
   submit has a number of its own, so a request aborted and submitted again under the
   same id never receives the first one's outputs.
+- A ``chunks`` call's future is running from the moment the call is sent (the child
+  runs it to its end): a caller that gives up cannot cancel it (``cancel`` returns
+  False) and drops its result, so setting the result never fails. ``LocalEngine``'s
+  may be cancelled until its call starts, as ``EngineLoop.call`` says: either way a
+  cancelled future means the call never ran.
 - Snapshots (load, KV pages, tally) come with ``ready`` and then with every output
   message; ``outstanding()`` counts choices on the actor's side, so a drain sees a
   submit at once.
@@ -199,6 +204,7 @@ class ChildEngine:
 
     def chunks(self, method: str, *args) -> Future:
         future: Future = Future()
+        future.set_running_or_notify_cancel()  # sent means started: see the invariants
         call_id = next(self._call_ids)
         self._calls[call_id] = future
         self._send(("chunks", call_id, method, args))

@@ -13,7 +13,11 @@ Invariants:
   called and the loop stops (the actor then crashes and Ray restarts it).
 - ``call(fn)`` runs ``fn`` on the loop thread between iterations (how the chunk
   registry reaches the engine). A ``ValueError`` from ``fn`` is a refusal, returned
-  through its future; any other exception is fatal, as from the engine.
+  through its future; any other exception is fatal, as from the engine. A caller
+  that gives up may cancel the future: until ``fn`` starts that skips it (nothing
+  was done); once it started, ``cancel`` fails and ``fn`` runs to its end, its result
+  set on the future (``concurrent.futures`` semantics). A cancelled caller never
+  reaches the loop as an error.
 - ``prefill`` (loop thread only, inside a ``call``) steps the engine until its own
   request finishes, delivering other requests' outputs as usual.
 - ``load()`` is one consistent snapshot (taken under the counters' lock). Its
@@ -223,7 +227,8 @@ class EngineLoop:
         self._commands.put(_Abort(request_id))
 
     def call(self, fn: Callable[[], object]) -> Future:
-        """Run ``fn()`` on the loop thread; its result (or ValueError) on the future."""
+        """Run ``fn()`` on the loop thread; its result (or ValueError) on the future,
+        which the caller may cancel until ``fn`` starts (the module's invariants)."""
         future: Future = Future()
         self._commands.put(_Call(fn, future))
         return future
@@ -335,6 +340,8 @@ class EngineLoop:
             c.version += 1
 
     def _call(self, command: _Call) -> None:
+        if not command.future.set_running_or_notify_cancel():
+            return  # its caller gave up before it started: nothing to undo
         try:
             result = command.fn()
         except ValueError as error:

@@ -7,10 +7,15 @@ Invariants:
   namespace: a tenant can neither find nor hit another tenant's chunks.
 - Expiry times are Unix seconds (``time.time``), so routers can report them.
 - Refusals come back as ``ChunkFailure`` values, never as exceptions across Ray.
+- Every successful ``register`` gets a number of its own (``Registered.registration``),
+  the chunk's latest: ``roll_back`` undoes a registration whose caller gave up only
+  while it is still the chunk's latest and created the chunk, so a registration that
+  came after it (or found the chunk already there) is never undone by it.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +36,7 @@ class ChunkFailure:
 class Registered:
     info: ChunkInfo
     created: bool  # False: the chunk was registered here already (TTL refreshed)
+    registration: int  # this registration's number (``WorkerChunks.roll_back``)
 
 
 class WorkerChunks:
@@ -38,6 +44,9 @@ class WorkerChunks:
         self._engine = engine
         self._loop = loop
         self._registries: dict[str, ChunkRegistry] = {}  # tenant salt -> registry
+        self._registrations = itertools.count(1)
+        # (tenant salt, chunk id) -> the number of its latest registration
+        self._latest: dict[tuple[str, str], int] = {}
 
     # -- run on the loop thread (pass to ``EngineLoop.call``) ---------------------
     def register(
@@ -58,10 +67,22 @@ class WorkerChunks:
         except ValueError as error:
             return ChunkFailure(str(error), unknown=False)
         info = next(i for i in registry.infos() if i.chunk_id == chunk_id)
-        return Registered(info, created=chunk_id not in before)
+        registration = next(self._registrations)
+        self._latest[tenant_salt, chunk_id] = registration
+        return Registered(info, created=chunk_id not in before, registration=registration)
+
+    def roll_back(self, tenant_salt: str, chunk_id: str, registration: int) -> bool:
+        """Undo registration ``registration`` of ``chunk_id`` (its caller gave up
+        before it learned the id), unless another registration of the chunk came
+        since. ``created`` is the caller's to check: a registration that found the
+        chunk already there is never rolled back. True if the chunk was unpinned."""
+        if self._latest.get((tenant_salt, chunk_id)) != registration:
+            return False
+        return self.unregister(tenant_salt, chunk_id)
 
     def unregister(self, tenant_salt: str, chunk_id: str) -> bool:
         """False if the tenant has no such chunk here."""
+        self._latest.pop((tenant_salt, chunk_id), None)
         try:
             self._registry(tenant_salt).unregister(chunk_id)
         except UnknownChunkError:
@@ -86,6 +107,12 @@ class WorkerChunks:
         """Drop every tenant's chunks whose TTL ended (unpinning their pages)."""
         for registry in self._registries.values():
             registry.expire()
+        held = {
+            (tenant_salt, info.chunk_id)
+            for tenant_salt, registry in self._registries.items()
+            for info in registry.infos()
+        }
+        self._latest = {key: n for key, n in self._latest.items() if key in held}
 
     def _registry(self, tenant_salt: str) -> ChunkRegistry:
         registry = self._registries.get(tenant_salt)
