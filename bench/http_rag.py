@@ -65,10 +65,11 @@ from workers.engine.checkpoint import load_tokenizer  # noqa: E402
 
 BASE_CONFIG = REPO / "configs/redis.yaml"
 STOP_TIMEOUT_S = 120  # serve removes its app and workers on SIGTERM
+LOG_TAG = "http_rag"  # starts every progress line (bench/soak.py sets its own)
 
 
 def log(message: str) -> None:
-    print(f"[http_rag {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    print(f"[{LOG_TAG} {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def free_port() -> int:
@@ -225,8 +226,10 @@ class ServeProcess:
 
     OWN_LINE = re.compile(r"^(chunkserve|model |starting |error|Traceback|\S+Error)")
 
-    def __init__(self, sets: list[str], env: dict, log_path: Path) -> None:
-        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(BASE_CONFIG)]
+    def __init__(
+        self, sets: list[str], env: dict, log_path: Path, config: Path = BASE_CONFIG
+    ) -> None:
+        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config)]
         for item in sets:
             cmd += ["--set", item]
         self.log_path = log_path

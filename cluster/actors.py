@@ -10,6 +10,8 @@ Invariants:
   removes them once the app is gone (``serve delete``, ``serve shutdown``, the end of
   ``serve run``); ``kill_cluster`` removes them at once. A batch job's are owned by
   the job's driver and die with it.
+- A serving cluster's worker is never gone for good while its app lives: once Ray
+  has spent its in-place restarts, the keeper creates it again (``ClusterKeeper``).
 - Nothing is created that the Ray cluster cannot place: ``ensure_cluster`` first
   checks the workers' resource requests against the cluster's (``check_placement``)
   and refuses with a ``ValueError`` naming the shortfall and the config keys.
@@ -320,41 +322,74 @@ def ensure_cluster(cfg: ClusterConfig, model_dir: Path, *, detached: bool) -> Cl
             num_cpus=0,
             max_restarts=-1,  # a restarted host is empty; publishers re-sync with snapshots
         ).remote(cfg.directory.lease_ttl_s)
-    engine = engine_config(cfg, model_dir)
+    placement = worker_placement(cfg, detached=detached)
+    specs = worker_specs(cfg, model_dir)
+    workers = {worker_id: start_worker(s, placement) for worker_id, s in specs.items()}
+    if detached:
+        _ensure_keeper(cfg, spec, specs, placement)
+    return ClusterActors(workers=workers, directory=spec, directory_host=host)
+
+
+@dataclass(frozen=True)
+class WorkerPlacement:
+    """How Ray starts a worker actor: the same for every worker of a cluster, and for
+    the keeper's recreation of one."""
+
+    namespace: str
+    detached: bool
+    num_cpus: float
+    num_gpus: float
+    max_restarts: int  # in-place restarts by Ray before the keeper takes over
+
+
+def worker_placement(cfg: ClusterConfig, *, detached: bool) -> WorkerPlacement:
     resources = worker_resources(cfg)
-    workers = {}
-    for worker_id in worker_ids(cfg):
-        worker_spec = WorkerSpec(
+    return WorkerPlacement(
+        namespace=cfg.ray.namespace,
+        detached=detached,
+        num_cpus=resources["CPU"],
+        num_gpus=resources["GPU"],
+        max_restarts=cfg.workers.max_restarts,
+    )
+
+
+def worker_specs(cfg: ClusterConfig, model_dir: Path) -> dict[str, WorkerSpec]:
+    engine = engine_config(cfg, model_dir)
+    return {
+        worker_id: WorkerSpec(
             worker_id=worker_id,
             engine=engine,
-            directory=spec,
+            directory=directory_spec(cfg),
             publish_interval_s=cfg.workers.publish_interval_s,
             cpu_threads=cfg.workers.cpu_threads,
             engine_process=engine_in_process(cfg),
         )
-        workers[worker_id] = WorkerActor.options(
-            name=worker_id,
-            namespace=spec.ray_namespace,
-            lifetime=lifetime,
-            get_if_exists=True,
-            num_cpus=resources["CPU"],
-            num_gpus=resources["GPU"],
-            max_restarts=cfg.workers.max_restarts,
-            max_task_retries=0,  # the router decides what may be retried
-            max_concurrency=_WORKER_CONCURRENCY,
-        ).remote(worker_spec)
-    if detached:
-        _ensure_keeper(cfg, spec)
-    return ClusterActors(workers=workers, directory=spec, directory_host=host)
+        for worker_id in worker_ids(cfg)
+    }
+
+
+def start_worker(spec: WorkerSpec, placement: WorkerPlacement) -> ActorHandle:
+    """Get or create the worker actor named ``spec.worker_id``."""
+    return WorkerActor.options(
+        name=spec.worker_id,
+        namespace=placement.namespace,
+        lifetime="detached" if placement.detached else None,
+        get_if_exists=True,
+        num_cpus=placement.num_cpus,
+        num_gpus=placement.num_gpus,
+        max_restarts=placement.max_restarts,
+        max_task_retries=0,  # the router decides what may be retried
+        max_concurrency=_WORKER_CONCURRENCY,
+    ).remote(spec)
 
 
 def find_workers(cfg: ClusterConfig) -> dict[str, ActorHandle | None]:
     """The cluster's worker actors by id (None where none runs)."""
-    return {worker_id: _find(worker_id, cfg.ray.namespace) for worker_id in worker_ids(cfg)}
+    return {worker_id: find_actor(worker_id, cfg.ray.namespace) for worker_id in worker_ids(cfg)}
 
 
 def find_keeper(cfg: ClusterConfig) -> ActorHandle | None:
-    return _find(keeper_name(cfg), cfg.ray.namespace)
+    return find_actor(keeper_name(cfg), cfg.ray.namespace)
 
 
 def kill_cluster(cfg: ClusterConfig) -> None:
@@ -378,7 +413,9 @@ def wait_ready(actors: ClusterActors, timeout_s: float) -> list[WorkerInfo]:
         raise ValueError(f"a worker failed to start: {error}") from None
 
 
-def _find(name: str, namespace: str) -> ActorHandle | None:
+def find_actor(name: str, namespace: str) -> ActorHandle | None:
+    """The live (or restarting) actor of that name, None if none answers to it (also
+    once Ray gave up restarting it: the name is free again). Blocks on the GCS."""
     try:
         return ray.get_actor(name, namespace=namespace)
     except ValueError:
@@ -387,7 +424,7 @@ def _find(name: str, namespace: str) -> ActorHandle | None:
 
 def _kill(names: Sequence[str], namespace: str) -> None:
     for name in names:
-        handle = _find(name, namespace)
+        handle = find_actor(name, namespace)
         if handle is not None:
             ray.kill(handle, no_restart=True)
 
@@ -403,14 +440,48 @@ class ClusterRecord:
     directory: DirectorySpec
 
 
-class ClusterKeeper:
-    """A serving cluster's record, and the end of its actors once its app is gone.
+@dataclass(frozen=True)
+class Recovery:
+    """What a keeper does about a worker that Ray gave up restarting (its in-place
+    restarts, ``workers.max_restarts``, are spent): it creates the actor again, the
+    attempts spaced by a backoff, for as long as the app lives."""
 
-    Invariant: after the keeper has seen its Serve app, the cluster's actors live
-    as long as the app does: when Serve has had no such app for ``gone_polls``
-    polls in a row, the keeper kills the actors named in ``actor_names`` and then
-    itself. Before it has seen the app (while ``chunkserve serve`` loads the
-    workers) it kills nothing.
+    worker_id: str
+    attempts: int  # creations tried so far
+    last_attempt_at: float  # Unix seconds
+    next_attempt_at: float  # Unix seconds; the next creation if it is gone again
+    last_error: str | None  # why the last creation failed (None: it was created)
+
+    def describe(self, now: float) -> str:
+        wait = max(0.0, self.next_attempt_at - now)
+        failed = f"; the last attempt failed: {self.last_error}" if self.last_error else ""
+        return (
+            f"Ray gave up restarting it; the keeper creates it again (attempt "
+            f"{self.attempts}, the next one in {wait:.0f} s if it is still gone{failed})"
+        )
+
+
+# The keeper's backoff between creations of a worker: doubling from the first to the
+# most; a worker that stayed up this long since its creation starts over at the first.
+RECREATE_FIRST_S = 1.0
+RECREATE_MOST_S = 60.0
+RECREATED_STABLE_S = 120.0
+
+
+class ClusterKeeper:
+    """A serving cluster's record, its workers' last resort, and the end of its actors
+    once its app is gone.
+
+    Invariants:
+    - After the keeper has seen its Serve app, the cluster's actors live as long as
+      the app does: when Serve has had no such app for ``gone_polls`` polls in a row,
+      the keeper kills the actors named in ``actor_names`` and then itself. Before it
+      has seen the app (while ``chunkserve serve`` loads the workers) it kills nothing.
+    - While the app lives, no worker is gone for good: Ray restarts a crashed worker in
+      place (``workers.max_restarts`` times); once Ray gives up (no actor answers to its
+      name), the keeper creates it again from its ``WorkerSpec``, the attempts spaced
+      by a doubling backoff (``RECREATE_FIRST_S`` to ``RECREATE_MOST_S``), for ever.
+      ``recovery()`` says what it is doing, for ``/health``.
     """
 
     def __init__(
@@ -418,18 +489,28 @@ class ClusterKeeper:
         record: ClusterRecord,
         actor_names: list[str],
         namespace: str,
+        workers: Mapping[str, WorkerSpec] | None = None,
+        placement: WorkerPlacement | None = None,
         poll_interval_s: float = 1.0,
         gone_polls: int = 5,
     ) -> None:
         self._record = record
         self._names = actor_names
         self._namespace = namespace
+        self._workers = dict(workers or {})
+        self._placement = placement
         self._interval_s = poll_interval_s
         self._gone_polls = gone_polls
+        self._recovering: dict[str, Recovery] = {}
         threading.Thread(target=self._watch, name="keeper", daemon=True).start()
 
     def record(self) -> ClusterRecord:
         return self._record
+
+    def recovery(self) -> dict[str, Recovery]:
+        """Workers the keeper has created again and that have not stayed up
+        ``RECREATED_STABLE_S`` since, by id."""
+        return dict(self._recovering)
 
     def _watch(self) -> None:
         seen, missing = False, 0
@@ -437,8 +518,10 @@ class ClusterKeeper:
             time.sleep(self._interval_s)
             try:
                 present = _app_present(self._record.app_name)
+                if present and self._placement is not None:
+                    self._recover(time.time())
             except Exception:  # a watchdog that stops watching leaks the workers
-                logger.exception("could not ask Serve about app %r", self._record.app_name)
+                logger.exception("keeper of app %r: a poll failed", self._record.app_name)
                 continue
             seen = seen or present
             missing = 0 if present else missing + 1
@@ -449,6 +532,33 @@ class ClusterKeeper:
         )
         _kill(self._names, self._namespace)
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    def _recover(self, now: float) -> None:
+        """Create again each worker no actor answers for, when its backoff allows."""
+        for worker_id, spec in self._workers.items():
+            state = self._recovering.get(worker_id)
+            if find_actor(worker_id, self._namespace) is not None:  # up, or Ray restarts it
+                if state is not None and now - state.last_attempt_at >= RECREATED_STABLE_S:
+                    logger.info("worker %s stayed up since it was created again", worker_id)
+                    del self._recovering[worker_id]
+                continue
+            if state is not None and now < state.next_attempt_at:
+                continue
+            attempts = 1 if state is None else state.attempts + 1
+            logger.warning(
+                "worker %s is gone for good (Ray gave up restarting it): creating it "
+                "again (attempt %d)",
+                worker_id,
+                attempts,
+            )
+            try:
+                start_worker(spec, self._placement)
+                error = None
+            except Exception as failure:  # noqa: BLE001 - said in /health, tried again
+                error = repr(failure)
+                logger.exception("creating worker %s again failed", worker_id)
+            delay = min(RECREATE_MOST_S, RECREATE_FIRST_S * 2 ** (attempts - 1))
+            self._recovering[worker_id] = Recovery(worker_id, attempts, now, now + delay, error)
 
 
 KeeperActor = ray.remote(ClusterKeeper)
@@ -469,7 +579,12 @@ def _app_present(app_name: str) -> bool:
         return False
 
 
-def _ensure_keeper(cfg: ClusterConfig, spec: DirectorySpec) -> None:
+def _ensure_keeper(
+    cfg: ClusterConfig,
+    spec: DirectorySpec,
+    workers: Mapping[str, WorkerSpec],
+    placement: WorkerPlacement,
+) -> None:
     names = [*worker_ids(cfg), spec.host_actor]
     record = ClusterRecord(app_name=_serve_app_name(cfg), directory=spec)
     KeeperActor.options(
@@ -479,7 +594,7 @@ def _ensure_keeper(cfg: ClusterConfig, spec: DirectorySpec) -> None:
         get_if_exists=True,
         num_cpus=0,
         max_restarts=-1,
-    ).remote(record, names, cfg.ray.namespace)
+    ).remote(record, names, cfg.ray.namespace, dict(workers), placement)
 
 
 def _serve_app_name(cfg: ClusterConfig) -> str:

@@ -28,13 +28,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field
 from ray import serve
+from ray.actor import ActorHandle
 from ray.exceptions import RayError, TaskCancelledError
 from ray.serve import Application
 from ray.serve import context as serve_context
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from cluster.actors import check_placement, ensure_cluster, replica_demand
+from cluster.actors import check_placement, ensure_cluster, find_keeper, replica_demand
 from cluster.assembly import build_service
 from cluster.chunk_protocol import ChunkList, RegisterChunkRequest
 from cluster.chunk_service import ChunkService
@@ -173,6 +174,8 @@ class ChunkserveServer:
         self._workers = config.workers.count
         self._max_body = config.server.max_request_bytes
         self._created = int(time.time())
+        self._config = config
+        self._keeper: ActorHandle | None = None  # found on the first /health that needs it
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -224,19 +227,36 @@ class ChunkserveServer:
         pool = self._service.router.pool
         await pool.start()
         healthy = pool.healthy_count()
+        if healthy == self._workers:
+            return _json({"status": "ok", "healthy_workers": healthy, "workers": healthy})
+        states = pool.describe() + await self._recovery()
         if not healthy:
-            return error_response(NoHealthyWorker(f"no healthy worker ({pool.describe()})"))
+            return error_response(NoHealthyWorker(f"no healthy worker ({states})"))
+        detail = f"{healthy} of {self._workers} workers can take requests ({states})"
         counts = {"healthy_workers": healthy, "workers": self._workers}
-        if healthy < self._workers:
-            detail = f"{healthy} of {self._workers} workers can take requests ({pool.describe()})"
-            return _json({"status": "degraded", **counts, "detail": detail})
-        return _json({"status": "ok", **counts})
+        return _json({"status": "degraded", **counts, "detail": detail})
+
+    async def _recovery(self) -> str:
+        """What the keeper is doing about workers Ray gave up restarting ("; w0: Ray
+        gave up ..."), or "" (none, or the keeper did not answer in time)."""
+        try:
+            if self._keeper is None:
+                self._keeper = await asyncio.to_thread(find_keeper, self._config)
+            if self._keeper is None:
+                return ""
+            recovery = await asyncio.wait_for(self._keeper.recovery.remote(), STATUS_TIMEOUT_S)
+        except (RayError, TimeoutError):
+            self._keeper = None  # look it up again next time
+            return ""
+        now = time.time()
+        return "".join(f"; {w}: {r.describe(now)}" for w, r in sorted(recovery.items()))
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
         """The whole app's counts (every replica's, see ``cluster.metrics``), then this
         replica's gauges and each worker's."""
         pool = self._service.router.pool
+        await pool.start()  # the first poll answered: the gauges say what /health says
         workers = sorted(pool.health())
         statuses = await asyncio.gather(*(self._worker_status(w) for w in workers))
         text = await self._shared.render(worker_families(dict(zip(workers, statuses, strict=True))))

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
-from cluster.actors import ClusterActors
+from cluster.actors import ClusterActors, find_actor
 from cluster.completions import CompletionService, ServiceSettings
 from cluster.config import ClusterConfig
 from cluster.directory_access import open_directory
@@ -39,7 +40,11 @@ def build_service(
         entry_system_prompt=cfg.engine.entry_system_prompt,
     )
     pool = WorkerPool(
-        actors.workers, agreement, cfg.router.poll_interval_s, cfg.router.poll_timeout_s
+        actors.workers,
+        agreement,
+        cfg.router.poll_interval_s,
+        cfg.router.poll_timeout_s,
+        find=functools.partial(find_actor, namespace=cfg.ray.namespace),
     )
     metrics.healthy_workers = pool.healthy_count
     weights = RoutingWeights(

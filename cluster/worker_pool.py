@@ -21,6 +21,9 @@ Invariants:
   call to it fail, a poll found the actor dead, or a poll answers with another
   epoch: it restarted): work started on an earlier incarnation will never finish,
   whatever its own awaits say.
+- A worker that Ray reports dead for good (``ActorDiedError``: its restarts spent)
+  is looked up by name again at each poll (``find``, off the event loop), so the actor
+  the keeper creates in its place is found and polled like any restarted worker.
 - No await on a worker outlives the caller: a cancelled caller returns at once,
   abandoning the call (``settle``), even where Ray never resolves the call.
 - Only the event loop that called ``start`` touches the pool.
@@ -30,12 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
 from ray.actor import ActorHandle
-from ray.exceptions import ActorDiedError, RayError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
 
 from cluster.routing_policy import WorkerView
 from workers.engine.config import DEFAULT_ENTRY_SYSTEM_PROMPT
@@ -131,6 +134,8 @@ class _Tracked:
     draining: bool = False  # refusing new work (from its last poll or refusal)
     refusal: str | None = None  # why it is REFUSED (``disagreement``)
     incarnation: int = 0  # bumped whenever the worker is found gone (module invariants)
+    down_because: str | None = None  # why it is DOWN, as its last failed poll said
+    dead: bool = False  # Ray gave up restarting ``handle``: look the name up again
 
 
 class WorkerPool:
@@ -140,8 +145,12 @@ class WorkerPool:
         agreement: Agreement,
         poll_interval_s: float,
         poll_timeout_s: float,
+        find: Callable[[str], ActorHandle | None] | None = None,
     ) -> None:
+        """``find``: the live actor of a worker id, or None (blocking: run in a thread);
+        None: a dead worker's handle is never replaced."""
         self._workers = {worker_id: _Tracked(handle) for worker_id, handle in handles.items()}
+        self._find = find
         self._agreement = agreement
         self._interval_s = poll_interval_s
         self._timeout_s = poll_timeout_s
@@ -231,6 +240,7 @@ class WorkerPool:
         if tracked.health is not Health.DOWN:
             logger.warning("worker %s is down; routing around it", worker_id)
         tracked.health = Health.DOWN
+        tracked.down_because = "a call to it failed"
         tracked.incarnation += 1
 
     # -- polling -------------------------------------------------------------------
@@ -246,6 +256,13 @@ class WorkerPool:
 
     async def _poll(self, worker_id: str) -> None:
         tracked = self._workers[worker_id]
+        if tracked.dead:
+            if self._find is None:
+                return
+            handle = await asyncio.to_thread(self._find, worker_id)
+            if handle is None:
+                return
+            tracked.handle, tracked.dead = handle, False
         sent = (tracked.requests, tracked.tokens, tracked.unreported_prefill)
         call = asyncio.ensure_future(tracked.handle.status.remote())
         try:
@@ -257,8 +274,10 @@ class WorkerPool:
                 logger.warning("worker %s did not answer a poll: %r", worker_id, error)
             if isinstance(error, ActorDiedError):
                 tracked.incarnation += 1  # its work in flight is lost
+                tracked.dead = True
             if tracked.health is Health.HEALTHY or isinstance(error, RayError):
                 tracked.health = Health.DOWN
+                tracked.down_because = _why_down(error)
             return
         finally:
             abandon(call)  # unfinished, or finished as this poll was cancelled
@@ -306,9 +325,21 @@ class WorkerPool:
         )
 
 
+def _why_down(error: BaseException) -> str:
+    if isinstance(error, ActorDiedError):
+        return "it died and Ray will not restart it"
+    if isinstance(error, ActorUnavailableError):
+        return "Ray is restarting it"
+    if isinstance(error, TimeoutError):
+        return "it did not answer a poll in time"
+    return f"a poll failed: {type(error).__name__}"
+
+
 def _state(tracked: _Tracked) -> str:
     if tracked.health is Health.REFUSED:
         return f"refused ({tracked.refusal})"
+    if tracked.health is Health.DOWN and tracked.down_because:
+        return f"down ({tracked.down_because})"
     if tracked.draining and tracked.health is Health.HEALTHY:
         return "draining"
     return tracked.health
