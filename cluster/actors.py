@@ -561,7 +561,7 @@ class ClusterKeeper:
             self._recovering[worker_id] = Recovery(worker_id, attempts, now, now + delay, error)
 
 
-KeeperActor = ray.remote(ClusterKeeper)
+KeeperActor = ray.remote(enable_task_events=False)(ClusterKeeper)  # as WorkerActor
 
 
 def _app_present(app_name: str) -> bool:

@@ -374,7 +374,7 @@ class MetricsBoard:
         return [(now - at, kept) for at, kept in self._latest.values()]
 
 
-MetricsBoardActor = ray.remote(MetricsBoard)
+MetricsBoardActor = ray.remote(enable_task_events=False)(MetricsBoard)  # as WorkerActor
 
 
 class SharedMetrics:

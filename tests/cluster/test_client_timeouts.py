@@ -2,7 +2,9 @@
 out after 2-60 ms (chunk registrations, chats that reference a chunk, plain and
 streamed chats) leaves the worker in its first incarnation, a chunk registered
 before the storm still held, the worker's pages in use and requests in flight back
-at their baseline, and no traceback in any Ray log written meanwhile."""
+at their baseline, and no traceback in any Ray log written meanwhile. Nor does the
+GCS keep a record of each request (task events: about 3 KB a call, without bound
+until Ray's cap of 100,000 calls)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import ray
+from ray.util.state import list_tasks
 
 from tests.cluster.conftest import cluster_config, stop_app, unique_name
 
@@ -146,3 +149,25 @@ def test_clients_that_time_out_crash_nothing(app, ray_cluster):
     }
     never_retrieved = [p.name for p, t in written.items() if "never retrieved" in t]
     assert not never_retrieved, never_retrieved
+    # a task with events on is recorded (so the query below can find what it looks for)
+    ray.get(_recorded_probe.remote())
+    deadline = time.monotonic() + SETTLE_S
+    while not _recorded(ray_cluster, "_recorded_probe") and time.monotonic() < deadline:
+        time.sleep(1)
+    assert _recorded(ray_cluster, "_recorded_probe")
+    assert _recorded(ray_cluster, "Worker.generate") == []
+
+
+@ray.remote(num_cpus=0)
+def _recorded_probe() -> int:
+    return 1
+
+
+def _recorded(ray_cluster, name: str) -> list:
+    """The GCS's task records of tasks called ``name`` (at most 10)."""
+    return list_tasks(
+        address=ray_cluster.dashboard_url,
+        filters=[("name", "=", name)],
+        limit=10,
+        raise_on_missing_output=False,
+    )

@@ -98,7 +98,8 @@ class DirectoryHost:
         return self._directory.stats()
 
 
-DirectoryHostActor = ray.remote(DirectoryHost)
+# No task events: every router copies its changes 20 times a second (see Worker's actor).
+DirectoryHostActor = ray.remote(enable_task_events=False)(DirectoryHost)
 
 
 class ActorDirectory:
