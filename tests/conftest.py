@@ -1,10 +1,35 @@
-"""Shared fixtures: tiny random checkpoints made by ``make_model`` (once per session)."""
+"""Shared fixtures: tiny random checkpoints made by ``make_model`` (once per session).
+
+Two lanes: ``python -m pytest`` runs the fast one (pyproject's addopts deselect the
+``integration`` marker), ``python -m pytest -m integration`` the other: every test that
+starts Ray or Redis (marked ``ray`` or ``redis``), processes or benchmarks."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+
+_INTEGRATION_MARKERS = ("ray", "redis")
+# Modules that start processes (the engine's child process, the CLI under pexpect) or
+# run benchmarks: the integration lane's too.
+_INTEGRATION_MODULES = (
+    "tests/bench/",
+    "tests/cluster/test_engine_host.py",
+    "tests/cluster/test_chat_cli.py",
+    "tests/cluster/test_serve_command.py",
+    "tests/cluster/test_routing_bench.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects: the lane marker must be there
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    root = Path(__file__).resolve().parents[1]
+    for item in items:
+        where = item.path.resolve().relative_to(root).as_posix()
+        marked = any(item.get_closest_marker(name) for name in _INTEGRATION_MARKERS)
+        if marked or where.startswith(_INTEGRATION_MODULES):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")
