@@ -20,10 +20,10 @@ more: where a request lands decides whether its document is cached. Exact reuse 
 document by what precedes it, so each (system prompt, document) pair is a prefix of its
 own: 3 x ``--docs`` of them. The default cap (``default_pages``) holds half the documents
 once, a sixth of the pairs, plus headroom for the requests in flight; four workers
-together hold two thirds of the pairs. (Until session 33 it was 24,576 pages, a third of
-the pairs on every worker, with Zipf 1.0 and 600 requests per worker: round-robin's
-misses were then mostly a document's first sight on a worker, which routing saves only
-partly.) Zipf 0.8 and 2,000 requests per worker keep first sights a small share of a run.
+together hold two thirds of the pairs. (A cap that holds a third of the pairs on every
+worker, with Zipf 1.0 and 600 requests per worker, leaves round-robin's misses mostly a
+document's first sight on a worker, which routing saves only partly.) Zipf 0.8 and 2,000
+requests per worker keep first sights a small share of a run.
 
 Every (workers, policy) run uses fresh texts (nothing cached from earlier runs) over the
 same sequence of document indices, so runs start equally cold and see the same

@@ -5,7 +5,7 @@ its placed KV closer to the KV the document gets in context?
         --json /tmp/placement_prefix.json
 
 A standalone experiment (transformers weights, float32, CPU, no engine): the
-question is whether the distortion of naive placement (DESIGN.md, "Approximate
+question is whether the distortion of naive placement (docs/design.md, "Approximate
 reuse") comes mainly from the entry being computed from position 0 (its first
 token becomes the attention sink, and its tokens never see the conversation's
 opening). Each variant builds the prompt's KV as follows:

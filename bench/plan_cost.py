@@ -13,7 +13,8 @@ the wrapper spends around the compiled planner.
 approximate request (its selection graphs captured), then time, in that process, the
 engine's own re-plan of the bucket it used (``one_row_planner``), the same measurements
 as above, and both again with Python's garbage collector frozen (``gc.freeze``): the
-re-plan took 470 us inside the engine against 165 us alone (session 34), and this
+re-plan took 470 us inside the engine (bench/approx_profile.py) against 165 us alone
+(this script without ``--engine``; one H200, c7cf6d5), and this
 tells the process's state from the call itself.
 """
 

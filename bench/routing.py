@@ -93,8 +93,9 @@ class StepCost:
         )
 
 
-# Qwen3-0.6B shapes on one H200 (bench/RESULTS.md, 2026-11-27 session 22): decode steps
-# of 1.84 / 3.02 / 6.22 ms at batch 1 / 64 / 256 (context 512), prefill 205K tokens/s.
+# Qwen3-0.6B shapes on one H200 (bench/latency.py and bench/throughput.py at 64bdb0f):
+# decode steps of 1.84 / 3.02 / 6.22 ms at batch 1 / 64 / 256 (context 512), prefill 205K
+# tokens/s.
 H200_QWEN3_06B = StepCost(base_s=1.82e-3, per_seq_s=1.72e-5, per_prompt_token_s=4.9e-6)
 # The same, with the per-sequence cost split into KV reads that grow with the context
 # (114.7 KB of KV a token at 4.8 TB/s: 23.9 ns; 12.2 us of the 17.2 at context 512) and

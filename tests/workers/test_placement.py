@@ -1,4 +1,4 @@
-"""Placement primitives (DESIGN.md, "Approximate reuse", items 1-2): a chunk computed
+"""Placement primitives (docs/design.md, "Approximate reuse", items 1-2): a chunk computed
 alone at position 0, keys rotated by p, equals the chunk computed alone at p.
 
 The reference is transformers on the same checkpoint (float32, CPU); our side is the

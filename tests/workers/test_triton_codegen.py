@@ -1,7 +1,7 @@
 """What the compiler makes of the Triton kernels, checked on any host: their code for a
 Hopper GPU is built here (PTX, no device needed) and inspected. Speed needs the GPU;
-these catch the code shapes that decide it (bench/RESULTS.md, session 26: the sampler
-lost its vector loads when its span became a runtime argument)."""
+these catch the code shapes that decide it (a span passed to the sampler as a plain
+runtime argument makes its loads of the logits 4 bytes wide instead of 16)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Chunk reuse: exact prefix reuse for every request, and for requests that ask for
 ``approximate`` reuse, position-free chunk entries placed wherever their chunk
-appears, then repaired (DESIGN.md, "Approximate reuse").
+appears, then repaired (docs/design.md, "Approximate reuse").
 
 Admission of an approximate request:
 1. The exactly matched prefix is taken as in exact mode.

@@ -15,9 +15,10 @@ DEFAULT_ENTRY_SYSTEM_PROMPT = "You are a helpful assistant."
 
 # Approximate reuse: the layer whose K/V deviation (placed vs this context) selects the
 # tokens to recompute; the layers before it run over every position up to the last
-# placed chunk, and their KV is kept. On the doc-QA model (8 layers) selecting at layer 3 instead of 1 (CacheBlend's
-# choice) took 16-document two-hop accuracy from 96.7% to 99.7% with fewer tokens
-# recomputed (bench/RESULTS.md, session 22). Models shallower than this use their last.
+# placed chunk, and their KV is kept. On the doc-QA model (8 layers), selecting at layer 3
+# instead of 1 (CacheBlend's choice) gives 99.7% 16-document two-hop accuracy against
+# 96.7%, with fewer tokens recomputed (bench/reuse_quality.py --device cpu --docs 16
+# --deviation-layer L, in bench/RESULTS.md). Models shallower than this use their last.
 DEFAULT_DEVIATION_LAYER = 3
 
 

@@ -4,7 +4,7 @@
 Each placeable chunk of a sequence (``Sequence.placeable``) takes its KV from an
 entry computed with the chunk alone from position 0; the entry's rows are copied to
 the chunk's offset with keys rotated there (``placement.place_chunk``), and nothing
-is recomputed. This is the seeds' approach whose output DESIGN.md calls gibberish:
+is recomputed. This is the seeds' approach whose output docs/design.md calls gibberish:
 a placed chunk never attended to what precedes it. ``bench/reuse_quality.py``
 measures how far it lands from full prefill.
 

@@ -1,4 +1,4 @@
-"""Placement primitives for position-free chunk entries (DESIGN.md, "Approximate
+"""Placement primitives for position-free chunk entries (docs/design.md, "Approximate
 reuse", items 1-2): move a chunk's cached K/V to another position by re-rotating
 its keys.
 

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 # naive_placement: a measurement mode (workers/engine/naive_placement.py), never offered
 REUSE_MODES = ("off", "exact", "approximate", "naive_placement")
 REQUEST_MODES = ("exact", "approximate")  # what a request may ask for
-# Repair defaults of the approximate mode, chosen from bench/reuse_quality.py on the
-# doc-QA model with entries computed after the entry context (bench/RESULTS.md): first
-# tokens changed nothing measurable (k = 0, 1, 4 alike; 2026-11-26 night session); with
-# selection at layer 3 (EngineConfig.deviation_layer) the 5% most deviating tokens kept
-# 4, 8 and 16 documents within 0.3 points of full prefill, where 3% lost a point at 4
-# documents (session 22).
+# Repair defaults of the approximate mode, chosen with bench/reuse_quality.py on the
+# doc-QA model with entries computed after the entry context (bench/RESULTS.md, "Reuse
+# quality"): recomputing first tokens changed nothing measurable (k = 0, 1 and 4 alike,
+# --repairs k=0 k=1 k=4); with selection at layer 3 (EngineConfig.deviation_layer) the
+# 5% most deviating tokens keep 4, 8 and 16 documents within 0.3 points of full
+# prefill, where 3% lose a point at 4 documents (--device cpu --docs 4 --repairs k=0,r=0.03
+# k=0,r=0.05).
 DEFAULT_FIRST_TOKENS = 0
 DEFAULT_DEVIATION_RATIO = 0.05
 

@@ -1,8 +1,9 @@
 """Where a worker actor's engine runs: in the actor's own process (``LocalEngine``: the
 loop thread beside the event loop that streams outputs), or in a child process of its
 own (``ChildEngine``, ``WorkerSpec.engine_process``), so that the engine's Python never
-waits for the GIL behind the streaming (4 H200s, session 27: a worker streaming to 24
-requests ran its decode steps 2-3x slower than its GPU; bench/RESULTS.md).
+waits for the GIL behind the streaming (on 4 H200s a worker streaming to 24 requests
+from a thread ran its decode steps 2-3x slower than its GPU, and the process served
+1.3-1.6x the requests/s: ``bench/cluster_rag.py --engine-process``).
 
 Both give the actor one interface: ``submit`` / ``abort`` (outputs reach the sink given
 with ``submit``, as ``EngineLoop.submit`` says), ``load`` / ``kv_pages`` /

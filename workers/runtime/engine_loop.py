@@ -72,7 +72,7 @@ LOAD_EWMA_WEIGHT = 0.2
 # for the size of its last small prompts. Its time feeds ``step_s`` and the decode
 # baseline. On 4 H200s, with samples from 64 tokens and no baseline, workers serving
 # mostly cache hits (40-token tails beside ~30 decoding sequences) measured 11.5K tokens/s
-# against 69-75K elsewhere, and routers sent them no misses (bench/RESULTS.md).
+# against 69-75K elsewhere, and routers sent them no misses (`bench/cluster_rag.py`).
 RATE_SAMPLE_MIN_TOKENS = 256
 # A rate sample counts at least this share of its step as prefill, however close the
 # step came to the decode baseline (a noisy baseline would otherwise give any rate).

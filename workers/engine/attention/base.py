@@ -240,9 +240,10 @@ def max_split_kv_tokens(num_heads: int, num_sms: int) -> int:
 # The other case FA3's 128-query tile serves badly: many rows of a token or a few, each
 # tile almost empty and walking its row's whole KV. That is a loaded worker's mixed step,
 # the one-token rows of decoding requests beside a cache hit's tail: 48 + 20 x 1 queries
-# over 2,600 keys 125 us a layer with FA3, 61 with FA2 (H200, bench/prefill_kernel.py,
-# session 28), which takes its smallest query tile, ``SMALL_QUERY_TILE`` packed queries
-# (new tokens x query heads per KV head), where a step's rows average at most that.
+# over 2,600 keys 125 us a layer with FA3, 61 with FA2 (H200, bench/prefill_kernel.py
+# --variants fa2 --shapes decodes), which takes its smallest query tile,
+# ``SMALL_QUERY_TILE`` packed queries (new tokens x query heads per KV head), where a
+# step's rows average at most that.
 SMALL_QUERY_TILE = 16
 
 

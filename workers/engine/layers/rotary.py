@@ -2,7 +2,7 @@
 
 Rotations compose: rotating a key by position a then by b equals rotating by a + b.
 Keys are stored rotated, so a cached key is only valid at the position it was
-computed for (exact reuse keeps positions; see DESIGN.md).
+computed for (exact reuse keeps positions; see docs/design.md).
 """
 
 from __future__ import annotations

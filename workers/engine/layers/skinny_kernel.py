@@ -6,7 +6,7 @@ decoder layer's input or post-attention norm, so a one-row step runs no norm ker
 
 At batch 1 a decode step is a walk through the weights: every projection reads its
 whole matrix once for one row. cuBLAS picks GEMM tiles for these shapes that take
-5-12 us where the bytes need 1-3 us at HBM bandwidth (bench/RESULTS.md, session 24).
+5-12 us where the bytes need 1-3 us at HBM bandwidth (H200, bench/skinny_gemm.py --rows 1).
 Here each program owns ``BLOCK_N`` output columns of every row, streams their weight
 rows along K (contiguous in ``nn.Linear``'s ``[N, K]`` layout) and reduces in float32;
 ``SPLIT_K > 1`` splits K over programs as well, each writing a float32 partial that a
@@ -158,7 +158,8 @@ def _reduce_kernel(
 def default_tiles(n: int, k: int, rows: int, sms: int) -> Tiles:
     """Tiles for ``n`` output columns over ``k``: four columns a program, K in wide
     loads, split along K only when the columns alone give fewer programs than SMs
-    (the best of the sweep for Qwen3-0.6B's shapes on an H200, bench/RESULTS.md)."""
+    (the best of the sweep for Qwen3-0.6B's shapes on an H200,
+    bench/skinny_gemm.py --rows 1 4)."""
     block_k = max(256, 1024 // rows)
     block_n = 4
     split_k = 1
