@@ -1,6 +1,6 @@
 """Training and evaluating the doc-QA model (``make-model --preset docqa``).
 
-The model is a small Qwen3 (``modeltools.make_model.PRESETS["docqa"]``) trained from
+The model is a small Qwen3 (``modeltools.model_config.PRESETS["docqa"]``) trained from
 scratch on ``modeltools.docqa_data`` conversations, tokenized exactly as the engine
 serves them: the prompt is ``chunk_conversation``'s canonical chunk-by-chunk
 tokenization, the target is the assistant turn the ChatML template renders — the answer,
@@ -42,6 +42,15 @@ from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 from modeltools import docqa_data
 from modeltools.docqa_data import DocQAExample, reply_text
 from modeltools.docqa_guides import GuideFinder, guide_heads, guide_loss, guide_tensor
+from modeltools.model_config import (
+    DTYPES,
+    build_config,
+    check_out_dir,
+    clear_stale_weights,
+    dtype_name,
+    write_config,
+    write_generation_config,
+)
 from modeltools.tokenizer_builder import build_tokenizer, chat_family, save_tokenizer
 
 FAMILY = "qwen3"
@@ -664,16 +673,6 @@ def make_docqa_model(
 ) -> Path:
     """Trains the doc-QA model and writes it to ``out_dir`` in the Hugging Face layout.
     ``train_options`` are ``TrainConfig`` fields (steps, batch_size, lr, ...)."""
-    from modeltools.make_model import (
-        _DTYPES,
-        _check_out_dir,
-        _clear_stale_weights,
-        _dtype_name,
-        _write_config,
-        _write_generation_config,
-        build_config,
-    )
-
     known = {f.name for f in fields(TrainConfig)}
     unknown = sorted(set(train_options) - known)
     if unknown:
@@ -686,7 +685,7 @@ def make_docqa_model(
     if cfg.guide_weight < 0 or (cfg.guide_weight > 0 and not cfg.answer_space):
         raise ValueError("guide_weight must be 0, or positive with answer_space")
     out = Path(out_dir)
-    _check_out_dir(out, overwrite)
+    check_out_dir(out, overwrite)
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     tokenizer = build_docqa_tokenizer()
     config = build_config("docqa", FAMILY, tokenizer, overrides, dtype)
@@ -701,16 +700,16 @@ def make_docqa_model(
     summary = train(model, tokenizer, cfg, log)
     model.set_attn_implementation("sdpa")
     summary = {"seed": seed, "parameters": n_params, "config": asdict(cfg), **summary}
-    _clear_stale_weights(out)
-    weight_dtype = _DTYPES[_dtype_name(config.dtype)]
+    clear_stale_weights(out)
+    weight_dtype = DTYPES[dtype_name(config.dtype)]
     state = {
         k: v.detach().to("cpu", weight_dtype).contiguous()
         for k, v in model.state_dict().items()
         if not (config.tie_word_embeddings and k == "lm_head.weight")
     }
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    _write_config(out, config)
-    _write_generation_config(out, tokenizer, FAMILY)
+    write_config(out, config)
+    write_generation_config(out, tokenizer, FAMILY)
     tokenizer.model_max_length = config.max_position_embeddings
     save_tokenizer(tokenizer, out)
     (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
