@@ -72,7 +72,7 @@ def main() -> None:
     def planners(timeline: Timeline) -> None:  # the selection graphs' compiled planner
         selection = runner.engine.runner.selection_graphs
         for g in (selection.graphs if selection is not None else {}).values():
-            timeline.wrap(g, "plan", "workers.engine.selection_graphs:planner")
+            timeline.wrap(g, "plan", "workers.engine.graphs.selection:planner")
 
     profile_first_token(first_token, args.trace, planners)
 

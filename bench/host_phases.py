@@ -177,18 +177,18 @@ ENGINE_STEP = [
     "workers.engine.placement:place_chunk",  # place_spans' copy to the device and launch
     "workers.engine.layers.placement_kernel:place_rows",
     "workers.engine.model_runner:ModelRunner.repair_selecting",
-    "workers.engine.selection_graphs:SelectionGraphs.start",
-    "workers.engine.selection_graphs:stage_selection",
-    "workers.engine.selection_graphs:plan_prefill",  # at a bucket's capture
-    "workers.engine.selection_graphs:SelectionGraphs.finish",
+    "workers.engine.graphs.selection:SelectionGraphs.start",
+    "workers.engine.graphs.selection:stage_selection",
+    "workers.engine.graphs.selection:plan_prefill",  # at a bucket's capture
+    "workers.engine.graphs.selection:SelectionGraphs.finish",
     "flashinfer.prefill:BatchPrefillWithPagedKVCacheWrapper.plan",  # FlashInfer's own part
-    "workers.engine.kept_graphs:KeptRowsGraphs.run",
-    "workers.engine.flashinfer_graphs:FlashInferGraphs.replay",
+    "workers.engine.graphs.kept:KeptRowsGraphs.run",
+    "workers.engine.graphs.step:FlashInferGraphs.replay",
     "workers.engine.attention.flashinfer_backend:FlashInferBackend.plan",
     "workers.engine.attention.flashinfer_backend:plan_prefill",  # eager steps
-    "workers.engine.prefill_graphs:plan_prefill",  # (imported by name there)
-    "workers.engine.prefill_graphs:PrefillGraphs.run",
-    "workers.engine.cuda_graphs:DecodeGraphs.run",
+    "workers.engine.graphs.prefill:plan_prefill",  # (imported by name there)
+    "workers.engine.graphs.prefill:PrefillGraphs.run",
+    "workers.engine.graphs.decode:DecodeGraphs.run",
     "torch.cuda.graphs:CUDAGraph.replay",
     "workers.engine.engine:sample_on_device",
     "workers.engine.engine:Engine._resolve",
@@ -206,12 +206,12 @@ ADMISSION_TIMELINE = [
     "workers.engine.approximate:ChunkReuse.admit",
     "workers.engine.model_runner:ModelRunner.repair_selecting",
     "workers.engine.model_runner:build_inputs",
-    "workers.engine.selection_graphs:SelectionGraphs.start",
-    "workers.engine.selection_graphs:stage_selection",
+    "workers.engine.graphs.selection:SelectionGraphs.start",
+    "workers.engine.graphs.selection:stage_selection",
     "workers.engine.approximate:place_spans",
-    "workers.engine.selection_graphs:SelectionGraphs.finish",
+    "workers.engine.graphs.selection:SelectionGraphs.finish",
     "torch.cuda.graphs:CUDAGraph.replay",
-    "workers.engine.kept_graphs:KeptRowsGraphs.run",
+    "workers.engine.graphs.kept:KeptRowsGraphs.run",
     "workers.engine.engine:sample_on_device",
     "workers.engine.engine:Engine._resolve",
     "workers.engine.engine:Engine._emit_token",

@@ -55,7 +55,7 @@ def timed(call, label: str, reps: int) -> None:
 def engine_planner(model_dir: str | None):
     """An engine after one approximate request, and its re-plan of the bucket used."""
     from bench.approx_speed import FIRST_TOKEN, QUESTION, SYSTEM, held_documents, layout
-    from workers.engine.graph_inputs import PLAN_FIELDS
+    from workers.engine.graphs.inputs import PLAN_FIELDS
     from workers.engine.reuse_info import ReuseRequest
 
     runner, docs, draw = held_documents(model_dir)

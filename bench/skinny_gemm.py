@@ -27,12 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import device_line, measure_bandwidth  # noqa: E402
 from workers.engine.device_properties import sm_count  # noqa: E402
 from workers.engine.layers.skinny_choice import (  # noqa: E402
-    Tiles,
     cublas_product,
     float32_product,
     graph_us,
 )
 from workers.engine.layers.skinny_kernel import default_tiles, skinny_matmul  # noqa: E402
+from workers.engine.layers.tiles import Tiles  # noqa: E402
 
 NUM_LAYERS = 28
 REPLAYS = 20

@@ -16,8 +16,8 @@ from workers.engine.layers.skinny_choice import float32_product as reference
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (1000, 1000)])
 def test_skinny_matmul_equals_float32_product(gated, rows, n, k):
-    from workers.engine.layers.skinny_choice import Tiles
     from workers.engine.layers.skinny_kernel import default_tiles, skinny_matmul
+    from workers.engine.layers.tiles import Tiles
 
     gen = torch.Generator(device="cuda").manual_seed(rows * n + k)
     x = torch.randn((rows, k), generator=gen, device="cuda").to(torch.bfloat16)
@@ -109,7 +109,8 @@ def test_one_row_steps_through_the_kernel_match_cublas(qwen3_06b):
 
     from tests.workers.reference import prefill_hidden
     from workers import LLM
-    from workers.engine.layers.skinny_choice import KINDS, Tiles
+    from workers.engine.layers.skinny_choice import KINDS
+    from workers.engine.layers.tiles import Tiles
 
     llm = LLM(qwen3_06b, page_size=16, num_pages=512, skinny_matmul=False)
     model = llm.engine.runner.model

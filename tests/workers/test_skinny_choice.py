@@ -13,11 +13,11 @@ from workers.engine.layers.skinny_choice import (
     MIN_GAIN,
     KindTiming,
     SkinnyChoice,
-    Tiles,
     choose,
     decide,
     eligible,
 )
+from workers.engine.layers.tiles import Tiles
 
 ONE_ROW = Tiles(block_n=4, block_k=1024, split_k=1, num_warps=4)
 

@@ -112,12 +112,12 @@ def test_elementwise_ops_follow_the_backend(tiny_qwen3):
 
 
 def test_a_step_loads_into_a_graphs_buffers_with_padding_on_the_scratch_page():
-    """The one way every CUDA-graph kind loads a step (graph_inputs.load_step): real
+    """The one way every CUDA-graph kind loads a step (graphs.inputs.load_step): real
     tokens first; padding computes token 0 at position 0 and writes the scratch page."""
     from types import SimpleNamespace
 
     from workers.engine.attention.base import kv_write_rows
-    from workers.engine.graph_inputs import load_step
+    from workers.engine.graphs.inputs import load_step
 
     size, scratch = 8, 99
     graph = SimpleNamespace(
@@ -139,7 +139,7 @@ def test_a_step_loads_into_a_graphs_buffers_with_padding_on_the_scratch_page():
 
 
 def test_a_selection_forward_stages_its_inputs_for_two_copies():
-    """graph_inputs.stage_selection: a selection graph's inputs for one row of
+    """graphs.inputs.stage_selection: a selection graph's inputs for one row of
     consecutive positions, packed where input_layout puts them, equal to what
     build_inputs gives that row (real tokens first; padding is token 0 at position 0
     on the scratch page, never a candidate), and its plan inputs where PLAN_FIELDS and
@@ -149,7 +149,7 @@ def test_a_selection_forward_stages_its_inputs_for_two_copies():
     overwritten."""
     import numpy as np
 
-    from workers.engine.graph_inputs import (
+    from workers.engine.graphs.inputs import (
         PLAN_FIELDS,
         PLAN_PAGES,
         input_layout,
@@ -196,7 +196,7 @@ def test_a_selection_forward_stages_its_inputs_for_two_copies():
     assert again[:PLAN_PAGES].tolist() == plan[:PLAN_PAGES].tolist()
     # a bucket's capture layout is its row from position 0: the plan a graph holds after
     # capture is the one stage_selection asks for at start 0 (SelectionGraphs skips it)
-    from workers.engine.graph_inputs import capture_layout
+    from workers.engine.graphs.inputs import capture_layout
 
     for bucket in (64, 512, 520):
         captured = capture_layout(bucket, 1, scratch, PAGE)

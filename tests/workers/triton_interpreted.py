@@ -23,8 +23,9 @@ def _sm_count(monkeypatch):
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_skinny_matmul(gated, rows):
-    from workers.engine.layers.skinny_choice import Tiles, float32_product
+    from workers.engine.layers.skinny_choice import float32_product
     from workers.engine.layers.skinny_kernel import skinny_matmul
+    from workers.engine.layers.tiles import Tiles
 
     gen = torch.Generator().manual_seed(rows)
     n, k = 40, 600  # neither divides the tiles
@@ -40,8 +41,9 @@ def test_skinny_matmul(gated, rows):
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_skinny_norm_matmul(gated, with_residual):
-    from workers.engine.layers.skinny_choice import Tiles, float32_product, normed
+    from workers.engine.layers.skinny_choice import float32_product, normed
     from workers.engine.layers.skinny_kernel import skinny_norm_matmul
+    from workers.engine.layers.tiles import Tiles
 
     gen = torch.Generator().manual_seed(7)
     n, k, rows = 40, 600, 2
@@ -154,7 +156,8 @@ def test_a_one_row_step_through_every_skinny_path_matches_the_plain_path(tiny_qw
 
     from tests.workers.reference import prefill_hidden
     from workers import LLM
-    from workers.engine.layers.skinny_choice import KINDS, Tiles
+    from workers.engine.layers.skinny_choice import KINDS
+    from workers.engine.layers.tiles import Tiles
 
     llm = LLM(tiny_qwen3)
     model = llm.engine.runner.model

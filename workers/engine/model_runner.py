@@ -320,7 +320,7 @@ class ModelRunner:
         plus the ``keep`` candidates whose K/V at ``layer`` deviate most (squared
         distance) from the placed K/V. The other candidates keep their placed KV from
         ``layer`` on. One forward, chosen on the device: nothing waits for it (but
-        see ``selection_graphs`` on two of one bucket back to back, and a graph's
+        see ``graphs.selection`` on two of one bucket back to back, and a graph's
         capture on first use, which synchronizes).
         ``logits``: also return position ``end - 1``'s logits [1, vocab] (float32; it
         must not be a candidate), so that no step computes it again.
@@ -399,12 +399,12 @@ class ModelRunner:
     def use_admission_graphs(self, layer: int) -> None:
         """Run ``repair_selecting``'s forward through CUDA graphs (captured on first use)
         when it selects at ``layer``, where CUDA graphs are on: its selection pass with
-        the FlashInfer backend (``selection_graphs``), its kept rows where the scattered
-        kernel runs (``kept_graphs``: CUDA, fused ops)."""
+        the FlashInfer backend (``graphs.selection``), its kept rows where the scattered
+        kernel runs (``graphs.kept``: CUDA, fused ops)."""
         if self.graphs is None:
             return
         if self.backend.name == "flashinfer":
-            from workers.engine.selection_graphs import SelectionGraphs  # CUDA only
+            from workers.engine.graphs.selection import SelectionGraphs  # CUDA only
 
             self.selection_graphs = SelectionGraphs(
                 self.model,
@@ -416,7 +416,7 @@ class ModelRunner:
             )
         if not self.scattered.use_kernel:
             return
-        from workers.engine.kept_graphs import KeptRowsGraphs  # CUDA only
+        from workers.engine.graphs.kept import KeptRowsGraphs  # CUDA only
 
         self.kept_graphs = KeptRowsGraphs(
             self.model,

@@ -20,7 +20,7 @@ from workers.engine.attention.base import BatchLayout
 
 # Cascade pays when the KV reads it saves outweigh its fixed cost (planning, and per
 # layer a gather, a kernel per level, merges and a scatter), which depends on whether
-# the step replays a CUDA graph (cascade_graphs) or runs eagerly (graphs off).
+# the step replays a CUDA graph (graphs.cascade) or runs eagerly (graphs off).
 # Graphs: on an H200 (bench/cascade.py, synchronized steps) a cascade step at batch 8
 # over 256 shared tokens cost 2.4 ms more than a plain decode step, about 0.4 GB of KV
 # reads per layer at 4.8 TB/s, and 64 x 4K shared (1.06 GB saved a layer) ran 8.6 ms

@@ -187,11 +187,11 @@ class FlashInferBackend:
     ):
         """Decode graphs (plain decode steps of up to ``max_batch_size`` sequences),
         cascade decode graphs (the same sizes, when cascade is on) and prefill graphs
-        (steps of up to 1,024 new tokens), ``flashinfer_graphs``."""
-        from workers.engine.cascade_graphs import CascadeGraphs
-        from workers.engine.cuda_graphs import DecodeGraphs
-        from workers.engine.flashinfer_graphs import FlashInferGraphs
-        from workers.engine.prefill_graphs import PrefillGraphs
+        (steps of up to 1,024 new tokens), ``graphs.step``."""
+        from workers.engine.graphs.cascade import CascadeGraphs
+        from workers.engine.graphs.decode import DecodeGraphs
+        from workers.engine.graphs.prefill import PrefillGraphs
+        from workers.engine.graphs.step import FlashInferGraphs
 
         decode = DecodeGraphs(
             model, self, kv_caches, scratch_page, max_batch_size, max_pages_per_seq

@@ -16,7 +16,7 @@ from workers.engine.layers.norm import RMSNorm
 from workers.engine.layers.ops import apply_rope, project
 
 if TYPE_CHECKING:
-    from workers.engine.layers.skinny_choice import Tiles
+    from workers.engine.layers.tiles import Tiles
 
 
 class SelfAttention(nn.Module):

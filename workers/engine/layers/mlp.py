@@ -14,7 +14,7 @@ from torch import nn
 from workers.engine.layers.ops import project, silu_and_mul
 
 if TYPE_CHECKING:
-    from workers.engine.layers.skinny_choice import Tiles
+    from workers.engine.layers.tiles import Tiles
 
 
 class GatedMLP(nn.Module):

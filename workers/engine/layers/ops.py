@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from workers.engine.layers.skinny_choice import Tiles
+    from workers.engine.layers.tiles import Tiles
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool) -> torch.Tensor:

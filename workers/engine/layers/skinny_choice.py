@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.engine.layers.ops import add_rms_norm, silu_and_mul
+from workers.engine.layers.tiles import Tiles
 
 logger = logging.getLogger(__name__)
 
@@ -33,16 +34,6 @@ KINDS = ("qkv", "o", "gate_up", "down")  # the gate_up kind fuses silu_and_mul
 NORMED = {"qkv": "input_layernorm", "gate_up": "post_attention_layernorm"}
 MIN_GAIN = 1.05  # cuBLAS time / kernel time needed to switch (timing noise is ~1-2%)
 REPLAYS = 10
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """How ``layers/skinny_kernel`` splits one matmul over programs."""
-
-    block_n: int  # output columns a program owns
-    block_k: int  # weight elements per row loaded at once
-    split_k: int  # programs sharing one column block along K
-    num_warps: int
 
 
 @dataclass(frozen=True)
@@ -241,7 +232,7 @@ def _measure(model: nn.Module, kind: str) -> KindTiming:
 
 def graph_us(calls, replays: int = REPLAYS) -> float:
     """Microseconds a call: ``calls`` captured once in a CUDA graph, replayed."""
-    from workers.engine.cuda_graphs import capture  # imports FlashInfer: CUDA hosts
+    from workers.engine.graphs.capture import capture  # imports FlashInfer: CUDA hosts
 
     graph, _ = capture(lambda: [call() for call in calls], pool=None)
     graph.replay()  # the first replay uploads the graph

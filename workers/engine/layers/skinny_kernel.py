@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from workers.engine import device_properties
-from workers.engine.layers.skinny_choice import Tiles
+from workers.engine.layers.tiles import Tiles
 
 MAX_ROWS = 4  # rows this path takes; wider inputs go to cuBLAS
 

@@ -18,7 +18,7 @@ from workers.engine.layers.rotary import cos_sin_cache
 from workers.engine.models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from workers.engine.layers.skinny_choice import Tiles
+    from workers.engine.layers.tiles import Tiles
 
 
 class DecoderLayer(nn.Module):
@@ -174,7 +174,7 @@ class DecoderModel(nn.Module):
         layers before it over every new token, writing their KV (and reading no other
         layer's). Returns the last one's output and the residual stream, what
         ``selection_deviation`` takes. No host sync: it runs in a CUDA graph
-        (``selection_graphs``)."""
+        (``graphs.selection``)."""
         return self._layers(
             0, self.embed_tokens(input_ids), None, positions, kv_caches, backend, metadata, layer
         )

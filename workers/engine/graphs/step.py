@@ -1,6 +1,6 @@
 """The CUDA graphs a FlashInfer backend captures (``FlashInferBackend.capture_graphs``):
-decode graphs (``cuda_graphs.DecodeGraphs``), cascade decode graphs
-(``cascade_graphs.CascadeGraphs``) and prefill graphs (``prefill_graphs.PrefillGraphs``)
+decode graphs (``graphs.decode.DecodeGraphs``), cascade decode graphs
+(``graphs.cascade.CascadeGraphs``) and prefill graphs (``graphs.prefill.PrefillGraphs``)
 behind one ``replay``, so the model runner asks whether a graph fits a step without
 knowing which backend it has."""
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from workers.engine.attention.base import BatchLayout
-from workers.engine.cascade_graphs import CascadeGraphs
-from workers.engine.cuda_graphs import DecodeGraphs
-from workers.engine.prefill_graphs import PrefillGraphs
+from workers.engine.graphs.cascade import CascadeGraphs
+from workers.engine.graphs.decode import DecodeGraphs
+from workers.engine.graphs.prefill import PrefillGraphs
 
 
 class FlashInferGraphs:

@@ -3,7 +3,7 @@
 not by the GPU: a cache hit's uncached tail, a short prompt, a few short prompts
 batched, and an approximate request's first-token repair (``first_tokens`` without a
 deviation ratio: one row per placed chunk's first tokens). Repairs chosen by deviation
-run at admission instead (``kept_graphs``).
+run at admission instead (``graphs.kept``).
 
 One graph per (token bucket, row bucket, kernel), the kernel the step's eager plan
 would take (``FlashInferBackend.prefill_kernel``): steps that ``prefers_split_kv`` (a
@@ -48,8 +48,8 @@ from workers.engine.attention.flashinfer_backend import (
     FlashInferMetadata,
     plan_prefill,
 )
-from workers.engine.cuda_graphs import capture
-from workers.engine.graph_inputs import capture_layout, load_step
+from workers.engine.graphs.capture import capture
+from workers.engine.graphs.inputs import capture_layout, load_step
 from workers.engine.models.decoder import DecoderModel
 
 # 384, 640 and 768: steps of a few hundred tokens (a cache hit's tail; before session

@@ -22,7 +22,7 @@ import torch
 
 from workers.engine.attention.base import kv_write_rows
 from workers.engine.attention.scattered import ScatteredAttention, ScatteredMetadata
-from workers.engine.cuda_graphs import capture
+from workers.engine.graphs.capture import capture
 from workers.engine.models.decoder import DecoderModel
 
 ROW_BUCKETS = (64, 128, 256, 512, 1024)

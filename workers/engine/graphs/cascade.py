@@ -27,8 +27,8 @@ from workers.engine.attention.flashinfer_backend import (
     FlashInferBackend,
     FlashInferMetadata,
 )
-from workers.engine.cuda_graphs import capture
-from workers.engine.graph_inputs import load_step
+from workers.engine.graphs.capture import capture
+from workers.engine.graphs.inputs import load_step
 from workers.engine.models.decoder import DecoderModel
 
 # Cascade pays only for large batches (attention/cascade_plan's cost model), so fewer

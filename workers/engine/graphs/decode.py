@@ -20,7 +20,8 @@ from workers.engine.attention.flashinfer_backend import (
     FlashInferMetadata,
     plan_decode,
 )
-from workers.engine.graph_inputs import load_step
+from workers.engine.graphs.capture import capture
+from workers.engine.graphs.inputs import load_step
 from workers.engine.models.decoder import DecoderModel
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 512)
@@ -132,20 +133,3 @@ def _padded(layout: BatchLayout, pad: int, scratch_page: int) -> BatchLayout:
         ),
         page_size=layout.page_size,
     )
-
-
-def capture(forward, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """Warm ``forward`` up on a side stream (kernel selection, lazy allocations), then
-    capture it into a graph drawing on the shared memory ``pool``; returns the graph
-    and the output tensor that each replay overwrites."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            forward()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        output = forward()
-    torch.cuda.synchronize()
-    return graph, output

@@ -17,7 +17,7 @@ fine-grained), captured on first use (about 0.1 s each; an engine that never ser
 approximate reuse captures none). The forward is one layout row (consecutive
 positions). Padding tokens compute token 0 at position 0, write their KV to the
 scratch page and are never attended to by a real token
-(``graph_inputs.stage_selection``); outputs past the real tokens are never read.
+(``graphs.inputs.stage_selection``); outputs past the real tokens are never read.
 Outputs land in buffers shared by every bucket, sized for the largest, so a graph
 keeps no output memory of its own; intermediates draw on one memory pool.
 
@@ -73,8 +73,8 @@ from workers.engine.attention.flashinfer_backend import (
     one_row_planner,
     plan_prefill,
 )
-from workers.engine.cuda_graphs import capture
-from workers.engine.graph_inputs import (
+from workers.engine.graphs.capture import capture
+from workers.engine.graphs.inputs import (
     PLAN_FIELDS,
     PLAN_PAGES,
     capture_layout,
