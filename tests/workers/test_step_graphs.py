@@ -1,7 +1,8 @@
-"""The model runner's seam with its attention backend's CUDA graphs and fused ops:
-the backend captures the graphs (or has none) and says whether the model runs fused
-elementwise kernels; the runner replays whatever fits and never asks which backend
-it has. On the CPU, with a backend that wraps the torch reference."""
+"""The model runner's seam with CUDA graphs and its attention backend's fused ops: the
+runner captures step graphs over a backend with graph hooks (none without), the
+backend says whether the model runs fused elementwise kernels, and the runner replays
+whatever fits, never asking which backend it has. On the CPU, with a backend that wraps
+the torch reference and a capture function that stands in for ``graphs.step``'s."""
 
 from __future__ import annotations
 
@@ -40,20 +41,23 @@ class ReplayOneTokenSteps:
 class CapturingBackend(TorchAttentionBackend):
     name = "not-one-the-runner-knows"
     fused_ops = False
+    graph_hooks = True
 
     def __init__(self, shape: AttentionShape, vocab: int) -> None:
         super().__init__(shape)
         self.graphs = ReplayOneTokenSteps(vocab)
         self.captured_with: dict | None = None
 
-    def capture_graphs(self, model, kv_caches, scratch_page, max_batch_size, max_pages_per_seq):
-        self.captured_with = {
-            "layers": len(kv_caches),
-            "scratch_page": scratch_page,
-            "max_batch_size": max_batch_size,
-            "max_pages_per_seq": max_pages_per_seq,
-        }
-        return self.graphs
+
+def capture(model, backend, kv_caches, scratch_page, max_batch_size, max_pages_per_seq):
+    """Stands in for ``graphs.step.capture_step_graphs``: records what it was given."""
+    backend.captured_with = {
+        "layers": len(kv_caches),
+        "scratch_page": scratch_page,
+        "max_batch_size": max_batch_size,
+        "max_pages_per_seq": max_pages_per_seq,
+    }
+    return backend.graphs
 
 
 def _runner(model_dir, backend_for, enable_cuda_graphs: bool):
@@ -64,7 +68,9 @@ def _runner(model_dir, backend_for, enable_cuda_graphs: bool):
         torch.device("cpu"),
     )  # fmt: skip
     backend = backend_for(shape, config.vocab_size)
-    runner = ModelRunner(model, backend, 64, PAGE, 320, 4, enable_cuda_graphs)
+    runner = ModelRunner(
+        model, backend, 64, PAGE, 320, 4, enable_cuda_graphs, capture_graphs=capture
+    )
     return runner, backend, config
 
 

@@ -11,7 +11,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.engine.attention.base import AttentionBackend, AttentionShape, BatchLayout
+from workers.engine.attention.base import (
+    AttentionBackend,
+    AttentionShape,
+    BatchLayout,
+    StepGraphs,
+)
 from workers.engine.attention.scattered import ScatteredAttention
 from workers.engine.layers.skinny_choice import SkinnyChoice
 from workers.engine.layers.skinny_choice import choose as choose_skinny
@@ -199,6 +204,11 @@ def _int32(page_ids) -> np.ndarray:
     return np.asarray(page_ids, dtype=np.int32)
 
 
+# (model, backend, kv_caches, scratch_page=, max_batch_size=, max_pages_per_seq=) -> the
+# step graphs; ``graphs.step.capture_step_graphs`` is the one a CUDA engine uses
+CaptureGraphs = Callable[..., StepGraphs]
+
+
 class ModelRunner:
     """Owns the KV tensors: ``num_pages`` pool pages plus one scratch page (index
     ``num_pages``) that padded CUDA-graph rows read and write."""
@@ -213,7 +223,10 @@ class ModelRunner:
         max_num_seqs: int,
         enable_cuda_graphs: bool,
         skinny_matmul: bool = True,
+        capture_graphs: CaptureGraphs | None = None,
     ) -> None:
+        """``capture_graphs``: what captures the step graphs over a backend with
+        ``graph_hooks`` (None: ``graphs.step.capture_step_graphs``, CUDA only)."""
         self.model = model
         self.backend = backend
         self.page_size = page_size
@@ -260,18 +273,21 @@ class ModelRunner:
         # graphs of repair_selecting's two halves (use_admission_graphs)
         self.selection_graphs = None
         self.kept_graphs = None
-        # CUDA graphs are the backend's (None: it has none, or they are off)
-        self.graphs = (
-            backend.capture_graphs(
+        # CUDA graphs of the steps (None: off, or a backend without graph hooks)
+        self.graphs: StepGraphs | None = None
+        if enable_cuda_graphs and backend.graph_hooks:
+            if capture_graphs is None:
+                from workers.engine.graphs.step import capture_step_graphs  # CUDA only
+
+                capture_graphs = capture_step_graphs
+            self.graphs = capture_graphs(
                 model,
+                backend,
                 self.kv_caches,
                 scratch_page=self.scratch_page,
                 max_batch_size=max_num_seqs,
                 max_pages_per_seq=self.max_pages_per_seq,
             )
-            if enable_cuda_graphs
-            else None
-        )
 
     @staticmethod
     def bytes_per_page(config, page_size: int, dtype: torch.dtype) -> int:
@@ -403,7 +419,7 @@ class ModelRunner:
         kernel runs (``graphs.kept``: CUDA, fused ops)."""
         if self.graphs is None:
             return
-        if self.backend.name == "flashinfer":
+        if self.backend.graph_hooks:
             from workers.engine.graphs.selection import SelectionGraphs  # CUDA only
 
             self.selection_graphs = SelectionGraphs(

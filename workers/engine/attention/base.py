@@ -99,7 +99,8 @@ class AttentionMetadata(Protocol):
 
 
 class StepGraphs(Protocol):
-    """CUDA graphs an attention backend captured (``AttentionBackend.capture_graphs``)."""
+    """CUDA graphs of a model's steps (``workers.engine.graphs``), captured by the model
+    runner over a backend with ``graph_hooks``."""
 
     def replay(
         self,
@@ -126,6 +127,9 @@ class AttentionBackend(Protocol):
 
     name: str
     fused_ops: bool  # whether models run fused elementwise kernels (layers/ops)
+    # whether ``workers.engine.graphs`` captures this backend's steps in CUDA graphs (it
+    # drives the backend's plan hooks); False: every step runs eagerly
+    graph_hooks: bool
     # the attention kind the last step ran ("decode", "prefill", "cascade", ...; set by
     # ``plan`` or a graph's replay): what step tallies call it
     last_plan_kind: str
@@ -140,19 +144,6 @@ class AttentionBackend(Protocol):
         """A plan for a forward queued outside the engine's steps (at admission, while
         a step may still be in flight): it must not disturb the plans of steps, nor
         those of other forwards queued aside before it."""
-        ...
-
-    def capture_graphs(
-        self,
-        model,
-        kv_caches: list[torch.Tensor],
-        scratch_page: int,
-        max_batch_size: int,
-        max_pages_per_seq: int,
-    ) -> StepGraphs | None:
-        """CUDA graphs of the model's steps with this backend's kernels, or None where it
-        has none (every step then runs eagerly). ``scratch_page`` is a KV page the pool
-        never hands out, for padding rows to read and write."""
         ...
 
     def forward(

@@ -71,6 +71,7 @@ class FlashInferMetadata:
 class FlashInferBackend:
     name = "flashinfer"
     fused_ops = True  # models run FlashInfer's fused norms, RoPE and gate (layers/ops)
+    graph_hooks = True  # ``workers.engine.graphs`` captures its steps (the plan hooks)
 
     def __init__(
         self,
@@ -177,44 +178,11 @@ class FlashInferBackend:
         plan_prefill(wrapper, layout, self.shape)
         return FlashInferMetadata(slots, wrapper)
 
-    def capture_graphs(
-        self,
-        model,
-        kv_caches: list[torch.Tensor],
-        scratch_page: int,
-        max_batch_size: int,
-        max_pages_per_seq: int,
-    ):
-        """Decode graphs (plain decode steps of up to ``max_batch_size`` sequences),
-        cascade decode graphs (the same sizes, when cascade is on) and prefill graphs
-        (steps of up to 1,024 new tokens), ``graphs.step``."""
-        from workers.engine.graphs.cascade import CascadeGraphs
-        from workers.engine.graphs.decode import DecodeGraphs
-        from workers.engine.graphs.prefill import PrefillGraphs
-        from workers.engine.graphs.step import FlashInferGraphs
-
-        decode = DecodeGraphs(
-            model, self, kv_caches, scratch_page, max_batch_size, max_pages_per_seq
-        )
-        cascade = (
-            CascadeGraphs(
-                model,
-                self,
-                kv_caches,
-                scratch_page,
-                decode.max_batch_size(),
-                max_pages_per_seq,
-                decode.pool,
-            )
-            if self.enable_cascade
-            else None
-        )
-        if cascade is not None and self._cost_model_threshold:  # cheaper cascade steps
+    def cascade_captured(self) -> None:
+        """Hook: the runner captured cascade decode graphs (``graphs.step``), so cascade
+        steps take their cheaper path: the threshold follows (unless it was given)."""
+        if self._cost_model_threshold:
             self.min_saved_tokens = self._saved_tokens_worth(MIN_SAVED_BYTES_PER_LAYER)
-        prefill = PrefillGraphs(
-            model, self, kv_caches, scratch_page, max_pages_per_seq, decode.pool
-        )
-        return FlashInferGraphs(model, self, decode, prefill, cascade)
 
     def forward(self, q, k, v, kv_cache, metadata: FlashInferMetadata) -> torch.Tensor:
         write_kv(kv_cache, k, v, metadata.kv_rows)

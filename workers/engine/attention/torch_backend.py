@@ -38,6 +38,7 @@ class TorchMetadata:
 class TorchAttentionBackend:
     name = "torch"
     fused_ops = False  # the reference: plain torch throughout
+    graph_hooks = False  # the reference runs every step eagerly
     last_plan_kind = "torch"  # one kind of step: every sequence's attention in torch
 
     def __init__(self, shape: AttentionShape) -> None:
@@ -45,10 +46,6 @@ class TorchAttentionBackend:
 
     def wants_cascade(self, layout: BatchLayout) -> bool:
         return False
-
-    def capture_graphs(self, *args, **kwargs) -> None:
-        """The reference backend runs every step eagerly."""
-        return None
 
     def plan(self, layout: BatchLayout) -> TorchMetadata:
         device = self.shape.device

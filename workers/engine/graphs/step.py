@@ -1,8 +1,8 @@
-"""The CUDA graphs a FlashInfer backend captures (``FlashInferBackend.capture_graphs``):
-decode graphs (``graphs.decode.DecodeGraphs``), cascade decode graphs
-(``graphs.cascade.CascadeGraphs``) and prefill graphs (``graphs.prefill.PrefillGraphs``)
-behind one ``replay``, so the model runner asks whether a graph fits a step without
-knowing which backend it has."""
+"""The CUDA graphs of a model's steps over a FlashInfer backend (``capture_step_graphs``,
+which the model runner calls): decode graphs (``graphs.decode.DecodeGraphs``), cascade
+decode graphs (``graphs.cascade.CascadeGraphs``) and prefill graphs
+(``graphs.prefill.PrefillGraphs``) behind one ``replay``, so the runner asks whether a
+graph fits a step without knowing which backend it has."""
 
 from __future__ import annotations
 
@@ -12,6 +12,37 @@ from workers.engine.attention.base import BatchLayout
 from workers.engine.graphs.cascade import CascadeGraphs
 from workers.engine.graphs.decode import DecodeGraphs
 from workers.engine.graphs.prefill import PrefillGraphs
+
+
+def capture_step_graphs(
+    model,
+    backend,
+    kv_caches: list[torch.Tensor],
+    scratch_page: int,
+    max_batch_size: int,
+    max_pages_per_seq: int,
+) -> FlashInferGraphs:
+    """Decode graphs (plain decode steps of up to ``max_batch_size`` sequences), cascade
+    decode graphs (the same sizes, when the backend's cascade is on) and prefill graphs
+    (steps of up to 1,024 new tokens). ``scratch_page`` is a KV page the pool never
+    hands out, for padding rows to read and write."""
+    decode = DecodeGraphs(
+        model, backend, kv_caches, scratch_page, max_batch_size, max_pages_per_seq
+    )
+    cascade = None
+    if backend.enable_cascade:
+        cascade = CascadeGraphs(
+            model,
+            backend,
+            kv_caches,
+            scratch_page,
+            decode.max_batch_size(),
+            max_pages_per_seq,
+            decode.pool,
+        )
+        backend.cascade_captured()
+    prefill = PrefillGraphs(model, backend, kv_caches, scratch_page, max_pages_per_seq, decode.pool)
+    return FlashInferGraphs(model, backend, decode, prefill, cascade)
 
 
 class FlashInferGraphs:
