@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -63,6 +64,35 @@ def layout(system, docs, question):
     return prompt + list(question), tuple(spans)
 
 
+class StepProfile:
+    """Where a loaded engine's time goes: each resolved step's device time by kind
+    (``Engine.last_resolved_steps``) and, after every step, the running requests and
+    the pool's cached pages, entries and entry pages (``KVPool.occupancy``)."""
+
+    def __init__(self) -> None:
+        self.seconds_by_kind: dict[str, float] = {}
+        self.steps_by_kind: dict[str, int] = {}
+        self.samples: list[tuple[int, int, int, int]] = []
+
+    def observe(self, engine: Engine) -> None:
+        for kind, seconds in engine.last_resolved_steps:
+            self.seconds_by_kind[kind] = self.seconds_by_kind.get(kind, 0.0) + seconds
+            self.steps_by_kind[kind] = self.steps_by_kind.get(kind, 0) + 1
+        self.samples.append((len(engine.scheduler.running), *engine.pool.occupancy()))
+
+    def summary(self) -> dict:
+        columns = np.array(self.samples or [(0, 0, 0, 0)], dtype=float)
+        names = ("running", "cached_pages", "entries", "entry_pages")
+        return {
+            "device_s_by_kind": dict(sorted(self.seconds_by_kind.items())),
+            "steps_by_kind": dict(sorted(self.steps_by_kind.items())),
+            "occupancy_mean": dict(zip(names, columns.mean(axis=0).round(1).tolist(), strict=True)),
+            "occupancy_max": dict(
+                zip(names, columns.max(axis=0).astype(int).tolist(), strict=True)
+            ),
+        }
+
+
 class Runner:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -74,8 +104,9 @@ class Runner:
         self.engine.add_request(rid, prompt, params, placeable=spans, reuse=reuse)
         return rid
 
-    def drain(self) -> dict[str, float]:
-        """Step until idle; seconds from now to each request's first token."""
+    def drain(self, profile: StepProfile | None = None) -> dict[str, float]:
+        """Step until idle; seconds from now to each request's first token. With
+        ``profile``: every step's device time by kind and the occupancy after it."""
         first: dict[str, float] = {}
         start = time.perf_counter()
         while self.engine.has_unfinished():
@@ -84,6 +115,8 @@ class Runner:
             now = time.perf_counter() - start
             for out in outs:
                 first.setdefault(out.request_id, now)
+            if profile is not None:
+                profile.observe(self.engine)
         return first
 
     def fill(self, docs) -> None:
@@ -217,18 +250,63 @@ def rag_workload(
             runner.submit(prompt, spans, reuse, ANSWER)
         runner.drain()
         start = time.perf_counter()
+        tally, profile = runner.engine.tally.copy(), StepProfile()
         ids = [runner.submit(prompt, spans, reuse, ANSWER) for prompt, spans in stream[warm:]]
-        first = runner.drain()
+        first = runner.drain(profile)
         elapsed = time.perf_counter() - start
         ttfts = sorted(first[rid] for rid in ids)
         out[name] = {
             "requests_per_s": len(ids) / elapsed,
             "ttft_p50_ms": 1e3 * ttfts[len(ttfts) // 2],
             "ttft_p90_ms": 1e3 * ttfts[int(len(ttfts) * 0.9)],
+            "prompt_tokens_per_request": sum(len(p) for p, _ in stream[warm:]) / len(ids),
+            "tally": dataclasses.asdict(runner.engine.tally.since(tally)),
+            **profile.summary(),
         }
         del runner
         release_memory()
     return out
+
+
+def print_workload_profile(rag: dict, requests: int) -> None:
+    """Where each mode's time and work went over the measured stream (issue 36's
+    table): device time by step kind, occupancy, entry traffic, positions computed."""
+    kinds = sorted({k for r in rag.values() for k in r["device_s_by_kind"]})
+    print_table(
+        "RAG workload: device seconds by step kind (steps)",
+        ["step kind", *rag],
+        [
+            [kind]
+            + [
+                f"{r['device_s_by_kind'].get(kind, 0.0):.3f} ({r['steps_by_kind'].get(kind, 0)})"
+                for r in rag.values()
+            ]
+            for kind in kinds
+        ],
+    )
+    rows = [
+        ("running requests, mean / max", lambda r: _mean_max(r, "running")),
+        ("cached pages, mean / max", lambda r: _mean_max(r, "cached_pages")),
+        ("entries, mean / max", lambda r: _mean_max(r, "entries")),
+        ("entry pages, mean / max", lambda r: _mean_max(r, "entry_pages")),
+        ("entry hits / misses", lambda r: f"{r['tally']['entry_hits']} / {r['tally']['entry_misses']}"),
+        ("entry fills queued / stored", lambda r: f"{r['tally']['fills_queued']} / {r['tally']['fills_stored']}"),
+        ("entry evictions", lambda r: r["tally"]["entry_evictions"]),
+        ("positions through every layer, per request", lambda r: f"{r['tally']['prompt_positions'] / requests:.0f}"),
+        ("... as a share of the prompt", lambda r: f"{r['tally']['prompt_positions'] / requests / r['prompt_tokens_per_request']:.3f}"),
+        ("positions through the selection layers only, per request", lambda r: f"{r['tally']['selection_only_positions'] / requests:.0f}"),
+        ("admission forwards per step that had any", lambda r: f"{r['tally']['admission_forwards'] / max(1, r['tally']['steps_with_admissions']):.2f}"),
+        ("steps", lambda r: r["tally"]["steps"]),
+    ]  # fmt: skip
+    print_table(
+        "RAG workload: occupancy and work over the measured stream",
+        ["", *rag],
+        [[label, *(value(r) for r in rag.values())] for label, value in rows],
+    )
+
+
+def _mean_max(run: dict, name: str) -> str:
+    return f"{run['occupancy_mean'][name]:.0f} / {run['occupancy_max'][name]}"
 
 
 def main() -> None:
@@ -330,6 +408,7 @@ def main() -> None:
             for name, r in rag.items()
         ],
     )
+    print_workload_profile(rag, args.requests)
     ratio = rag["approximate"]["requests_per_s"] / rag["exact"]["requests_per_s"]
     print(f"\n{first} / exact: {exact / ttft[first]['ttft_ms']:.2f}x TTFT, {ratio:.2f}x requests/s")
     if args.json:

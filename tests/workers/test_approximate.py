@@ -470,3 +470,45 @@ def test_entry_fill_input_is_checked(model):
     while engine.has_unfinished():
         engine.step()
     assert engine.pool.entry(position_free_key(engine.namespace(), [11] * room)) is not None
+
+
+def test_the_workload_tally_counts_hits_misses_fills_and_positions(model, parts):
+    """``Engine.tally``: a first sight misses every document and fills each (its
+    positions computed twice: in context, then after the entry context); the same
+    documents in another order after another system prompt hit every entry, and a
+    repair with a deviation ratio runs the candidates it does not keep through the
+    selection layers only; a pool too small for every entry evicts some."""
+    engine = _engine(model)
+    before = engine.tally.copy()
+    prompt, spans = _layout(parts["systems"][0], parts["docs"], parts["question"])
+    _run(engine, prompt, spans, APPROX)
+    first = engine.tally.since(before)
+    context = len(engine.entry_context)
+    assert (first.entry_hits, first.entry_misses) == (0, len(DOCS))
+    assert first.fills_queued == first.fills_stored == len(DOCS)
+    assert first.prompt_positions == len(prompt) + sum(context + n for n in DOCS)
+    assert first.selection_only_positions == 0 and first.admission_forwards == 0
+
+    repair = ReuseRequest("approximate", first_tokens=4, deviation_ratio=0.25)
+    order = list(reversed(parts["docs"]))
+    prompt, spans = _layout(parts["systems"][1], order, parts["question"])
+    before = engine.tally.copy()
+    _run(engine, prompt, spans, repair)
+    second = engine.tally.since(before)
+    assert (second.entry_hits, second.entry_misses, second.fills_queued) == (len(DOCS), 0, 0)
+    candidates = sum(n - 4 for n in DOCS)
+    kept = round(0.25 * sum(DOCS))
+    assert second.selection_only_positions == candidates - kept
+    assert second.admission_forwards == second.steps_with_admissions == 1
+    # every position of the prompt but the candidates left behind: through every layer
+    assert second.prompt_positions == len(prompt) - (candidates - kept)
+    assert second.steps >= 1 and second.entry_evictions == 0
+
+    small = _engine(model, num_pages=30)  # a request and two requests' entries
+    rng = np.random.default_rng(3)
+    vocab = small.model_config.vocab_size
+    for _ in range(3):  # new documents each time: their entries push older ones out
+        docs = [rng.integers(10, vocab - 1, size=n).tolist() for n in DOCS]
+        _run(small, *_layout(parts["systems"][0], docs, parts["question"]), APPROX)
+    assert small.tally.fills_stored == 3 * len(DOCS)
+    assert 0 < small.tally.entry_evictions < small.tally.fills_stored

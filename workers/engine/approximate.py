@@ -56,6 +56,7 @@ from workers.engine.placement import place_spans
 from workers.engine.request import Sequence
 from workers.engine.reuse import ExactPrefixReuse, publish_exact_pages, start_from
 from workers.engine.reuse_info import ReuseInfo
+from workers.engine.workload_tally import WorkloadTally
 
 
 class ChunkReuse:
@@ -71,7 +72,9 @@ class ChunkReuse:
         fill: Callable[[PageKey, list[int], Namespace], None],
         min_entry_tokens: int,
         deviation_layer: int,
+        tally: WorkloadTally | None = None,
     ) -> None:
+        self.tally = WorkloadTally() if tally is None else tally
         self.pool = pool
         self.runner = runner
         self.fill = fill
@@ -107,6 +110,8 @@ class ChunkReuse:
         if first_admission:
             placed = sum(e - s for s, e, _ in hits)
             seq.reuse = ReuseInfo("approximate", matched + placed, recomputed)
+            self.tally.entry_hits += len(hits)
+            self.tally.entry_misses += len(spans) - len(hits)
         return True
 
     def publish(self, seq: Sequence, start: int, end: int) -> None:
@@ -175,6 +180,7 @@ class ChunkReuse:
             for _, _, entry in hits:
                 self.pool.drop_entry(entry)
         if keep:
+            self.tally.selection_only_positions += num_kept - keep
             seq.admission_tokens = rows + (tail if to_end else 0)
             seq.num_computed, seq.pending = forward_end, np.empty(0, dtype=np.int64)
             # which candidates were kept is known only on the device: from the first

@@ -52,6 +52,7 @@ from workers.engine.reuse_info import ReuseInfo, ReuseRequest
 from workers.engine.sampler import sample_on_device, top_logprobs
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
+from workers.engine.workload_tally import WorkloadTally
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +147,7 @@ def default_reuse(engine: Engine) -> Reuse:
         engine._queue_fill,
         engine.config.min_entry_tokens,
         engine.deviation_layer,
+        engine.tally,
     )
 
 
@@ -183,6 +185,7 @@ class Engine:
         model = load_model(config.model_dir, self.model_config, self.dtype, self.device)
         num_pages = config.num_pages or self._auto_num_pages()
         self.pool = KVPool(num_pages, config.page_size)
+        self._tally = WorkloadTally()  # the pool counts entry evictions (``tally``)
         mc = self.model_config
         shape = AttentionShape(
             mc.num_heads, mc.num_kv_heads, mc.head_dim, config.page_size, self.dtype, self.device
@@ -306,6 +309,13 @@ class Engine:
         self.scheduler.finish(seq, "abort")
         return True
 
+    @property
+    def tally(self) -> WorkloadTally:
+        """Where this engine's work went since it started (``workload_tally``); the
+        live object: take ``copy()`` for a snapshot."""
+        self._tally.entry_evictions = self.pool.entry_evictions
+        return self._tally
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
 
@@ -426,6 +436,11 @@ class Engine:
                 (item.first_position, int(seq.pending[0]) if len(seq.pending) else item.end)
             )
         self.last_step_prompt_tokens = prompt_tokens
+        self._tally.steps += 1
+        self._tally.prompt_positions += prompt_tokens
+        if aside is not None:
+            self._tally.steps_with_admissions += 1
+            self._tally.admission_forwards += aside.forwards
         wants_logprobs = any(p.logprobs for p in params)
         return _Launched(
             batch,
@@ -548,6 +563,7 @@ class Engine:
         if len(self.entry_context) + len(tokens) >= self.max_model_len:
             return  # too long to compute after the context: the chunk stays computed
         self._filling.add(key)
+        self._tally.fills_queued += 1
         fill = Sequence(
             request_id=f"entry-fill-{key.hex()[:16]}",
             arrival=next(self._arrivals),
@@ -582,6 +598,7 @@ class Engine:
             self.pool.release(fill.page_ids[keep:])
             fill.page_ids = fill.page_ids[:keep]
         stored = self.pool.store_entry(fill.fill_key, fill.page_ids, length)
+        self._tally.fills_stored += stored
         self.scheduler.finish(fill, "entry", release=not stored)
 
     def _emit_token(

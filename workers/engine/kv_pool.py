@@ -81,6 +81,7 @@ class KVPool:
         self._entry_lru: OrderedDict[PageKey, None] = OrderedDict()  # listed, users == 0
         self._evictable_entry_pages = 0  # pages of the entries in _entry_lru
         self._pinned_entry_pages = 0  # pages of the entries with pins > 0
+        self.entry_evictions = 0  # entries dropped since the pool was made
 
     # -- queries -------------------------------------------------------------
     @property
@@ -97,6 +98,12 @@ class KVPool:
     def entry(self, key: PageKey) -> ChunkEntry | None:
         """The position-free entry under ``key``, if held here (takes no hold)."""
         return self._entries.get(key)
+
+    def occupancy(self) -> tuple[int, int, int]:
+        """(cached pages: keyed, unused by any request; position-free entries; pages
+        those entries hold)."""
+        entry_pages = sum(len(entry.pages) for entry in self._entries.values())
+        return len(self._lru), len(self._entries), entry_pages
 
     @property
     def num_pinned(self) -> int:
@@ -326,6 +333,7 @@ class KVPool:
         self._evictable_entry_pages += len(entry.pages)
 
     def _evict_entry(self, key: PageKey) -> None:
+        self.entry_evictions += 1
         entry = self._entries.pop(key)
         del self._entry_lru[key]
         self._evictable_entry_pages -= len(entry.pages)

@@ -36,12 +36,13 @@ class StepInputs:
 class AsideWork:
     """Forwards queued outside the steps (``ModelRunner.repair_selecting``, at
     admission) since the engine last took them: the prompt positions they computed
-    through every layer, and when the first began (on the device where there is one;
-    on the host)."""
+    through every layer, how many forwards, and when the first began (on the device
+    where there is one; on the host)."""
 
     tokens: int
     started: torch.cuda.Event | None
     began: float  # time.perf_counter()
+    forwards: int = 0
 
 
 @dataclass(frozen=True)
@@ -394,6 +395,7 @@ class ModelRunner:
         rows = torch.topk(deviation, kept, sorted=False).indices.sort().values
         qkv, residual, positions, slots = qkv[rows], residual[rows], positions[rows], slots[rows]
         self.aside.tokens += kept
+        self.aside.forwards += 1
         hidden = None
         if self.kept_graphs is not None and self.kept_graphs.layer == layer:
             hidden = self.kept_graphs.run(qkv, residual, positions, slots, table, end)
