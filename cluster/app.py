@@ -119,7 +119,8 @@ async def parse_body(body_type: type[BaseModel], raw: bytes):
 # arriving ends with Starlette's ClientDisconnect.
 CLIENT_LEFT = (asyncio.CancelledError, TaskCancelledError, ClientDisconnect)
 # What the request counters record for a request whose client left before its answer
-# was sent in full (nginx's "client closed request"; never sent to anyone).
+# began (nginx's "client closed request"; never sent to anyone). A stream the client
+# closes after its first event counts as the 200 it was sent.
 CLIENT_CLOSED_REQUEST = 499
 
 
@@ -326,8 +327,8 @@ class ChunkserveServer:
             _client_left(request)
         finally:
             await events.aclose()  # now, not at garbage collection: it counts the tokens
-            status = 200 if completed else CLIENT_CLOSED_REQUEST
-            self._finish(endpoint, status, arrived if completed else None)
+            # its 200 went out with the first event: counted as sent, closed or not
+            self._finish(endpoint, 200, arrived if completed else None)
 
     def _finish(self, endpoint: str, status: int, arrived: float | None = None) -> None:
         """``arrived``: for an answer sent in full, when its request arrived."""
