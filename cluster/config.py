@@ -7,15 +7,17 @@ readable line per problem ("workers.count: Input should be greater than 0").
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from cluster.routing_policy import DEFAULT_PREFILL_TOKENS_PER_S
-from workers.engine.config import DEFAULT_ENTRY_SYSTEM_PROMPT
+from workers.engine.config import BUILT_BY_CALLER, EngineConfig
 
 
 class _Section(BaseModel):
@@ -47,71 +49,22 @@ class ModelSection(_Section):
     )
 
 
-class EngineSection(_Section):
-    device: str | None = Field(None, description="cuda or cpu; null: cuda where available")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, description="null: bfloat16 on cuda, float32 on cpu"
-    )
-    page_size: int = Field(16, gt=0, description="tokens per KV page (a power of two)")
-    num_pages: int | None = Field(
-        None, ge=2, description="KV pages per worker; null: sized from free memory"
-    )
-    gpu_memory_utilization: float = Field(
-        0.85, gt=0, le=1, description="share of GPU memory for weights and KV cache"
-    )
-    cpu_kv_cache_bytes: int = Field(
-        256 * 2**20, gt=0, description="KV cache size on CPU workers, in bytes"
-    )
-    max_num_seqs: int = Field(256, gt=0, description="sequences running at once per worker")
-    max_num_batched_tokens: int = Field(
-        8192, gt=0, description="tokens computed per engine step (prefill chunking)"
-    )
-    max_model_len: int | None = Field(
-        None, ge=2, description="context length; null: the model's, capped by the KV pool"
-    )
-    enable_reuse: bool = Field(True, description="reuse cached KV pages of equal prefixes")
-    pin_quota_tokens: int | None = Field(
-        None,
-        ge=0,
-        description="registered chunks: the most tokens one tenant (API key) may pin per "
-        "worker; null: no quota beyond the worker's room",
-    )
-    min_entry_tokens: int = Field(
-        32,
-        gt=0,
-        description="approximate reuse: a chunk that misses is kept as a position-free "
-        "entry (computed after the entry context, in the background) only if it has at least this many tokens",
-    )
-    entry_system_prompt: str | None = Field(
-        DEFAULT_ENTRY_SYSTEM_PROMPT,
-        description="approximate reuse: position-free entries are computed after a system "
-        "turn with this prompt and the opening of a user turn (use the system prompt most "
-        "of your traffic has); null: each chunk alone from position 0, which on models "
-        "that read their context answers far worse",
-    )
-    deviation_layer: int | None = Field(
-        None,
-        ge=1,
-        description="approximate reuse: the layer whose K/V deviation selects the placed "
-        "tokens to recompute (the layers before it run over every placed token); null: "
-        "layer 3, or the last layer of a shallower model. Measure your model with "
-        "bench/reuse_quality.py --deviation-layer",
-    )
-    attention_backend: Literal["torch", "flashinfer"] | None = Field(
-        None, description="null: flashinfer on cuda, torch elsewhere"
-    )
-    enable_cascade: bool = Field(True, description="cascade attention for shared prefixes")
-    enable_cuda_graphs: bool = Field(True, description="CUDA graphs for decode (flashinfer)")
-    skinny_matmul: bool = Field(
-        True,
-        description="batch-1 steps run each projection through the skinny Triton kernel "
-        "where it measured faster than cuBLAS at start (flashinfer)",
-    )
-    overlap_scheduling: bool | None = Field(
-        None,
-        description="schedule and prepare each step while the GPU runs the one before "
-        "(outputs unchanged, one step later); null: on with CUDA, off on CPU workers",
-    )
+def _engine_section() -> type[_Section]:
+    """The ``engine`` section: every ``EngineConfig`` field but those its builder sets
+    (``BUILT_BY_CALLER``), with the same types, defaults, documentation and bounds."""
+    hints = typing.get_type_hints(EngineConfig)
+    fields = {
+        f.name: (
+            hints[f.name],
+            Field(f.default, description=f.metadata["doc"], **f.metadata["bounds"]),
+        )
+        for f in dataclasses.fields(EngineConfig)
+        if f.name not in BUILT_BY_CALLER
+    }
+    return create_model("EngineSection", __base__=_Section, **fields)
+
+
+EngineSection = _engine_section()
 
 
 class WorkersSection(_Section):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -22,41 +23,91 @@ DEFAULT_ENTRY_SYSTEM_PROMPT = "You are a helpful assistant."
 DEFAULT_DEVIATION_LAYER = 3
 
 
+def setting(default: object, doc: str, **bounds: float) -> object:
+    """An engine setting: its default, its documentation (what the cluster config's
+    ``engine`` section and its checks show users) and its bounds as pydantic spells
+    them (``gt``, ``ge``, ``le``), checked again by ``EngineConfig.__post_init__``."""
+    return field(default=default, metadata={"doc": doc, "bounds": bounds})
+
+
+# Set by whoever builds the engine, never by the cluster config's engine section.
+BUILT_BY_CALLER = ("model_dir", "model_id", "tenant_salt")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
+    """The engine's settings: written once here, with their documentation; the cluster
+    config's ``engine`` section is derived from these fields (``cluster.config``)."""
+
     model_dir: str
-    device: str | None = None  # None: cuda if available, else cpu
-    dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
-    page_size: int = 16
-    num_pages: int | None = None  # None: sized from memory (see kv_cache_memory)
-    gpu_memory_utilization: float = 0.85  # share of GPU memory for weights + KV
-    cpu_kv_cache_bytes: int = 256 * 2**20
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None  # None: the model's, capped at the pool's capacity
-    enable_reuse: bool = True
-    # approximate reuse: chunks shorter than this are computed, never kept as entries
-    min_entry_tokens: int = 32
-    # approximate reuse: entries are computed after this system turn (and the opening of
-    # a user turn); None: after nothing, the chunk alone from position 0
-    entry_system_prompt: str | None = DEFAULT_ENTRY_SYSTEM_PROMPT
-    # approximate reuse: the layer whose K/V deviation selects the tokens to recompute
-    # (>= 1, below the model's layer count); None: DEFAULT_DEVIATION_LAYER, or the last
-    # layer of a shallower model
-    deviation_layer: int | None = None
-    # registered chunks: the most tokens one tenant may pin on this engine (None: no quota
-    # beyond the engine's room)
-    pin_quota_tokens: int | None = None
-    attention_backend: str | None = None  # None: flashinfer on cuda, torch elsewhere
-    enable_cascade: bool = True  # cascade decode where the cost model says it pays
-    enable_cuda_graphs: bool = True  # CUDA graphs for plain decode steps (flashinfer only)
-    # one-row steps (batch-1 decode) run a projection (QKV and gate-up with the norm
-    # before them) through the skinny Triton kernel where it measured faster than cuBLAS
-    # at start (layers/skinny_choice; fused ops and CUDA graphs only)
-    skinny_matmul: bool = True
-    # queue step N+1 on the device before reading step N's tokens back (Engine); None:
-    # on with CUDA, off on the CPU (where nothing runs asynchronously to overlap)
-    overlap_scheduling: bool | None = None
+    device: str | None = setting(None, "cuda or cpu; null: cuda where available")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = setting(
+        None, "null: bfloat16 on cuda, float32 on cpu"
+    )
+    page_size: int = setting(16, "tokens per KV page (a power of two)", gt=0)
+    num_pages: int | None = setting(
+        None, "KV pages per worker; null: sized from free memory (kv_cache_memory)", ge=2
+    )
+    gpu_memory_utilization: float = setting(
+        0.85, "share of GPU memory for weights and KV cache", gt=0, le=1
+    )
+    cpu_kv_cache_bytes: int = setting(256 * 2**20, "KV cache size on CPU workers, in bytes", gt=0)
+    max_num_seqs: int = setting(256, "sequences running at once per worker", gt=0)
+    max_num_batched_tokens: int = setting(
+        8192, "tokens computed per engine step (prefill chunking)", gt=0
+    )
+    max_model_len: int | None = setting(
+        None, "context length; null: the model's, capped by the KV pool", ge=2
+    )
+    enable_reuse: bool = setting(True, "reuse cached KV pages of equal prefixes")
+    min_entry_tokens: int = setting(
+        32,
+        "approximate reuse: a chunk that misses is kept as a position-free entry "
+        "(computed after the entry context, in the background) only if it has at least "
+        "this many tokens",
+        gt=0,
+    )
+    entry_system_prompt: str | None = setting(
+        DEFAULT_ENTRY_SYSTEM_PROMPT,
+        "approximate reuse: position-free entries are computed after a system turn with "
+        "this prompt and the opening of a user turn (use the system prompt most of your "
+        "traffic has); null: each chunk alone from position 0, which on models that read "
+        "their context answers far worse",
+    )
+    deviation_layer: int | None = setting(
+        None,
+        "approximate reuse: the layer whose K/V deviation selects the placed tokens to "
+        "recompute (the layers before it run over every placed token); null: layer 3, or "
+        "the last layer of a shallower model. Measure your model with "
+        "bench/reuse_quality.py --deviation-layer",
+        ge=1,
+    )
+    pin_quota_tokens: int | None = setting(
+        None,
+        "registered chunks: the most tokens one tenant (API key) may pin per worker; "
+        "null: no quota beyond the worker's room",
+        ge=0,
+    )
+    attention_backend: Literal["torch", "flashinfer"] | None = setting(
+        None, "null: flashinfer on cuda, torch elsewhere"
+    )
+    enable_cascade: bool = setting(
+        True, "cascade attention for shared prefixes, where the cost model says it pays"
+    )
+    enable_cuda_graphs: bool = setting(
+        True, "CUDA graphs for decode and prefill steps (flashinfer)"
+    )
+    skinny_matmul: bool = setting(
+        True,
+        "batch-1 steps run each projection (QKV and gate-up with the norm before them) "
+        "through the skinny Triton kernel where it measured faster than cuBLAS at start "
+        "(layers/skinny_choice; fused ops and CUDA graphs only)",
+    )
+    overlap_scheduling: bool | None = setting(
+        None,
+        "schedule and prepare each step while the GPU runs the one before (outputs "
+        "unchanged, one step later); null: on with CUDA, off on CPU workers",
+    )
     model_id: str | None = None  # name in the key namespace; None: the directory's name
     tenant_salt: str = ""
 
@@ -69,6 +120,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.cpu_kv_cache_bytes < 1:
+            raise ValueError(f"cpu_kv_cache_bytes must be > 0, got {self.cpu_kv_cache_bytes}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.pin_quota_tokens is not None and self.pin_quota_tokens < 0:
