@@ -512,3 +512,18 @@ def test_the_workload_tally_counts_hits_misses_fills_and_positions(model, parts)
         _run(small, *_layout(parts["systems"][0], docs, parts["question"]), APPROX)
     assert small.tally.fills_stored == 3 * len(DOCS)
     assert 0 < small.tally.entry_evictions < small.tally.fills_stored
+
+
+def test_a_placement_without_room_while_nothing_runs_computes_in_context(model, parts):
+    """A pool with room for the request or for its documents' entries, not both: with
+    nothing else running no page would ever be freed for the placement, so the request
+    is admitted computing its documents in context, as plain generation does (it once
+    waited for ever)."""
+    engine = _engine(model, num_pages=12)
+    _warm(engine, parts)  # three entries held
+    prompt, spans = _layout(parts["systems"][1], list(reversed(parts["docs"])), parts["question"])
+    assert -(-len(prompt) // PAGE) + sum(-(-n // PAGE) for n in DOCS) > 12
+    tokens, _, info = _run(engine, prompt, spans, APPROX)
+    assert (info.reused_tokens, info.recomputed_tokens) == (0, 0)  # nothing placed
+    plain, _, _ = _run(_engine(model, enable_reuse=False), prompt)
+    assert tokens == plain

@@ -112,7 +112,7 @@ def test_engine_finishes_pending_positions_before_the_tail():
     class Placed:
         mode = "exact"
 
-        def admit(self, seq, budget):
+        def admit(self, seq, budget, place=True):
             seq.page_ids = array("i", pool.allocate(3))
             seq.num_computed = 40
             seq.pending = np.arange(10, 30, dtype=np.int64)

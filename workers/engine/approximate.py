@@ -83,7 +83,7 @@ class ChunkReuse:
         self._exact = ExactPrefixReuse(pool)
         runner.use_admission_graphs(deviation_layer)
 
-    def admit(self, seq: Sequence, budget: int = sys.maxsize) -> bool:
+    def admit(self, seq: Sequence, budget: int = sys.maxsize, place: bool = True) -> bool:
         if seq.fill_key is not None:  # an entry is computed in pages of its own
             start_from(seq, "exact", [], 0)
             return True
@@ -104,6 +104,8 @@ class ChunkReuse:
                 hits.append((start, end, entry))
             elif end - start >= self.min_entry_tokens:
                 self.fill(key, seq.token_ids[start:end], seq.namespace)
+        if not place and not any(entry.pins for _, _, entry in hits):
+            hits = []  # computed in context: the entries may then be evicted for room
         recomputed = self._place(seq, hits, budget) if hits else 0
         if recomputed is None:
             return False

@@ -50,10 +50,12 @@ class NaivePlacement:
         self._exact = ExactPrefixReuse(engine.pool)
         self._entries: dict[tuple[int, ...], array] = {}
 
-    def admit(self, seq: Sequence, budget: int = sys.maxsize) -> bool:
+    def admit(self, seq: Sequence, budget: int = sys.maxsize, place: bool = True) -> bool:
         first_admission = seq.reuse is None
         if not self._exact.admit(seq):
             return False
+        if not place:  # a measurement mode: its requests compute everything then
+            return True
         matched = seq.num_computed
         last = len(seq.token_ids) - 1  # its logits give the next token
         spans = [(s, e) for s, e in seq.placeable if s >= matched and e <= last and e > s]

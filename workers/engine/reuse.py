@@ -41,13 +41,17 @@ from workers.engine.reuse_info import ReuseInfo
 class Reuse(Protocol):
     mode: str
 
-    def admit(self, seq: Sequence, budget: int = sys.maxsize) -> bool:
+    def admit(self, seq: Sequence, budget: int = sys.maxsize, place: bool = True) -> bool:
         """Give ``seq`` its cached KV (references taken, ``page_ids``,
         ``num_computed``, ``pending``, ``exact_until`` set). False when the pool has
         no room for what this mode must write; the sequence is then left as it was.
         ``budget``: prompt tokens the admitting step may still compute. A mode that
         computes some at admission says how many in ``Sequence.admission_tokens`` (the
-        scheduler charges them to the step)."""
+        scheduler charges them to the step). ``place=False``: place no position-free
+        entry that could be evicted for room (the request's chunks are computed in
+        context; pinned entries, registered chunks, are still placed): what the
+        scheduler asks when a placement found no room while nothing else runs, since
+        the entries that placement holds may be all that stands in the way."""
         ...
 
     def publish(self, seq: Sequence, start: int, end: int) -> None:
@@ -74,7 +78,7 @@ class NoReuse:
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
 
-    def admit(self, seq: Sequence, budget: int = sys.maxsize) -> bool:
+    def admit(self, seq: Sequence, budget: int = sys.maxsize, place: bool = True) -> bool:
         start_from(seq, self.mode, [], 0)
         return True
 
@@ -88,7 +92,7 @@ class ExactPrefixReuse:
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
 
-    def admit(self, seq: Sequence, budget: int = sys.maxsize) -> bool:
+    def admit(self, seq: Sequence, budget: int = sys.maxsize, place: bool = True) -> bool:
         page_size = self.pool.page_size
         # Keep at least one token to compute: its logits produce the next token.
         usable_pages = (len(seq.token_ids) - 1) // page_size

@@ -138,7 +138,13 @@ class Scheduler:
         return seq.cached_pages if seq.held_elsewhere else None
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
-        if not self.reuse.admit(seq, budget):
+        # With nothing running, no page will be freed for a placement that found no
+        # room: the entries it holds may be all that stands in the way, so the request
+        # is admitted computing its chunks in context (else it would wait for ever).
+        admitted = self.reuse.admit(seq, budget)
+        if not admitted and not self.running:
+            admitted = self.reuse.admit(seq, budget, place=False)
+        if not admitted:
             return None
         # the budget left beside the forward admission queued (if any)
         item = self._take(seq, max(0, budget - seq.admission_tokens))
