@@ -66,6 +66,11 @@ class EmbeddedChunkDirectory:
         self._log_weight = 0  # the log's changes plus their keys (RecordChange.weight)
         self._max_log = max_log
 
+    @property
+    def log_weight(self) -> int:
+        """The change log's changes plus their keys (at most ``max_log``)."""
+        return self._log_weight
+
     def publish(
         self, worker_id: str, epoch: int, seq: int, events: Sequence[CacheEvent]
     ) -> d.PublishResult:
