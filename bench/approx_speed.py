@@ -36,6 +36,7 @@ from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 from workers.engine.reuse_info import ReuseRequest  # noqa: E402
 from workers.engine.sampling_params import SamplingParams  # noqa: E402
+from workers.runtime.worker_types import StepTally  # noqa: E402
 
 SYSTEM, DOC, DOCS, QUESTION = 256, 512, 8, 32
 PAGES = 6144  # per engine (several share the GPU): 98K tokens of KV
@@ -66,26 +67,25 @@ def layout(system, docs, question):
 
 class StepProfile:
     """Where a loaded engine's time goes: each resolved step's device time by kind
-    (``Engine.last_resolved_steps``) and, after every step, the running requests and
-    the pool's cached pages, entries and entry pages (``KVPool.occupancy``)."""
+    (a ``StepTally``, as a worker's loop keeps one) and, after every step, the running
+    requests and the pool's cached pages, entries and entry pages (``KVPool.occupancy``)."""
 
     def __init__(self) -> None:
-        self.seconds_by_kind: dict[str, float] = {}
-        self.steps_by_kind: dict[str, int] = {}
+        self.tally = StepTally()
         self.samples: list[tuple[int, int, int, int]] = []
 
-    def observe(self, engine: Engine) -> None:
-        for kind, seconds in engine.last_resolved_steps:
-            self.seconds_by_kind[kind] = self.seconds_by_kind.get(kind, 0.0) + seconds
-            self.steps_by_kind[kind] = self.steps_by_kind.get(kind, 0) + 1
+    def observe(self, engine: Engine, step_s: float) -> None:
+        self.tally.add(step_s, engine.last_resolved_steps)
         self.samples.append((len(engine.scheduler.running), *engine.pool.occupancy()))
 
     def summary(self) -> dict:
         columns = np.array(self.samples or [(0, 0, 0, 0)], dtype=float)
         names = ("running", "cached_pages", "entries", "entry_pages")
+        by_kind = sorted(self.tally.steps_by_kind.items())
         return {
-            "device_s_by_kind": dict(sorted(self.seconds_by_kind.items())),
-            "steps_by_kind": dict(sorted(self.steps_by_kind.items())),
+            "device_s_by_kind": {kind: seconds for kind, (_, seconds) in by_kind},
+            "steps_by_kind": {kind: steps for kind, (steps, _) in by_kind},
+            "busy_s": self.tally.busy_s,
             "occupancy_mean": dict(zip(names, columns.mean(axis=0).round(1).tolist(), strict=True)),
             "occupancy_max": dict(
                 zip(names, columns.max(axis=0).astype(int).tolist(), strict=True)
@@ -110,13 +110,14 @@ class Runner:
         first: dict[str, float] = {}
         start = time.perf_counter()
         while self.engine.has_unfinished():
+            began = time.perf_counter()
             outs = self.engine.step()
             sync()
             now = time.perf_counter() - start
             for out in outs:
                 first.setdefault(out.request_id, now)
             if profile is not None:
-                profile.observe(self.engine)
+                profile.observe(self.engine, time.perf_counter() - began)
         return first
 
     def fill(self, docs) -> None:

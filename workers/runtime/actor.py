@@ -185,12 +185,8 @@ class Worker:
 
     async def roll_back_chunk(self, tenant_salt: str, registered: Registered) -> bool:
         """Undo a registration whose caller gave up (``WorkerChunks.roll_back``)."""
-        if not registered.created:
-            return False
-        chunk_id, number = registered.info.chunk_id, registered.registration
-        return await asyncio.wrap_future(
-            self._engine.chunks("roll_back", tenant_salt, chunk_id, number)
-        )
+        future = self._roll_back(tenant_salt, registered)
+        return False if future is None else await asyncio.wrap_future(future)
 
     def _roll_back_abandoned(self, tenant_salt: str, future: Future) -> None:
         """On the thread that ended ``future``: roll its registration back, if it
@@ -198,10 +194,17 @@ class Worker:
         if future.cancelled() or future.exception() is not None:
             return
         registered = future.result()
-        if isinstance(registered, Registered) and registered.created:
-            chunk_id, number = registered.info.chunk_id, registered.registration
+        if isinstance(registered, Registered) and self._roll_back(tenant_salt, registered):
+            chunk_id = registered.info.chunk_id
             logger.info("chunk %s: its registering caller left; rolling it back", chunk_id)
-            self._engine.chunks("roll_back", tenant_salt, chunk_id, number)
+
+    def _roll_back(self, tenant_salt: str, registered: Registered) -> Future | None:
+        """The rollback of a registration that created its chunk, queued on the loop
+        thread (None: it found the chunk there, and nothing is undone)."""
+        if not registered.created:
+            return None
+        chunk_id, number = registered.info.chunk_id, registered.registration
+        return self._engine.chunks("roll_back", tenant_salt, chunk_id, number)
 
     async def unregister_chunk(self, tenant_salt: str, chunk_id: str) -> bool:
         return await asyncio.wrap_future(self._engine.chunks("unregister", tenant_salt, chunk_id))
