@@ -12,8 +12,11 @@ Modes (one engine each, same device and dtype):
 - ``naive``: naive placement (``workers.engine.naive_placement``): each document's KV
   computed alone at position 0, rotated to its place, nothing recomputed.
 - ``approximate``, one row per repair setting (``--repairs``, e.g. ``k=4`` or
-  ``k=2,r=0.1``): every document's position-free entry is held (filled before the
-  batch, after the entry context ``--entry-system-prompt``), placed, and repaired:
+  ``k=2,r=0.1``): every document's position-free entry is held, placed, and repaired.
+  Entries (``--entries``) are ``context`` (the default, what the engine does): taken
+  from a first sight of each prompt's documents in the reverse order after another
+  system prompt, as computed there; or ``filled``: computed before the batch after the
+  entry context ``--entry-system-prompt``. Repair:
   the first k tokens of each document and the share r
   of placed tokens deviating most at the engine's deviation layer (``--deviation-layer``;
   layer 3 by default) are recomputed. Cached system-prompt
@@ -45,7 +48,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import parse_repair  # noqa: E402
 from chunkstore.chunking import chunk_conversation  # noqa: E402
-from modeltools.docqa_data import DocQAExample, answer_matches, generate  # noqa: E402
+from chunkstore.hashing import position_free_key  # noqa: E402
+from modeltools.docqa_data import (  # noqa: E402
+    SYSTEM_PROMPTS,
+    DocQAExample,
+    answer_matches,
+    generate,
+)
 from workers.engine.config import DEFAULT_ENTRY_SYSTEM_PROMPT, EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 from workers.engine.naive_placement import NaivePlacement  # noqa: E402
@@ -111,6 +120,7 @@ def make_engine(
     entry_system_prompt: str | None = DEFAULT_ENTRY_SYSTEM_PROMPT,
     dtype: str | None = None,
     deviation_layer: int | None = None,
+    entries_from_context: bool = True,
 ) -> Engine:
     config = EngineConfig(
         model,
@@ -121,6 +131,8 @@ def make_engine(
         enable_reuse=mode != "full",
         page_size=16,
         entry_system_prompt=entry_system_prompt,
+        entries_from_context=entries_from_context,
+        min_entry_tokens=1,  # doc-QA documents have 14-17 tokens: every one is kept
     )
     if mode == "naive":
         return Engine(config, reuse_factory=NaivePlacement)
@@ -183,6 +195,28 @@ def fill_entries(engine: Engine, prompts: list[Prompt]) -> None:
         engine.step()
 
 
+def first_sight(engine: Engine, prompts: list[Prompt], tokenizer) -> None:
+    """Make every document of ``prompts`` a held position-free entry the way a first
+    sight does: each prompt's documents asked about in the reverse order after another
+    system prompt, with approximate reuse, so that each missed document's entry is the
+    KV computed there (``EngineConfig.entries_from_context``)."""
+    seen = []
+    for prompt in prompts:
+        ex = prompt.example
+        other = SYSTEM_PROMPTS[(SYSTEM_PROMPTS.index(ex.system) + 1) % len(SYSTEM_PROMPTS)]
+        reordered = dataclasses.replace(ex, system=other, documents=ex.documents[::-1])
+        seen.append(build_prompt(tokenizer, reordered))
+    run_prompts(engine, seen, place=True, reuse=ReuseRequest("approximate"))
+    missing = [
+        (p, s, e)
+        for p in prompts
+        for s, e in p.doc_spans
+        if engine.pool.entry(position_free_key(engine.namespace(), p.token_ids[s:e])) is None
+    ]
+    if missing:
+        raise RuntimeError(f"{len(missing)} documents have no entry after their first sight")
+
+
 def drop_cached_pages(engine: Engine) -> None:
     """Evict every cached page nothing holds (entries stay)."""
     engine.pool.evict(range(engine.pool.num_pages))
@@ -209,8 +243,11 @@ def evaluate(
     entry_system_prompt: str | None = DEFAULT_ENTRY_SYSTEM_PROMPT,
     dtype: str | None = None,
     deviation_layer: int | None = None,
+    entries: str = "context",
 ) -> dict:
     """Every (mode, hops, docs) row, plus exact-vs-full token mismatches."""
+    if entries not in ("context", "filled"):
+        raise ValueError(f"entries must be 'context' or 'filled', got {entries!r}")
     settings = {text: parse_repair(text) for text in repairs}
     rows, mismatches = [], 0
     for k in docs:
@@ -218,8 +255,9 @@ def evaluate(
         num_pages = 3 * batch * (k * 64 + 256) // 16
         engines = {mode: make_engine(model, mode, device, num_pages, dtype=dtype) for mode in MODES}
         engines["approximate"] = make_engine(
-            model, "exact", device, num_pages, entry_system_prompt, dtype, deviation_layer
-        )
+            model, "exact", device, num_pages, entry_system_prompt, dtype, deviation_layer,
+            entries_from_context=entries == "context",
+        )  # fmt: skip
         selection = (
             engines["approximate"].deviation_layer,
             engines["full"].model_config.num_layers,
@@ -242,7 +280,10 @@ def evaluate(
                 engines["naive"].reuse.clear()
                 approx = engines["approximate"]
                 approx.pool.clear()  # entries of earlier batches: room for this one's
-                fill_entries(approx, part)
+                if entries == "context":
+                    first_sight(approx, part, tokenizer)
+                else:
+                    fill_entries(approx, part)
                 for text, repair in settings.items():
                     drop_cached_pages(approx)
                     results[text] += run_prompts(approx, part, place=True, reuse=repair)
@@ -341,6 +382,13 @@ def main(argv: list[str] | None = None) -> int:
         help="approximate rows: the system prompt entries are computed after "
         f"(default {DEFAULT_ENTRY_SYSTEM_PROMPT!r}; 'none': each chunk alone from position 0)",
     )
+    parser.add_argument(
+        "--entries",
+        choices=("context", "filled"),
+        default="context",
+        help="approximate rows: entries taken from a first sight in another context "
+        "(what the engine does by default), or filled after the entry context",
+    )
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     if args.entry_system_prompt == "none":
@@ -368,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         entry_system_prompt=args.entry_system_prompt,
         dtype=args.dtype,
         deviation_layer=args.deviation_layer,
+        entries=args.entries,
     )
     result["meta"] = {
         "model": str(args.model),
@@ -375,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "positions": args.positions,
         "entry_system_prompt": args.entry_system_prompt,
+        "entries": args.entries,
         "device": args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
         "dtype": args.dtype,
         "seconds": round(time.perf_counter() - started, 1),

@@ -102,11 +102,10 @@ def chain_page_keys(
 
 def position_free_key(namespace: Namespace, token_ids: Sequence[int]) -> PageKey:
     """Key of a position-free chunk entry: ``SHA-256("pic" || namespace || token ids)``,
-    no parent. The entry holds the chunk's KV computed after the engine's entry context
-    (``chunking.entry_context``; all workers of a cluster agree on it) and moved to start
-    at position 0, so it is
-    the same whichever request or worker computed it; the "pic" tag keeps these keys
-    apart from page keys."""
+    no parent. The entry holds the chunk's KV computed in some context (a request's that
+    first saw it, or the engine's entry context, ``chunking.entry_context``) and moved to
+    start at position 0: whichever context computed it, a request that places it repairs
+    it in its own; the "pic" tag keeps these keys apart from page keys."""
     return packed_position_free_key(namespace, pack_tokens(token_ids))
 
 

@@ -21,10 +21,11 @@ def result(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def alone(tmp_path_factory):
-    """Entries computed alone from position 0 (no entry context)."""
+    """Entries filled alone from position 0 (no entry context)."""
     out = tmp_path_factory.mktemp("quality") / "alone.json"
     argv = ["--examples", "4", "--docs", "4", "--hops", "1", "--device", "cpu"]
     argv += ["--repairs", "k=0", "--entry-system-prompt", "none", "--deviation-layer", "5"]
+    argv += ["--entries", "filled"]
     assert reuse_quality.main([*argv, "--json", str(out)]) == 0
     return json.loads(out.read_text())
 
@@ -42,10 +43,11 @@ def test_exact_reuse_equals_full_prefill_on_docqa_prompts(result):
 
 def test_approximate_limits_naive_placement_and_full_prefill(result, alone):
     """Entries computed alone and placed with nothing recomputed are naive placement;
-    the entry context brings them far closer to full prefill; recomputing every placed
-    token is full prefill."""
+    entries taken from a first sight in another context are far closer to full
+    prefill; recomputing every placed token is full prefill."""
     solo = {(r["mode"], r.get("first_tokens")): r for r in alone["rows"]}
     assert alone["meta"]["entry_system_prompt"] is None
+    assert (alone["meta"]["entries"], result["meta"]["entries"]) == ("filled", "context")
     assert alone["selection_layer"] == [5, 8] and result["selection_layer"] == [3, 8]
     assert abs(solo[("approximate", 0)]["kl"] - solo[("naive", None)]["kl"]) < 1e-6
     assert solo[("approximate", 0)]["placed_recomputed_share"] == 0

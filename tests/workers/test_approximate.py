@@ -1,4 +1,4 @@
-"""Approximate reuse in the engine: position-free entries filled on a miss, placed
+"""Approximate reuse in the engine: position-free entries taken or filled on a miss, placed
 wherever their chunk appears, repaired; exact where the limiting case promises it,
 tainted and labelled everywhere else."""
 
@@ -74,7 +74,7 @@ def parts(model):
 
 
 def _warm(engine, parts):
-    """A first request misses every entry; its chunks are filled alone afterwards."""
+    """A first request misses every entry; its chunks become entries."""
     prompt, spans = _layout(parts["systems"][0], parts["docs"], parts["question"])
     _, _, info = _run(engine, prompt, spans, APPROX)
     assert (info.mode, info.reused_tokens, info.recomputed_tokens) == ("approximate", 0, 0)
@@ -111,6 +111,26 @@ def test_recomputing_every_placed_token_equals_plain_generation(model, parts):
         # nothing placed is left: every full page is exact, published for exact requests
         _, _, info = _run(engine, prompt, spans, ReuseRequest("exact"))
         assert info.reused_tokens == (len(prompt) - 1) // PAGE * PAGE
+
+
+def test_a_taken_entry_is_its_chunk_as_computed_in_context(model, parts):
+    """A first sight's entries are the KV its request computed, moved to position 0:
+    placed back where they were computed (same offsets, same chunks before them),
+    with nothing recomputed, the request equals plain generation (CPU float32). The
+    copy is the entry's own pages: the first request's pages are free afterwards."""
+    engine, plain = _engine(model), _engine(model, enable_reuse=False)
+    prompt, spans = _layout(parts["systems"][0], parts["docs"], parts["question"])
+    want, want_lp, _ = _run(plain, prompt)
+    _warm(engine, parts)
+    assert engine.tally.entries_taken == len(DOCS) and engine.tally.fills_queued == 0
+    entry_pages = sum(-(-n // PAGE) for n in DOCS)
+    engine.pool.evict(range(engine.pool.num_pages))  # the exact pages: placement only
+    assert engine.pool.occupancy() == (0, len(DOCS), entry_pages)
+    nothing = ReuseRequest("approximate", first_tokens=0, deviation_ratio=0.0)
+    got, got_lp, info = _run(engine, prompt, spans, nothing)
+    assert (info.reused_tokens, info.recomputed_tokens) == (sum(DOCS), 0)
+    assert got == want
+    np.testing.assert_allclose(got_lp, want_lp, atol=1e-4)
 
 
 def test_an_entry_is_its_chunk_computed_after_the_entry_context(model, parts):
@@ -473,20 +493,29 @@ def test_entry_fill_input_is_checked(model):
 
 
 def test_the_workload_tally_counts_hits_misses_fills_and_positions(model, parts):
-    """``Engine.tally``: a first sight misses every document and fills each (its
-    positions computed twice: in context, then after the entry context); the same
-    documents in another order after another system prompt hit every entry, and a
-    repair with a deviation ratio runs the candidates it does not keep through the
-    selection layers only; a pool too small for every entry evicts some."""
+    """``Engine.tally``: a first sight misses every document and takes each one's
+    entry from its in-context KV (each position computed once), or, without
+    ``entries_from_context``, fills each (computed twice: in context, then after the
+    entry context); the same documents in another order after another system prompt
+    hit every entry, and a repair with a deviation ratio runs the candidates it does
+    not keep through the selection layers only; a pool too small for every entry
+    evicts some."""
+    prompt, spans = _layout(parts["systems"][0], parts["docs"], parts["question"])
+    filling = _engine(model, entries_from_context=False)
+    _run(filling, prompt, spans, APPROX)
+    filled = filling.tally
+    assert (filled.entry_misses, filled.entries_taken) == (len(DOCS), 0)
+    assert filled.fills_queued == filled.fills_stored == len(DOCS)
+    context = len(filling.entry_context)
+    assert filled.prompt_positions == len(prompt) + sum(context + n for n in DOCS)
+
     engine = _engine(model)
     before = engine.tally.copy()
-    prompt, spans = _layout(parts["systems"][0], parts["docs"], parts["question"])
     _run(engine, prompt, spans, APPROX)
     first = engine.tally.since(before)
-    context = len(engine.entry_context)
     assert (first.entry_hits, first.entry_misses) == (0, len(DOCS))
-    assert first.fills_queued == first.fills_stored == len(DOCS)
-    assert first.prompt_positions == len(prompt) + sum(context + n for n in DOCS)
+    assert first.entries_taken == len(DOCS) and first.fills_queued == 0
+    assert first.prompt_positions == len(prompt)  # what exact reuse computes
     assert first.selection_only_positions == 0 and first.admission_forwards == 0
 
     repair = ReuseRequest("approximate", first_tokens=4, deviation_ratio=0.25)
@@ -510,8 +539,9 @@ def test_the_workload_tally_counts_hits_misses_fills_and_positions(model, parts)
     for _ in range(3):  # new documents each time: their entries push older ones out
         docs = [rng.integers(10, vocab - 1, size=n).tolist() for n in DOCS]
         _run(small, *_layout(parts["systems"][0], docs, parts["question"]), APPROX)
-    assert small.tally.fills_stored == 3 * len(DOCS)
-    assert 0 < small.tally.entry_evictions < small.tally.fills_stored
+    stored = small.tally.entries_taken + small.tally.fills_stored
+    assert stored == 3 * len(DOCS)
+    assert 0 < small.tally.entry_evictions < stored
 
 
 def test_a_placement_without_room_while_nothing_runs_computes_in_context(model, parts):
@@ -521,6 +551,9 @@ def test_a_placement_without_room_while_nothing_runs_computes_in_context(model, 
     waited for ever)."""
     engine = _engine(model, num_pages=12)
     _warm(engine, parts)  # three entries held
+    # the first sight's pages left no room to copy every entry: those were filled
+    assert engine.tally.fills_stored > 0
+    assert engine.tally.entries_taken + engine.tally.fills_stored == len(DOCS)
     prompt, spans = _layout(parts["systems"][1], list(reversed(parts["docs"])), parts["question"])
     assert -(-len(prompt) // PAGE) + sum(-(-n // PAGE) for n in DOCS) > 12
     tokens, _, info = _run(engine, prompt, spans, APPROX)

@@ -8,10 +8,16 @@ Admission of an approximate request:
    the prompt and ends before its last token) is looked up by its position-free key.
    A held entry is *placed*: its rows copied into the request's own pages at the
    span's offset, keys rotated there. A missed chunk is computed in context for this
-   request; if it has at least ``min_entry_tokens`` tokens its entry is *filled*:
-   a separate internal sequence computes it after the engine's entry context (a system
-   turn, ``EngineConfig.entry_system_prompt``) and moves it to start at 0, queued behind
-   the requests already waiting, and stored as an entry when done.
+   request; if it has at least ``min_entry_tokens`` tokens it becomes an entry:
+   - *taken* (``EngineConfig.entries_from_context``, the default): once the request
+     has computed it (``publish``), its rows are copied to fresh pages, keys rotated
+     back to position 0, and stored as the entry. A first sight costs no more forward
+     work than exact reuse; where the entry is placed, repair recomputes its first
+     tokens and most deviating ones as for any entry. When the pool has no pages for
+     the copy, the entry is filled instead;
+   - *filled*: a separate internal sequence computes it after the engine's entry
+     context (a system turn, ``EngineConfig.entry_system_prompt``) and moves it to
+     start at 0, queued behind the requests already waiting, and stored when done.
 3. Repair: the first ``first_tokens`` tokens of every placed chunk, and the
    ``deviation_ratio`` share of placed tokens whose K/V at layer ``deviation_layer``
    (``EngineConfig.deviation_layer``) in this context deviates most from the placed
@@ -52,7 +58,7 @@ import numpy as np
 
 from chunkstore.hashing import Namespace, PageKey, packed_position_free_key
 from workers.engine.kv_pool import ChunkEntry, KVPool
-from workers.engine.placement import place_spans
+from workers.engine.placement import place_spans, take_spans
 from workers.engine.request import Sequence
 from workers.engine.reuse import ExactPrefixReuse, publish_exact_pages, start_from
 from workers.engine.reuse_info import ReuseInfo
@@ -73,12 +79,14 @@ class ChunkReuse:
         min_entry_tokens: int,
         deviation_layer: int,
         tally: WorkloadTally | None = None,
+        entries_from_context: bool = True,
     ) -> None:
         self.tally = WorkloadTally() if tally is None else tally
         self.pool = pool
         self.runner = runner
         self.fill = fill
         self.min_entry_tokens = min_entry_tokens
+        self.entries_from_context = entries_from_context
         self.deviation_layer = deviation_layer
         self._exact = ExactPrefixReuse(pool)
         runner.use_admission_graphs(deviation_layer)
@@ -96,18 +104,25 @@ class ChunkReuse:
         last = len(seq.token_ids) - 1  # its logits give the next token
         spans = [(s, e) for s, e in seq.placeable if 0 < s and s >= matched and e <= last]
         hits: list[tuple[int, int, ChunkEntry]] = []
+        harvests: list[tuple[int, int, PageKey]] = []
         packed = seq.packed_tokens(spans[-1][1]) if spans else b""
         for start, end in spans:
             key = packed_position_free_key(seq.namespace, packed[4 * start : 4 * end])
             entry = self.pool.entry(key)
             if entry is not None and entry.num_tokens == end - start:
                 hits.append((start, end, entry))
-            elif end - start >= self.min_entry_tokens:
+            elif end - start < self.min_entry_tokens:
+                continue
+            elif self.entries_from_context:
+                harvests.append((start, end, key))
+            else:
                 self.fill(key, seq.token_ids[start:end], seq.namespace)
         if not place and not any(entry.pins for _, _, entry in hits):
             hits = []  # computed in context: the entries may then be evicted for room
+        seq.harvests = harvests  # the admission forward may compute them (``_place``)
         recomputed = self._place(seq, hits, budget) if hits else 0
         if recomputed is None:
+            seq.harvests = []
             return False
         if first_admission:
             placed = sum(e - s for s, e, _ in hits)
@@ -119,6 +134,36 @@ class ChunkReuse:
     def publish(self, seq: Sequence, start: int, end: int) -> None:
         if seq.fill_key is None:  # a fill's pages become its entry, never page keys
             publish_exact_pages(self.pool, seq, start, end)
+            if seq.harvests and seq.harvests[0][1] <= end:
+                self._take_entries(seq, end)
+
+    def _take_entries(self, seq: Sequence, end: int) -> None:
+        """The missed chunks of ``seq`` that end by ``end`` hold their final KV (or have
+        it queued on the device's stream, which runs the copy after it): copy each into
+        fresh pages at position 0, keys rotated back, and store them as entries. A chunk
+        whose entry appeared meanwhile is skipped; one the pool has no pages for is
+        filled instead (computed again, later), so no entry is lost to a busy pool."""
+        ready = [h for h in seq.harvests if h[1] <= end]
+        seq.harvests = [h for h in seq.harvests if h[1] > end]
+        page_size = self.pool.page_size
+        taken: dict[PageKey, tuple[int, int, list[int]]] = {}
+        for start, stop, key in ready:
+            if key in taken or self.pool.entry(key) is not None:
+                continue  # a chunk repeated in the prompt, or an entry stored meanwhile
+            pages = self.pool.allocate(-(-(stop - start) // page_size))
+            if pages is None:
+                self.fill(key, seq.token_ids[start:stop], seq.namespace)
+                continue
+            taken[key] = (start, stop, pages)
+        if not taken:
+            return
+        take_spans(
+            self.runner.kv_stack, self.runner.model.rope_cache, seq.page_ids,
+            list(taken.values()), page_size,
+        )  # fmt: skip
+        for key, (start, stop, pages) in taken.items():  # none stored since the check
+            self.pool.store_entry(key, pages, stop - start)
+        self.tally.entries_taken += len(taken)
 
     # -- placement and repair ----------------------------------------------------
     def _place(

@@ -62,10 +62,15 @@ class EngineConfig:
     enable_reuse: bool = setting(True, "reuse cached KV pages of equal prefixes")
     min_entry_tokens: int = setting(
         32,
-        "approximate reuse: a chunk that misses is kept as a position-free entry "
-        "(computed after the entry context, in the background) only if it has at least "
-        "this many tokens",
+        "approximate reuse: a chunk that misses is kept as a position-free entry only "
+        "if it has at least this many tokens",
         gt=0,
+    )
+    entries_from_context: bool = setting(
+        True,
+        "approximate reuse: a missed chunk's entry is the KV its request computed in "
+        "context, moved to position 0 (no second forward; repaired like any entry where "
+        "it is placed); false: computed again after the entry context, in the background",
     )
     entry_system_prompt: str | None = setting(
         DEFAULT_ENTRY_SYSTEM_PROMPT,

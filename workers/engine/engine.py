@@ -148,6 +148,7 @@ def default_reuse(engine: Engine) -> Reuse:
         engine.config.min_entry_tokens,
         engine.deviation_layer,
         engine.tally,
+        engine.config.entries_from_context,
     )
 
 

@@ -197,28 +197,70 @@ def place_spans(
     below it are left as they are: a caller that computes them there anyway need not
     place them). One ``place_chunk`` call over the stacked cache; entry
     pages are never the sequence's own, so sources and destinations are disjoint.
-    The slots are computed on the host in a few array operations (no loop over
-    tokens) and reach the device in one copy, from pinned memory on CUDA (torch's
-    caching host allocator keeps the block until the copy ran; a pageable copy of
-    these ~100 KB took a few hundred microseconds of host time): this runs on every
-    approximate admission, before its first step."""
+    This runs on every approximate admission, before its first step."""
     if not spans:
         return
+    entry_slots, in_sequence, starts = _span_slots(page_table, spans, page_size)
+    _move_rows(kv_stack, cos_sin_cache, entry_slots, in_sequence, starts, page_size, first_layer)
+
+
+def take_spans(
+    kv_stack: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    page_table: Sequence[int],
+    spans: Sequence[tuple[int, int, Sequence[int]]],
+    page_size: int,
+) -> None:
+    """The inverse of ``place_spans``: for each ``(start, end, entry_pages)``, positions
+    ``[start, end)`` of the sequence whose pages are ``page_table`` go to tokens
+    ``[0, end - start)`` of the fresh ``entry_pages``, keys rotated back by ``start``,
+    in every layer: a chunk computed in context becomes a position-free entry without
+    being computed again. The entry pages are never the sequence's own (disjoint)."""
+    if not spans:
+        return
+    entry_slots, in_sequence, starts = _span_slots(page_table, spans, page_size)
+    _move_rows(kv_stack, cos_sin_cache, in_sequence, entry_slots, -starts, page_size, 0)
+
+
+def _span_slots(
+    page_table: Sequence[int],
+    spans: Sequence[tuple[int, int, Sequence[int]]],
+    page_size: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(entry slots, sequence slots, span start) of every token of ``spans``, int64:
+    token ``i`` of the entry in ``entry_pages`` is position ``start + i`` of the
+    sequence. Computed in a few array operations (no loop over tokens)."""
     starts = np.fromiter((s for s, _, _ in spans), dtype=np.int64, count=len(spans))
     lengths = np.fromiter((e - s for s, e, _ in spans), dtype=np.int64, count=len(spans))
     first = np.repeat(np.cumsum(lengths) - lengths, lengths)
     offset = np.arange(int(lengths.sum()), dtype=np.int64) - first  # within its entry
     table = np.asarray(page_table, dtype=np.int64)
-    delta = np.repeat(starts, lengths)  # each token's entry lands at its span's start
-    position = delta + offset
-    dst = table[position // page_size] * page_size + position % page_size
+    start = np.repeat(starts, lengths)
+    position = start + offset
+    in_sequence = table[position // page_size] * page_size + position % page_size
     entry_pages = [
         np.asarray(pages[: -(-n // page_size)], dtype=np.int64)
         for (_, _, pages), n in zip(spans, lengths.tolist(), strict=True)
     ]
     page_base = np.cumsum([0] + [len(p) for p in entry_pages[:-1]])
-    src_page = np.concatenate(entry_pages)[np.repeat(page_base, lengths) + offset // page_size]
-    src = src_page * page_size + offset % page_size
+    entry_page = np.concatenate(entry_pages)[np.repeat(page_base, lengths) + offset // page_size]
+    return entry_page * page_size + offset % page_size, in_sequence, start
+
+
+def _move_rows(
+    kv_stack: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    src: np.ndarray,
+    dst: np.ndarray,
+    delta: np.ndarray,
+    page_size: int,
+    first_layer: int,
+) -> None:
+    """Disjoint slots ``src`` -> ``dst`` in the layers from ``first_layer`` on, keys
+    rotated by ``delta``. The three index arrays reach the device in one copy, from
+    pinned memory on CUDA (torch's caching host allocator keeps the block until the
+    copy ran; a pageable copy of these ~100 KB took a few hundred microseconds of host
+    time)."""
     moves = torch.empty((3, len(src)), dtype=torch.int64, pin_memory=kv_stack.is_cuda)
     np.stack((src, dst, delta), out=moves.numpy())
     moves = moves.to(kv_stack.device, non_blocking=True)

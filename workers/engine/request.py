@@ -74,6 +74,10 @@ class Sequence:
     # an entry fill's prompt is the engine's entry context, then the chunk: this many
     # leading tokens are context, computed but not part of the entry
     fill_context: int = 0
+    # approximate reuse: missed chunks (start, end, position-free key) whose KV this
+    # sequence computes in context and which become entries once computed
+    # (``ChunkReuse.publish``); set at each admission
+    harvests: list[tuple[int, int, PageKey]] = field(default_factory=list)
     page_keys: list[PageKey] = field(default_factory=list)
     # the prompt's token ids packed as keys hash them (``pack_tokens``), when the caller
     # packed them already (validating them); else packed on first use

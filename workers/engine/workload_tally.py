@@ -9,8 +9,11 @@ Counted where the work is decided, never estimated:
   layers up to its selection layer (candidates for selection it did not keep);
 - ``entry_hits`` / ``entry_misses``: placeable chunks of approximate requests' first
   admissions found held as a position-free entry / not held (computed in context);
-- ``fills_queued`` / ``fills_stored``: entry computations queued after a miss (or asked
-  for) / stored as entries; ``entry_evictions``: entries the pool dropped for room;
+- ``entries_taken``: missed chunks whose in-context KV became their entry (no second
+  forward: ``EngineConfig.entries_from_context``);
+- ``fills_queued`` / ``fills_stored``: entry computations queued (a miss without
+  ``entries_from_context``, no room to take the entry, or asked for) / stored as
+  entries; ``entry_evictions``: entries the pool dropped for room;
 - ``steps``, ``steps_with_admissions``, ``admission_forwards``: engine steps launched,
   those carrying approximate admissions' forwards, and those forwards.
 """
@@ -27,6 +30,7 @@ class WorkloadTally:
     selection_only_positions: int = 0
     entry_hits: int = 0
     entry_misses: int = 0
+    entries_taken: int = 0
     fills_queued: int = 0
     fills_stored: int = 0
     entry_evictions: int = 0
