@@ -36,7 +36,7 @@ from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 from workers.engine.reuse_info import ReuseRequest  # noqa: E402
 from workers.engine.sampling_params import SamplingParams  # noqa: E402
-from workers.runtime.worker_types import StepTally  # noqa: E402
+from workers.engine.workload_tally import StepTally  # noqa: E402
 
 SYSTEM, DOC, DOCS, QUESTION = 256, 512, 8, 32
 PAGES = 6144  # per engine (several share the GPU): 98K tokens of KV

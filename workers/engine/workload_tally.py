@@ -1,5 +1,6 @@
-"""Where an engine's work goes over a workload (for benchmarks and operators): totals
-since the engine started; the difference of two copies gives a window.
+"""Where an engine's work and time go over a workload (for benchmarks and operators):
+totals since the engine started; the difference of two copies gives a window.
+``WorkloadTally`` counts the work, ``StepTally`` (kept by the engine loop) the time.
 
 Counted where the work is decided, never estimated:
 - ``prompt_positions``: prompt positions computed through every layer (steps' prefill
@@ -21,7 +22,7 @@ Counted where the work is decided, never estimated:
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -46,3 +47,21 @@ class WorkloadTally:
         return WorkloadTally(
             *(getattr(self, f.name) - getattr(earlier, f.name) for f in dataclasses.fields(self))
         )
+
+
+@dataclass(slots=True)
+class StepTally:
+    """Where an engine's time went since its loop started (``EngineLoop.step_tally``).
+    Not frozen: the loop's counters add to theirs under their lock; what leaves the
+    loop is a copy."""
+
+    # kind -> (steps, their seconds)
+    steps_by_kind: dict[str, tuple[int, float]] = field(default_factory=dict)
+    busy_s: float = 0.0  # wall time inside Engine.step
+
+    def add(self, call_s: float, resolved: list[tuple[str, float]]) -> None:
+        """One ``Engine.step`` call of ``call_s`` seconds that read back ``resolved``."""
+        self.busy_s += call_s
+        for kind, seconds in resolved:
+            steps, total = self.steps_by_kind.get(kind, (0, 0.0))
+            self.steps_by_kind[kind] = (steps + 1, total + seconds)

@@ -50,9 +50,10 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.workload_tally import StepTally
 from workers.runtime.engine_loop import EngineLoop, Rejected, Sink
 from workers.runtime.worker_chunks import WorkerChunks
-from workers.runtime.worker_types import EngineLoad, StepTally
+from workers.runtime.worker_types import EngineLoad
 
 if TYPE_CHECKING:  # the actor of a ChildEngine never builds an engine itself
     from chunkstore.events import CacheEvent

@@ -58,7 +58,8 @@ from chunkstore.events import CacheEvent
 from workers.engine.engine import Engine, StepOutput
 from workers.engine.reuse_info import ReuseRequest
 from workers.engine.sampling_params import SamplingParams
-from workers.runtime.worker_types import EngineLoad, StepTally
+from workers.engine.workload_tally import StepTally
+from workers.runtime.worker_types import EngineLoad
 
 logger = logging.getLogger(__name__)
 

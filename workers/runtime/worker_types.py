@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from workers.engine.config import DEFAULT_ENTRY_SYSTEM_PROMPT, EngineConfig
 from workers.engine.reuse_info import ReuseInfo, ReuseRequest
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.workload_tally import StepTally
 from workers.runtime.directory_client import DirectoryKind, DirectorySpec
 
 # Per generated token: (chosen token, logprob), then the top alternatives.
@@ -172,24 +173,6 @@ class EngineLoad:
     # grows with every change of this snapshot's counters: of two snapshots of one
     # worker incarnation (same epoch), the larger version is the newer
     version: int = 0
-
-
-@dataclass(slots=True)
-class StepTally:
-    """Where an engine's time went since its loop started (``EngineLoop.step_tally``).
-    Not frozen: the loop's counters add to theirs under their lock; what leaves the
-    loop is a copy."""
-
-    # kind -> (steps, their seconds)
-    steps_by_kind: dict[str, tuple[int, float]] = field(default_factory=dict)
-    busy_s: float = 0.0  # wall time inside Engine.step
-
-    def add(self, call_s: float, resolved: list[tuple[str, float]]) -> None:
-        """One ``Engine.step`` call of ``call_s`` seconds that read back ``resolved``."""
-        self.busy_s += call_s
-        for kind, seconds in resolved:
-            steps, total = self.steps_by_kind.get(kind, (0, 0.0))
-            self.steps_by_kind[kind] = (steps + 1, total + seconds)
 
 
 @dataclass(frozen=True)
