@@ -227,7 +227,10 @@ def rag_workload(
     zipf=1.0,
     deviation_layer=None,
     pages=PAGES,
+    variants=(),
 ):
+    """``variants``: names from ``VARIANTS``, each one more approximate run with those
+    engine settings (the levers of issue 36 switched off), beside the default one."""
     draw = lambda n: rng.choices(range(10, vocab - 1), k=n)  # noqa: E731
     docs = [draw(DOC) for _ in range(pool_docs)]
     system_prompts = [draw(SYSTEM) for _ in range(systems)]
@@ -244,9 +247,12 @@ def rag_workload(
             )
         )
     out = {}
-    for name, reuse in (("approximate", repair), ("exact", None)):  # repair: the first setting
+    runs = [("approximate", repair, {}), ("exact", None, {})]  # repair: the first setting
+    runs += [(f"approximate, {name}", repair, VARIANTS[name]) for name in variants]
+    for name, reuse, settings in runs:
         layer = deviation_layer if reuse is not None else None
-        runner = Runner(Engine(EngineConfig(str(model), num_pages=pages, deviation_layer=layer)))
+        config = EngineConfig(str(model), num_pages=pages, deviation_layer=layer, **settings)
+        runner = Runner(Engine(config))
         for prompt, spans in stream[:warm]:  # kernels, graphs, and a warm cache
             runner.submit(prompt, spans, reuse, ANSWER)
         runner.drain()
@@ -267,6 +273,13 @@ def rag_workload(
         del runner
         release_memory()
     return out
+
+
+# Approximate reuse with levers switched off, to measure each in one process
+VARIANTS = {
+    "fills, no reserve": {"entries_from_context": False, "entry_reserve": 0.0},
+    "no reserve": {"entry_reserve": 0.0},
+}
 
 
 def print_workload_profile(rag: dict, requests: int) -> None:
@@ -291,6 +304,7 @@ def print_workload_profile(rag: dict, requests: int) -> None:
         ("entries, mean / max", lambda r: _mean_max(r, "entries")),
         ("entry pages, mean / max", lambda r: _mean_max(r, "entry_pages")),
         ("entry hits / misses", lambda r: f"{r['tally']['entry_hits']} / {r['tally']['entry_misses']}"),
+        ("entries taken in context", lambda r: r["tally"]["entries_taken"]),
         ("entry fills queued / stored", lambda r: f"{r['tally']['fills_queued']} / {r['tally']['fills_stored']}"),
         ("entry evictions", lambda r: r["tally"]["entry_evictions"]),
         ("positions through every layer, per request", lambda r: f"{r['tally']['prompt_positions'] / requests:.0f}"),
@@ -334,6 +348,13 @@ def main() -> None:
         default=PAGES,
         help="KV pages of the RAG workload's engine (one at a time): with the default, "
         "about 20 of its 4.4K-token requests fit at once",
+    )
+    ap.add_argument(
+        "--variants",
+        nargs="*",
+        default=[],
+        choices=list(VARIANTS),
+        help="RAG workload: more approximate runs with levers switched off, in this process",
     )
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -399,6 +420,7 @@ def main() -> None:
         repair,
         deviation_layer=args.deviation_layer,
         pages=args.rag_pages,
+        variants=args.variants,
     )
     print_table(
         f"RAG workload: {args.requests} requests after {args.warm_requests} warm-up ones, "

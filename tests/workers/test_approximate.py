@@ -560,3 +560,36 @@ def test_a_placement_without_room_while_nothing_runs_computes_in_context(model, 
     assert (info.reused_tokens, info.recomputed_tokens) == (0, 0)  # nothing placed
     plain, _, _ = _run(_engine(model, enable_reuse=False), prompt)
     assert tokens == plain
+
+
+def test_entries_that_proved_their_worth_outlive_a_burst_of_new_documents(model, parts):
+    """Proven entries (placed at least once) keep up to ``entry_reserve`` of the pool
+    while requests wait for running ones: a burst of requests over new documents, too
+    many to run at once, leaves them in place, and the documents hit afterwards. With
+    no reserve the burst evicts them. The burst's answers are the same either way."""
+    rng = np.random.default_rng(5)
+    vocab = _engine(model).model_config.vocab_size
+    burst = [
+        _layout(parts["systems"][0], [rng.integers(10, vocab - 1, n).tolist() for n in DOCS],
+                parts["question"])
+        for _ in range(8)
+    ]  # fmt: skip
+    results = {}
+    for reserve in (0.5, 0.0):
+        engine = _engine(model, num_pages=48, entry_reserve=reserve)
+        _warm(engine, parts)
+        reordered = _layout(parts["systems"][1], parts["docs"][::-1], parts["question"])
+        _, _, info = _run(engine, *reordered, APPROX)  # places all three: proven
+        assert info.reused_tokens >= sum(DOCS)
+        for index, (prompt, spans) in enumerate(burst):
+            engine.add_request(f"b{index}", prompt, GREEDY, placeable=tuple(spans), reuse=APPROX)
+        answers = {f"b{i}": [] for i in range(len(burst))}
+        while engine.has_unfinished():
+            for out in engine.step():
+                answers[out.request_id] += out.new_token_ids
+        before = engine.tally.copy()
+        _run(engine, *_layout(parts["systems"][0][:7], parts["docs"], parts["question"]), APPROX)
+        results[reserve] = (answers, engine.tally.since(before).entry_hits)
+    assert results[0.5][0] == results[0.0][0]
+    assert results[0.5][1] == len(DOCS)  # every proven document still held
+    assert results[0.0][1] < len(DOCS)  # the burst evicted some

@@ -158,3 +158,75 @@ def test_chain_match_through_eviction_and_clear():
     assert pool.match_chain(ROOT, packed, 6) == pages[:2]
     pool.clear()
     assert pool.match_chain(ROOT, packed, 6) == []
+
+
+def _entries(pool, names, pages_each=1):
+    """Store one entry per name, ``pages_each`` pages (4 tokens a page) each."""
+    stored = {}
+    for name in names:
+        key = name.encode().ljust(32, b"\0")
+        assert pool.store_entry(key, pool.allocate(pages_each), 4 * pages_each)
+        stored[name] = pool.entry(key)
+    return stored
+
+
+def _evicted(pool) -> list[bytes]:
+    events = pool.drain_events()
+    return [k.rstrip(b"\0") for e in events if e.kind is EventKind.ENTRY_REMOVED for k in e.keys]
+
+
+def test_entries_are_evicted_by_value_then_recency():
+    """An entry placed often outlives entries placed less; among equals the least
+    recently used goes first."""
+    pool = KVPool(4, 4)
+    entries = _entries(pool, "abcd")
+    for name, hits in (("a", 2), ("b", 1), ("d", 1)):
+        for _ in range(hits):
+            pool.note_hit(entries[name])
+    pool.drain_events()
+    pages = [pool.allocate(1) for _ in range(3)]
+    assert _evicted(pool) == [b"c", b"b", b"d"]  # c never placed; b before d (older)
+    assert pool.entry(entries["a"].key) is entries["a"]
+    for page in pages:
+        pool.release(page)
+
+
+def test_an_entry_not_placed_for_long_is_overtaken_by_the_clock():
+    """Evictions raise the pool's clock to what they evicted: entries stored later
+    start above it, so a once-popular entry left unplaced goes before them."""
+    pool = KVPool(3, 4)
+    old = _entries(pool, "o")["o"]
+    pool.note_hit(old)  # priority 2, clock 0
+    for name in "xyz":
+        _entries(pool, name)  # priority: the clock + 1
+        pool.release(pool.allocate(2))  # one entry evicted each time
+    # x (priority 1) goes first and lifts the clock to 1; y, stored at 2, ties with o,
+    # which is older; z (3) outlives y (2)
+    assert _evicted(pool) == [b"x", b"o", b"y"]
+    assert pool.entry(old.key) is None
+
+
+def test_admissions_spare_proven_entries_up_to_the_reserve():
+    """While sparing, allocation takes free pages, then unproven entries, and leaves
+    proven entries' pages alone up to the reserve; without sparing every entry can go."""
+    pool = KVPool(8, 4, entry_reserve_pages=2)
+    entries = _entries(pool, "pqu")  # 3 pages in entries, 5 free
+    pool.note_hit(entries["p"])
+    pool.note_hit(entries["q"])
+    pool.drain_events()
+    with pool.sparing_entries():
+        assert pool.num_available == 6  # 5 free + the unproven entry
+        assert pool.allocate(7) is None
+        taken = pool.allocate(6)
+    assert _evicted(pool) == [b"u"]  # the unproven one
+    assert pool.num_available == 2  # outside sparing: both proven entries
+    with pool.sparing_entries(False):
+        extra = pool.allocate(1)
+    assert len(_evicted(pool)) == 1
+    for pages in (taken, extra):
+        pool.release(pages)
+
+
+def test_entry_reserve_must_be_a_page_count():
+    with pytest.raises(ValueError, match="entry_reserve_pages"):
+        KVPool(4, 4, entry_reserve_pages=-1)

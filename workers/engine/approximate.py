@@ -125,6 +125,8 @@ class ChunkReuse:
             seq.harvests = []
             return False
         if first_admission:
+            for _, _, entry in hits:
+                self.pool.note_hit(entry)
             placed = sum(e - s for s, e, _ in hits)
             seq.reuse = ReuseInfo("approximate", matched + placed, recomputed)
             self.tally.entry_hits += len(hits)
@@ -150,7 +152,8 @@ class ChunkReuse:
         for start, stop, key in ready:
             if key in taken or self.pool.entry(key) is not None:
                 continue  # a chunk repeated in the prompt, or an entry stored meanwhile
-            pages = self.pool.allocate(-(-(stop - start) // page_size))
+            with self.pool.sparing_entries():  # an unproven entry displaces no proven one
+                pages = self.pool.allocate(-(-(stop - start) // page_size))
             if pages is None:
                 self.fill(key, seq.token_ids[start:stop], seq.namespace)
                 continue

@@ -72,6 +72,14 @@ class EngineConfig:
         "context, moved to position 0 (no second forward; repaired like any entry where "
         "it is placed); false: computed again after the entry context, in the background",
     )
+    entry_reserve: float = setting(
+        0.5,
+        "approximate reuse: the share of the KV pool that entries placed at least once "
+        "keep against new requests while others run (such a request waits for their "
+        "pages instead of evicting what saves most); 0: entries give way to any request",
+        ge=0,
+        le=1,
+    )
     entry_system_prompt: str | None = setting(
         DEFAULT_ENTRY_SYSTEM_PROMPT,
         "approximate reuse: position-free entries are computed after a system turn with "
@@ -131,6 +139,8 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.pin_quota_tokens is not None and self.pin_quota_tokens < 0:
             raise ValueError(f"pin_quota_tokens must be >= 0, got {self.pin_quota_tokens}")
+        if not 0 <= self.entry_reserve <= 1:
+            raise ValueError(f"entry_reserve must be in [0, 1], got {self.entry_reserve}")
         if self.min_entry_tokens < 1:
             raise ValueError(f"min_entry_tokens must be >= 1, got {self.min_entry_tokens}")
         if self.deviation_layer is not None and self.deviation_layer < 1:

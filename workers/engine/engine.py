@@ -185,7 +185,7 @@ class Engine:
         self.tokenizer = load_tokenizer(config.model_dir)
         model = load_model(config.model_dir, self.model_config, self.dtype, self.device)
         num_pages = config.num_pages or self._auto_num_pages()
-        self.pool = KVPool(num_pages, config.page_size)
+        self.pool = KVPool(num_pages, config.page_size, int(config.entry_reserve * num_pages))
         self._tally = WorkloadTally()  # the pool counts entry evictions (``tally``)
         mc = self.model_config
         shape = AttentionShape(

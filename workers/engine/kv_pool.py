@@ -19,20 +19,32 @@ its key does, and matching a cached prefix that way hashes nothing. A page marke
 is never keyed, so it is never matched and never reaches the directory; the mark
 lasts until the page is freed.
 
-A *position-free entry* holds one chunk's KV (computed after the engine's entry
-context, its rows starting at position 0) in pages it owns (one reference each), under a key of its own kind (see
-``chunkstore.hashing.position_free_key``). Entries follow the pages' rules as a unit:
-a request placing from an entry, or a pin, holds it (``users``); an entry nobody
-holds is evictable, least recently used first, after the cached pages; a pinned
-entry is never evicted. Entry changes are queued as ``ENTRY_STORED`` /
-``ENTRY_REMOVED`` events. Key changes are queued
-as ``CacheEvent``s for the chunk directory.
+A *position-free entry* holds one chunk's KV (computed in some context, its rows
+starting at position 0) in pages it owns (one reference each), under a key of its own
+kind (see ``chunkstore.hashing.position_free_key``). Entries follow the pages' rules as
+a unit: a request placing from an entry, or a pin, holds it (``users``); an entry nobody
+holds is evictable, after the cached pages; a pinned entry is never evicted. Entry
+changes are queued as ``ENTRY_STORED`` / ``ENTRY_REMOVED`` events. Key changes are
+queued as ``CacheEvent``s for the chunk directory.
+
+Which entry goes first is decided by value, not recency alone (GreedyDual-Frequency):
+an entry's priority is the pool's clock when it was stored or last placed plus its
+uses (1 + ``hits``, the placements ``note_hit`` reported); the evictable entry of
+lowest priority is evicted (least recently used among equals) and the clock rises to
+its priority. An entry placed often outlives many entries placed once; one not placed
+for long enough is overtaken by the clock and goes.
+
+*Proven* entries (placed at least once) may be spared: while ``sparing_entries`` is on
+(the scheduler admits a request while others run, so the request can wait for their
+pages), ``allocate`` leaves up to ``entry_reserve_pages`` pages of evictable proven
+entries alone, taking unproven entries first, and fails rather than go below.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from chunkstore.events import CacheEvent, EventKind, EventRuns
@@ -61,14 +73,21 @@ class ChunkEntry:
     users: int = 0  # holders: requests placing from it, plus pins
     pins: int = 0
     listed: bool = True  # still findable by key (False once cleared while held)
+    hits: int = 0  # placements reported by ``KVPool.note_hit``
+    priority: float = 0.0  # eviction order: lowest first (see the module docstring)
 
 
 class KVPool:
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, entry_reserve_pages: int = 0) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError("num_pages and page_size must be >= 1")
+        if entry_reserve_pages < 0:
+            raise ValueError(f"entry_reserve_pages must be >= 0, got {entry_reserve_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.entry_reserve_pages = entry_reserve_pages
+        self._sparing = False  # see sparing_entries
+        self._clock = 0.0  # GreedyDual clock: the priority of the last entry evicted
         self._pages = [_Page() for _ in range(num_pages)]
         self._free: deque[int] = deque(range(num_pages))
         self._lru: OrderedDict[int, None] = OrderedDict()
@@ -80,6 +99,7 @@ class KVPool:
         self._entries: dict[PageKey, ChunkEntry] = {}
         self._entry_lru: OrderedDict[PageKey, None] = OrderedDict()  # listed, users == 0
         self._evictable_entry_pages = 0  # pages of the entries in _entry_lru
+        self._proven_entry_pages = 0  # ... of those with hits > 0
         self._pinned_entry_pages = 0  # pages of the entries with pins > 0
         self.entry_evictions = 0  # entries dropped since the pool was made
 
@@ -87,8 +107,21 @@ class KVPool:
     @property
     def num_available(self) -> int:
         """Pages that ``allocate`` can hand out (free + evictable cached pages and
-        entries)."""
-        return len(self._free) + len(self._lru) + self._evictable_entry_pages
+        entries; while sparing entries, less the proven entries' pages it spares)."""
+        available = len(self._free) + len(self._lru) + self._evictable_entry_pages
+        if self._sparing:
+            available -= min(self._proven_entry_pages, self.entry_reserve_pages)
+        return available
+
+    @contextmanager
+    def sparing_entries(self, spare: bool = True) -> Iterator[None]:
+        """Within: allocations leave proven entries alone, up to ``entry_reserve_pages``
+        of their pages (see the module docstring); ``spare=False`` changes nothing."""
+        before, self._sparing = self._sparing, spare and self.entry_reserve_pages > 0
+        try:
+            yield
+        finally:
+            self._sparing = before
 
     def is_private(self, page_ids: Sequence[int]) -> bool:
         """Whether each of ``page_ids`` is in use exactly once and unkeyed (nobody else
@@ -162,7 +195,7 @@ class KVPool:
         evicted: list[PageKey] = []
         for _ in range(count):
             if not self._free and not self._lru:
-                self._evict_entry(next(iter(self._entry_lru)))
+                self._evict_entry(self._entry_to_evict())
             if self._free:
                 page_id = self._free.popleft()
             else:
@@ -292,7 +325,7 @@ class KVPool:
             page = self._pages[page_id]
             if page.ref_count != 1 or page.key is not None:
                 raise ValueError(f"page {page_id} must be in use once and unkeyed")
-        self._entries[key] = ChunkEntry(key, tuple(page_ids), num_tokens)
+        self._entries[key] = ChunkEntry(key, tuple(page_ids), num_tokens, priority=self._clock + 1)
         self._make_evictable(self._entries[key])
         self._events.append(EventKind.ENTRY_STORED, (key,))
         return True
@@ -302,6 +335,8 @@ class KVPool:
         if entry.users == 0 and entry.listed:
             del self._entry_lru[entry.key]
             self._evictable_entry_pages -= len(entry.pages)
+            if entry.hits:
+                self._proven_entry_pages -= len(entry.pages)
         entry.users += 1
         if pin and entry.pins == 0:
             self._pinned_entry_pages += len(entry.pages)
@@ -328,15 +363,39 @@ class KVPool:
         self._evict_entry(key)
         return True
 
+    def note_hit(self, entry: ChunkEntry) -> None:
+        """A request placed ``entry``: one more use, and as recent as the clock."""
+        if entry.hits == 0 and entry.users == 0 and entry.listed:
+            self._proven_entry_pages += len(entry.pages)
+        entry.hits += 1
+        entry.priority = self._clock + 1 + entry.hits
+        if entry.key in self._entry_lru:  # the most recent among equals
+            self._entry_lru.move_to_end(entry.key)
+
+    def _entry_to_evict(self) -> PageKey:
+        """The evictable entry of lowest priority (least recently used among equals);
+        while sparing, an unproven one if any is left."""
+        entries = self._entries
+        candidates = self._entry_lru
+        if self._sparing:
+            unproven = [key for key in candidates if not entries[key].hits]
+            candidates = unproven or candidates
+        return min(candidates, key=lambda key: entries[key].priority)
+
     def _make_evictable(self, entry: ChunkEntry) -> None:
         self._entry_lru[entry.key] = None
         self._evictable_entry_pages += len(entry.pages)
+        if entry.hits:
+            self._proven_entry_pages += len(entry.pages)
 
     def _evict_entry(self, key: PageKey) -> None:
         self.entry_evictions += 1
         entry = self._entries.pop(key)
         del self._entry_lru[key]
         self._evictable_entry_pages -= len(entry.pages)
+        if entry.hits:
+            self._proven_entry_pages -= len(entry.pages)
+        self._clock = max(self._clock, entry.priority)
         entry.listed = False
         self.release(entry.pages)
         self._events.append(EventKind.ENTRY_REMOVED, (key,))

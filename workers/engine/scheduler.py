@@ -3,7 +3,9 @@
 Policy (FCFS): running sequences are served first, oldest first — a decode token
 each, or the next chunk of an unfinished prefill; then waiting sequences are
 admitted in arrival order while the per-step token budget and the sequence limit
-allow. A waiting sequence is never overtaken by a later one. When pages run out,
+allow. A waiting sequence is never overtaken by a later one; while others run, it
+waits rather than evict entries that proved their worth (``KVPool.sparing_entries``).
+When pages run out,
 the most recently arrived running sequence is preempted: its pages are released
 (full pages stay cached, so recomputing them is cheap) and it returns to the head
 of the queue. A lone sequence always fits: the engine caps the context length at
@@ -138,6 +140,12 @@ class Scheduler:
         return seq.cached_pages if seq.held_elsewhere else None
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
+        # While others run, a request can wait for their pages: its admission spares
+        # the entries that proved their worth (``KVPool.sparing_entries``).
+        with self.pool.sparing_entries(bool(self.running)):
+            return self._admit_now(seq, budget)
+
+    def _admit_now(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         # With nothing running, no page will be freed for a placement that found no
         # room: the entries it holds may be all that stands in the way, so the request
         # is admitted computing its chunks in context (else it would wait for ever).
