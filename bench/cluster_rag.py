@@ -12,9 +12,12 @@ With ``--rate-share S`` each policy also runs open-loop: the same requests arriv
 Poisson process at S times the slower policy's closed-loop rate, so that the policies'
 TTFTs are compared at one offered load (a closed loop compares them at different ones).
 
-Workload: each request is a system prompt (one of 3) + one document (of ``--docs``,
-drawn Zipf(``--zipf``)) as a content part + a unique question part, the shape of
-``configs/examples/rag_requests.jsonl``. Each worker's KV pool is capped at
+Workload: each request is a system prompt (one of ``--systems``, 3 by default) +
+``--docs-per-request`` documents (of ``--docs``, drawn Zipf(``--zipf``), in the order
+retrieval ranked them), each a content part, + a unique question part, the shape of
+``configs/examples/rag_requests.jsonl``. ``--reuse exact approximate`` runs every policy
+with each reuse mode: approximate reuse places a held document after any system prompt
+and any other documents, where exact reuse needs the same ones before it. Each worker's KV pool is capped at
 ``--pages`` pages, so one worker cannot hold every document and several together hold
 more: where a request lands decides whether its document is cached. Exact reuse keys a
 document by what precedes it, so each (system prompt, document) pair is a prefix of its
@@ -63,7 +66,7 @@ from ray.actor import ActorHandle
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import router_phases  # noqa: E402
-from bench.common import Shape, document_sequence, print_table  # noqa: E402
+from bench.common import Shape, print_table, retrieval_sequence  # noqa: E402
 from cluster.actors import ClusterActors, ensure_cluster, kill_cluster, wait_ready  # noqa: E402
 from cluster.assembly import build_service  # noqa: E402
 from cluster.completions import CompletionService  # noqa: E402
@@ -135,11 +138,13 @@ class RunResult:
     # "busy": the engine loop's seconds inside its steps (WorkerStatus.step_tally)
     steps: dict[str, dict] = field(default_factory=dict)
     open_rate: float | None = None  # open loop: the offered requests/s; None: closed loop
+    reuse: str = "exact"  # what every request asked for
 
     def summary(self) -> dict:
         return {
             "workers": self.workers,
             "policy": self.policy,
+            "reuse": self.reuse,
             "open_rate": self.open_rate,
             "answered": len(self.results),
             "errors": self.errors,
@@ -259,22 +264,30 @@ class TextMaker:
 
 
 def make_bodies(
-    maker: TextMaker, shape: Shape, sequence: list[tuple[int, int]], seed: int, stream: bool
+    maker: TextMaker,
+    shape: Shape,
+    sequence: list[tuple[int, tuple[int, ...]]],
+    seed: int,
+    stream: bool,
+    reuse: str = "exact",
 ) -> list[ChatCompletionRequest]:
-    """Requests over texts of their own (``seed``): a run's chunks are new to every pool."""
+    """Requests over texts of their own (``seed``): a run's chunks are new to every pool.
+    ``sequence``: ``retrieval_sequence``'s (system, documents) per request; each
+    document is a content part of its own, then the question."""
     rng = random.Random(seed)
-    systems = [maker.text(rng, shape.system_tokens) for _ in range(3)]
+    systems = [maker.text(rng, shape.system_tokens) for _ in range(shape.systems)]
     docs = [f"Document {d}: " + maker.text(rng, shape.doc_tokens) for d in range(shape.docs)]
     bodies = []
-    for system, doc in sequence:
+    for system, ranked in sequence:
         question = "Question: " + maker.text(rng, shape.question_tokens)
-        content = [{"type": "text", "text": docs[doc]}, {"type": "text", "text": question}]
+        content = [{"type": "text", "text": docs[d]} for d in ranked]
+        content.append({"type": "text", "text": question})
         messages = [
             {"role": "system", "content": systems[system]},
             {"role": "user", "content": content},
         ]
         body = {"model": MODEL_NAME, "messages": messages, "max_tokens": shape.max_tokens}
-        body |= {"temperature": 0, "stream": stream}
+        body |= {"temperature": 0, "stream": stream, "reuse": reuse}
         if stream:
             body["stream_options"] = {"include_usage": True}
         bodies.append(ChatCompletionRequest.model_validate(body))
@@ -563,7 +576,10 @@ def cluster_config(args: argparse.Namespace, count: int) -> ClusterConfig:
 
 def main() -> None:
     args = parse_args()
-    shape = Shape(args.docs, args.zipf, args.system_tokens, args.doc_tokens, 32, args.max_tokens)
+    shape = Shape(
+        args.docs, args.zipf, args.system_tokens, args.doc_tokens, 32, args.max_tokens,
+        args.docs_per_request, args.systems,
+    )  # fmt: skip
     counts = sorted({int(n) for n in args.workers.split(",")})
     gpus = {}
     if args.gpus_per_worker > 0:  # counted here: Ray's own detection may miss a VM's GPUs
@@ -593,15 +609,15 @@ def main() -> None:
 
 
 async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
-    sequence = document_sequence(shape, args.requests_per_worker * max(counts), args.seed)
+    sequence = retrieval_sequence(shape, args.requests_per_worker * max(counts), args.seed)
     warm = make_bodies(maker, shape, sequence[: 4 * max(counts)], seed=10**6, stream=True)
     warm_service = subset_service(cfg, args.model, actors, max(counts), "round_robin")
     await run_workload(warm_service, warm, max(counts) * 2, "warm-up")  # kernels, graphs
     await warm_service.router.pool.close()
     runs: list[RunResult] = []
-    plan = [(c, p, None) for c in counts for p in args.policies]
+    plan = [(c, p, m, None) for c in counts for p in args.policies for m in args.reuse]
     while plan:
-        count, policy, open_rate = plan.pop(0)
+        count, policy, reuse, open_rate = plan.pop(0)
         routers = max(1, round(count * args.routers_per_worker))
         profile = args.profile_routers is not None
         replicas = [
@@ -611,14 +627,14 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
             for _ in range(routers)
         ]
         requests = sequence[: args.requests_per_worker * count]
-        bodies = make_bodies(maker, shape, requests, seed=len(runs) + 1, stream=True)
+        bodies = make_bodies(maker, shape, requests, len(runs) + 1, stream=True, reuse=reuse)
         used = dict(list(actors.workers.items())[:count])
         before = await step_tallies(used)
         run = await run_replicated(
             replicas, bodies, args.concurrency * count, "", open_rate, seed=args.seed * 1000
         )
         run.steps = tally_difference(before, await step_tallies(used))
-        run.workers, run.policy = count, policy
+        run.workers, run.policy, run.reuse = count, policy_name(policy, reuse, args), reuse
         run.label = f"{count} × {run.policy_label}"
         if profile:  # the first replica's profile stands for all (they run alike)
             loop = "closed" if open_rate is None else f"open{open_rate:.0f}"
@@ -631,17 +647,18 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
         print(summary_line(run) + f", {routers} router replica(s)", flush=True)
         runs.append(run)
         closed = [r for r in runs if r.workers == count and r.open_rate is None]
-        if args.rate_share > 0 and open_rate is None and len(closed) == len(args.policies):
+        pairs = [(p, m) for p in args.policies for m in args.reuse]
+        if args.rate_share > 0 and open_rate is None and len(closed) == len(pairs):
             rate = args.rate_share * min(r.requests_per_s() for r in closed)
             if rate > 0:  # a policy that answered nothing leaves no rate to offer
-                plan[:0] = [(count, p, rate) for p in args.policies]
+                plan[:0] = [(count, p, m, rate) for p, m in pairs]
             else:
                 print(f"{count} workers: no open-loop runs (a closed-loop run answered nothing)")
     if args.kill:
         count = max(counts)
         service = subset_service(cfg, args.model, actors, count, "chunk_aware")
         requests = sequence[: args.requests_per_worker * count]
-        bodies = make_bodies(maker, shape, requests, seed=99, stream=False)
+        bodies = make_bodies(maker, shape, requests, 99, stream=False, reuse=args.reuse[0])
         victim = list(actors.workers)[count - 1]
         run, events = await kill_test(
             service,
@@ -650,7 +667,8 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
             int(args.kill_at * len(bodies)),
             actors.workers[victim],
         )
-        run.workers, run.policy = count, "chunk_aware (kill)"
+        run.workers, run.reuse = count, args.reuse[0]
+        run.policy = policy_name("chunk_aware", args.reuse[0], args) + " (kill)"
         run.kill = {"victim": victim, "sent": len(bodies)} | {
             k: v for k, v in events.items() if k != "killed_at_s"
         }
@@ -659,6 +677,11 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
         print(kill_line(run, events, len(bodies), victim), flush=True)
         runs.append(run)
     return runs
+
+
+def policy_name(policy: str, reuse: str, args: argparse.Namespace) -> str:
+    """A run's policy as reports name it: with its reuse mode where several are compared."""
+    return policy if len(args.reuse) == 1 else f"{policy}, {reuse}"
 
 
 async def step_tallies(workers: dict[str, ActorHandle]) -> dict[str, dict | None]:
@@ -746,8 +769,9 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
             ]
         )
     print_table(
-        f"RAG through the cluster: system {shape.system_tokens} + document {shape.doc_tokens} "
-        f"(of {shape.docs}, Zipf {shape.zipf}) + question {shape.question_tokens} tokens, "
+        f"RAG through the cluster: system {shape.system_tokens} (of {shape.systems}) + "
+        f"{shape.docs_per_request} x document {shape.doc_tokens} (of {shape.docs}, Zipf "
+        f"{shape.zipf}, in relevance order) + question {shape.question_tokens} tokens, "
         f"{shape.max_tokens} output tokens; {args.pages} KV pages per worker; "
         f"{args.concurrency} clients per worker",
         [
@@ -889,7 +913,18 @@ def parse_args() -> argparse.Namespace:
         type=int,
         help="KV pages per worker (default: half the documents plus headroom; default_pages)",
     )
+    ap.add_argument(
+        "--reuse",
+        nargs="+",
+        choices=("exact", "approximate"),
+        default=["exact"],
+        help="reuse modes to compare, each with every policy (the kill test takes the first)",
+    )
     ap.add_argument("--docs", type=int, default=192)
+    ap.add_argument(
+        "--docs-per-request", type=int, default=1, help="retrieved documents a request (top-k)"
+    )
+    ap.add_argument("--systems", type=int, default=3, help="system prompts (tenants, personas)")
     ap.add_argument("--zipf", type=float, default=0.8)
     ap.add_argument("--system-tokens", type=int, default=512)
     ap.add_argument("--doc-tokens", type=int, default=2048)

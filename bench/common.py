@@ -148,7 +148,8 @@ def parse_repair(text: str) -> ReuseRequest:
 @dataclass(frozen=True)
 class Shape:
     """A RAG workload's requests (``cluster_rag``, ``http_rag``, ``routing_model``): one
-    of 3 system prompts + one of ``docs`` documents (Zipf ``zipf``) + a question."""
+    of ``systems`` system prompts + ``docs_per_request`` of ``docs`` documents (Zipf
+    ``zipf``, in the order retrieval ranked them) + a question."""
 
     docs: int
     zipf: float
@@ -156,11 +157,34 @@ class Shape:
     doc_tokens: int
     question_tokens: int
     max_tokens: int
+    docs_per_request: int = 1
+    systems: int = 3
 
 
 def document_sequence(shape: Shape, requests: int, seed: int) -> list[tuple[int, int]]:
-    """(system index, document index) per request: the same for every run."""
+    """(system index, document index) per request: the same for every run (one
+    document a request)."""
     rng = random.Random(seed)
     weights = list(accumulate(1 / (k + 1) ** shape.zipf for k in range(shape.docs)))
     docs = rng.choices(range(shape.docs), cum_weights=weights, k=requests)
-    return [(rng.randrange(3), d) for d in docs]
+    return [(rng.randrange(shape.systems), d) for d in docs]
+
+
+def retrieval_sequence(shape: Shape, requests: int, seed: int) -> list[tuple[int, tuple[int, ...]]]:
+    """(system index, document indices in relevance order) per request, the same for
+    every run: ``docs_per_request`` distinct documents, each drawn by Zipf popularity
+    (the first drawn ranks first, so popular documents tend to rank high and each query
+    orders its own). One document a request: ``document_sequence``'s draws."""
+    if shape.docs_per_request == 1:
+        return [(s, (d,)) for s, d in document_sequence(shape, requests, seed)]
+    if shape.docs_per_request > shape.docs:
+        raise ValueError(f"{shape.docs_per_request} documents a request, of {shape.docs}")
+    rng = random.Random(seed)
+    weights = list(accumulate(1 / (k + 1) ** shape.zipf for k in range(shape.docs)))
+    sequence = []
+    for _ in range(requests):
+        ranked: dict[int, None] = {}
+        while len(ranked) < shape.docs_per_request:
+            ranked[rng.choices(range(shape.docs), cum_weights=weights)[0]] = None
+        sequence.append((rng.randrange(shape.systems), tuple(ranked)))
+    return sequence

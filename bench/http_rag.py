@@ -60,7 +60,7 @@ from bench.cluster_rag import (  # noqa: E402
     ttft_quantile_ms,
 )
 from bench.cluster_rag import RequestResult as Result  # noqa: E402
-from bench.common import Shape, document_sequence  # noqa: E402
+from bench.common import Shape, retrieval_sequence  # noqa: E402
 from workers.engine.checkpoint import load_tokenizer  # noqa: E402
 
 BASE_CONFIG = REPO / "configs/redis.yaml"
@@ -478,6 +478,7 @@ def summarize(args, shape: Shape, run: Run, metrics: dict, status: str) -> dict:
         "concurrency": args.concurrency,
         "client_processes": args.client_processes,
         "shape": shape.__dict__,
+        "reuse": args.reuse,
         "requests": len(run.results) + len(run.errors),
         "answered": len(run.results),
         "errors": len(run.errors),
@@ -534,7 +535,7 @@ def main() -> int:
     args.warmup = 4 * args.workers if args.warmup is None else args.warmup
     shape = Shape(
         args.docs, args.zipf, args.system_tokens, args.doc_tokens, args.question_tokens,
-        args.max_tokens,
+        args.max_tokens, args.docs_per_request, args.systems,
     )  # fmt: skip
 
     def on_term(signum, frame):  # SIGTERM/SIGHUP: stop everything like Ctrl-C does
@@ -551,12 +552,17 @@ def main() -> int:
 
     log("preparing the workload ...")
     maker = TextMaker(load_tokenizer(args.model))
-    sequence = document_sequence(shape, args.requests, args.seed)
+    sequence = retrieval_sequence(shape, args.requests, args.seed)
     dump = {"exclude_unset": True, "mode": "json"}
-    bodies = [b.model_dump(**dump) for b in make_bodies(maker, shape, sequence, 1, stream=True)]
+    bodies = [
+        b.model_dump(**dump)
+        for b in make_bodies(maker, shape, sequence, 1, stream=True, reuse=args.reuse)
+    ]
     warm = [
         b.model_dump(**dump)
-        for b in make_bodies(maker, shape, sequence[: args.warmup], 10**6, stream=True)
+        for b in make_bodies(
+            maker, shape, sequence[: args.warmup], 10**6, stream=True, reuse=args.reuse
+        )
     ]
 
     with ExitStack() as stack:
@@ -632,7 +638,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--warmup", type=int, help="warm-up requests, not counted (default: 4 per worker)"
     )
+    ap.add_argument("--reuse", choices=("exact", "approximate"), default="exact")
     ap.add_argument("--docs", type=int, default=192)
+    ap.add_argument(
+        "--docs-per-request", type=int, default=1, help="retrieved documents a request (top-k)"
+    )
+    ap.add_argument("--systems", type=int, default=3, help="system prompts (tenants, personas)")
     ap.add_argument("--zipf", type=float, default=1.0)
     ap.add_argument("--system-tokens", type=int, default=512)
     ap.add_argument("--doc-tokens", type=int, default=2048)

@@ -109,3 +109,41 @@ def test_cluster_bench_answers_everything_and_survives_a_killed_worker(
     kill = runs[2, "chunk_aware (kill)"]["kill"]
     assert kill["answered_before_kill"] >= 14 and "back_after_s" in kill
     assert kill["epoch_after"] != kill["epoch_before"]  # it was killed and restarted
+
+
+def test_cluster_bench_compares_reuse_modes_over_ranked_documents(
+    ray_cluster, tiny_qwen3, tmp_path
+):
+    """``--reuse exact approximate`` runs each policy in both modes over requests of
+    several ranked documents after one of several system prompts: every request is
+    answered, each run says its mode, and approximate reuse serves more of the prompts
+    from cached KV than exact reuse does (it places a document after any system prompt
+    and documents; exact reuse needs the same ones before it)."""
+    out = tmp_path / "runs.json"
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address, "RAY_AUTH_MODE": "disabled"}
+    args = ["--model", str(tiny_qwen3), "--workers", "2", "--gpus-per-worker", "0",
+            "--pages", "600", "--docs", "10", "--docs-per-request", "3", "--systems", "4",
+            "--system-tokens", "24", "--doc-tokens", "64", "--max-tokens", "2",
+            "--requests-per-worker", "16", "--concurrency", "2", "--engine", "thread",
+            "--reuse", "exact", "approximate", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "cluster_rag.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "3 x document 64 (of 10" in done.stdout
+    runs = {r["policy"]: r for r in json.loads(out.read_text())}
+    assert set(runs) == {
+        f"{policy}, {mode}"
+        for policy in ("chunk_aware", "round_robin")
+        for mode in ("exact", "approximate")
+    }
+    for name, run in runs.items():
+        assert run["reuse"] == name.split(", ")[1]
+        assert run["answered"] == 32 and run["errors"] == []
+    for policy in ("chunk_aware", "round_robin"):
+        exact, approximate = runs[f"{policy}, exact"], runs[f"{policy}, approximate"]
+        assert approximate["hit_rate"] > exact["hit_rate"], (policy, exact, approximate)
