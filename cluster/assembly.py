@@ -14,6 +14,8 @@ from cluster.router import Router, RouterSettings
 from cluster.routing_policy import Policy, RoutingWeights
 from cluster.worker_pool import Agreement, WorkerPool
 from workers.engine.checkpoint import checkpoint_fingerprint, load_tokenizer
+from workers.engine.config import resolve_deviation_layer
+from workers.engine.models.config import ModelConfig
 from workers.engine.reuse_info import ReuseRequest
 from workers.runtime.worker_types import directory_namespace
 
@@ -27,6 +29,13 @@ def recent_route_lease_s(cfg: ClusterConfig) -> float:
     """``router.recent_route_lease_s``, its default (null) resolved."""
     lease = cfg.router.recent_route_lease_s
     return 4 * cfg.workers.publish_interval_s if lease is None else lease
+
+
+def selection_share(cfg: ClusterConfig, model_dir: Path) -> float:
+    """The share of the model's layers that a placed token repair does not recompute
+    still runs through: the layers below the workers' deviation layer."""
+    layers = ModelConfig.from_dir(model_dir).num_layers
+    return resolve_deviation_layer(cfg.engine.deviation_layer, layers) / layers
 
 
 def build_service(
@@ -59,6 +68,7 @@ def build_service(
             max_attempts=cfg.router.max_attempts,
             policy=Policy(cfg.router.policy),
             recent_route_lease_s=recent_route_lease_s(cfg),
+            selection_share=selection_share(cfg, model_dir),
         ),
         metrics,
     )

@@ -150,6 +150,9 @@ class RouterSettings:
     max_attempts: int  # worker starts per request, all retries together
     policy: Policy = Policy.CHUNK_AWARE
     recent_route_lease_s: float = 0.0  # RouteMemory's lease (chunk-aware); 0: no memory
+    # what a placed token that repair does not recompute still costs, as a share of a
+    # computed one: the workers' selection layers over the model's (``placed_saving``)
+    selection_share: float = 0.0
 
 
 class Router:
@@ -249,6 +252,7 @@ class Router:
             prompt.placeable[: len(prompt.entry_keys)],
             reuse.first_tokens,
             reuse.deviation_ratio,
+            self._settings.selection_share,
         )
 
     async def _start(self, decision: Decision, request: WorkerRequest) -> WorkerStream | None:

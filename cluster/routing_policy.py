@@ -46,7 +46,9 @@ the prompt tokens it would not compute. For an exact request that is its exactly
 held prefix; an approximate request adds, for each placeable chunk after that prefix
 whose position-free entry the worker holds, the chunk's tokens minus those repair
 recomputes (``min(first_tokens, n) + round(deviation_ratio * n)`` of an ``n``-token
-chunk; ``placed_saving``).
+chunk), less, with a deviation ratio, the selection layers its other tokens still run
+through (``selection_share`` of a computed token's cost each: the engine's deviation
+layer over the model's layers; ``placed_saving``).
 """
 
 from __future__ import annotations
@@ -244,11 +246,16 @@ class RouteMemory:
             leases.popitem(last=False)
 
 
-def placed_saving(length: int, first_tokens: int, deviation_ratio: float) -> int:
+def placed_saving(
+    length: int, first_tokens: int, deviation_ratio: float, selection_share: float = 0.0
+) -> int:
     """Prompt tokens an approximate hit on an ``length``-token chunk saves: its tokens
-    less the ones repair recomputes (never below 0)."""
+    less the ones repair recomputes (never below 0), each of the others counted
+    ``1 - selection_share`` of a token where a deviation ratio makes them run through
+    the selection layers (``selection_share``: those layers' share of the model's)."""
     recomputed = min(first_tokens, length) + round(deviation_ratio * length)
-    return max(0, length - recomputed)
+    placed = max(0, length - recomputed)
+    return round(placed * (1 - selection_share)) if deviation_ratio > 0 else placed
 
 
 def prefill_saved(
@@ -257,6 +264,7 @@ def prefill_saved(
     spans: Sequence[tuple[int, int]],
     first_tokens: int,
     deviation_ratio: float,
+    selection_share: float = 0.0,
 ) -> dict[str, int]:
     """Worker id -> prompt tokens it would not compute (the ``holdings`` of
     ``choose_worker``). ``exact_tokens``: worker -> exactly held prefix tokens;
@@ -268,7 +276,7 @@ def prefill_saved(
     for worker, held in entries.items():
         prefix = exact_tokens.get(worker, 0)
         placed = sum(
-            placed_saving(end - start, first_tokens, deviation_ratio)
+            placed_saving(end - start, first_tokens, deviation_ratio, selection_share)
             for start, end in (spans[i] for i in held)
             if start >= prefix
         )

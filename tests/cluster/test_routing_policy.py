@@ -205,6 +205,16 @@ def test_an_approximate_hit_saves_the_chunk_less_what_repair_recomputes():
     assert placed_saving(10, first_tokens=4, deviation_ratio=1.0) == 0  # never negative
 
 
+def test_placed_tokens_left_as_placed_still_cost_the_selection_layers():
+    """With a deviation ratio every placed token runs the layers below the selection
+    layer (3 of 28: 0.107 of a computed token); without one, placement costs nothing."""
+    share = 3 / 28
+    assert placed_saving(512, 0, 0.05, share) == round((512 - 26) * (1 - share))
+    assert placed_saving(512, 4, 0.0, share) == 508
+    saved = prefill_saved({"w0": 32}, {"w0": [0, 2]}, SPANS, 0, 0.05, share)
+    assert saved == {"w0": 32 + 2 * round((64 - 3) * (1 - share))}
+
+
 def test_prefill_saved_adds_held_entries_after_the_exact_prefix():
     saved = prefill_saved(
         exact_tokens={"w0": 32, "w1": 96, "w2": 16},

@@ -23,6 +23,19 @@ DEFAULT_ENTRY_SYSTEM_PROMPT = "You are a helpful assistant."
 DEFAULT_DEVIATION_LAYER = 3
 
 
+def resolve_deviation_layer(configured: int | None, num_layers: int) -> int:
+    """The layer approximate repair selects at: the configured one (it must exist), or
+    the default capped at the model's last layer."""
+    if configured is None:
+        return max(0, min(DEFAULT_DEVIATION_LAYER, num_layers - 1))
+    if configured >= num_layers:
+        raise ValueError(
+            f"deviation_layer {configured} is not a layer of this model "
+            f"({num_layers} layers: 1 to {num_layers - 1})"
+        )
+    return configured
+
+
 def setting(default: object, doc: str, **bounds: float) -> object:
     """An engine setting: its default, its documentation (what the cluster config's
     ``engine`` section and its checks show users) and its bounds as pydantic spells

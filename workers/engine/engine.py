@@ -39,7 +39,7 @@ from workers.engine.approximate import ChunkReuse
 from workers.engine.attention import make_backend
 from workers.engine.attention.base import AttentionShape
 from workers.engine.checkpoint import checkpoint_fingerprint, load_tokenizer
-from workers.engine.config import DEFAULT_DEVIATION_LAYER, EngineConfig
+from workers.engine.config import EngineConfig, resolve_deviation_layer
 from workers.engine.detokenizer import detokenize_step
 from workers.engine.kv_pool import KVPool
 from workers.engine.model_runner import CarriedTokens, ModelRunner
@@ -122,19 +122,6 @@ def _validate_spans(spans: tuple[tuple[int, int], ...], prompt_len: int) -> None
                 f"[0, {prompt_len}); got {list(spans)}"
             )
         previous_end = end
-
-
-def resolve_deviation_layer(configured: int | None, num_layers: int) -> int:
-    """The layer approximate repair selects at: the configured one (it must exist), or
-    the default capped at the model's last layer."""
-    if configured is None:
-        return max(0, min(DEFAULT_DEVIATION_LAYER, num_layers - 1))
-    if configured >= num_layers:
-        raise ValueError(
-            f"deviation_layer {configured} is not a layer of this model "
-            f"({num_layers} layers: 1 to {num_layers - 1})"
-        )
-    return configured
 
 
 def default_reuse(engine: Engine) -> Reuse:
