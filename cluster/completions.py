@@ -52,6 +52,7 @@ from cluster.prompts import (
 )
 from cluster.router import Router, WorkerStream
 from cluster.routing_policy import Decision
+from workers.engine.request import PromptRequest
 from workers.engine.reuse_info import ReuseRequest
 from workers.engine.sampling_params import SamplingParams
 from workers.runtime.worker_types import WorkerDelta, WorkerRequest
@@ -221,14 +222,13 @@ class CompletionService:
         await self.router.pool.start()
         request = WorkerRequest(
             request_id=uuid.uuid4().hex,
-            prompt_token_ids=prompt.token_ids,
+            prompt=PromptRequest(
+                prompt.token_ids, tenant_salt, placeable=prompt.placeable, reuse=asked
+            ),
             params=self._sampling(body, len(prompt.token_ids), param),
-            tenant_salt=tenant_salt,
             chunk_ids=body.chunk_ids if isinstance(body, ChatCompletionRequest) else (),
             # buffered: nothing to show before the end, so no deltas in between
             stream_interval_s=self._settings.stream_interval_s if body.stream else math.inf,
-            reuse=asked,
-            placeable=prompt.placeable,
         )
         self.metrics.queue_time.observe(time.monotonic() - arrived)
         if body.stream:
@@ -264,11 +264,11 @@ class CompletionService:
                 self.metrics.retries.inc()
                 continue
             except BaseException:  # failed, or cancelled (the client left): count what came
-                self._count(len(request.prompt_token_ids), choices)
+                self._count(len(request.prompt.token_ids), choices)
                 raise
             finally:
                 stream.close()
-            self._count(len(request.prompt_token_ids), choices)
+            self._count(len(request.prompt.token_ids), choices)
             return stream, choices
 
     async def _events(

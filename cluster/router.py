@@ -187,7 +187,8 @@ class Router:
             # with one worker open there is nothing to choose: no directory round trip
             if self._chunk_aware and not attempts.looked_up and len(views) > 1:
                 attempts.looked_up = True
-                attempts.holdings = await self._lookup(prompt, request.reuse)
+                asked = request.prompt.reuse or ReuseRequest()
+                attempts.holdings = await self._lookup(prompt, asked)
                 views = [v for v in self.pool.views() if v.worker_id not in attempts.tried]
             now = time.monotonic()
             decision = self._choose(views, attempts.holdings, prompt, now)
@@ -203,8 +204,11 @@ class Router:
             attempt_request = dataclasses.replace(
                 request,
                 request_id=f"{request.request_id}.{len(attempts.tried)}",
-                expected_cached_tokens=decision.expected_cached_tokens,
-                held_elsewhere=decision.reason is Reason.SPILL,
+                prompt=dataclasses.replace(
+                    request.prompt,
+                    expected_cached_tokens=decision.expected_cached_tokens,
+                    held_elsewhere=decision.reason is Reason.SPILL,
+                ),
             )
             attempts.tried.add(decision.worker_id)
             attempts.left -= 1
@@ -259,8 +263,8 @@ class Router:
         """The stream once its first delta arrived; None if the worker cannot take it."""
         worker_id = decision.worker_id
         choices = len(request.params)
-        tokens = len(request.prompt_token_ids) + sum(p.max_tokens for p in request.params)
-        uncached = max(0, len(request.prompt_token_ids) - decision.expected_cached_tokens)
+        tokens = len(request.prompt.token_ids) + sum(p.max_tokens for p in request.params)
+        uncached = max(0, len(request.prompt.token_ids) - decision.expected_cached_tokens)
         self.pool.begin(worker_id, choices, tokens, uncached)
         watch = WorkerWatch(self.pool, worker_id)
         generator = (

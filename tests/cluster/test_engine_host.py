@@ -11,6 +11,7 @@ import pytest
 
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
+from workers.engine.request import PromptRequest
 from workers.engine.sampling_params import SamplingParams
 from workers.runtime.engine_host import ChildEngine, LocalEngine
 from workers.runtime.engine_loop import Rejected
@@ -26,7 +27,7 @@ def _run(host, prompts) -> dict[str, list[int]]:
     """Submits every prompt at once; tokens per request once all finished."""
     items: queue.SimpleQueue = queue.SimpleQueue()
     for i, prompt in enumerate(prompts):
-        host.submit(f"r{i}", tuple(prompt), PARAMS, "", items.put)
+        host.submit(f"r{i}", PARAMS, PromptRequest(tuple(prompt), ""), items.put)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     finished = 0
     while finished < len(prompts):
@@ -72,14 +73,19 @@ def test_the_child_engine_answers_as_the_local_one(child, tiny_qwen3):
 def test_rejections_aborts_and_chunk_calls_cross(child):
     host, _, fatal = child
     items: queue.SimpleQueue = queue.SimpleQueue()
-    host.submit("bad", (10**9,), PARAMS, "", items.put)
+    host.submit("bad", PARAMS, PromptRequest((10**9,), ""), items.put)
     rejected = items.get(timeout=60)
     assert isinstance(rejected, Rejected) and "vocabulary" in rejected.message
     # an aborted request's sink gets nothing more
     long = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
     got: list = []
     first = threading.Event()
-    host.submit("long", tuple(range(100, 140)), long, "", lambda i: got.append(i) or first.set())
+    host.submit(
+        "long",
+        long,
+        PromptRequest(tuple(range(100, 140)), ""),
+        lambda i: got.append(i) or first.set(),
+    )
     assert first.wait(60)
     host.abort("long")
     seen = len(got)
@@ -102,12 +108,12 @@ def test_a_request_submitted_again_under_its_id_gets_only_its_own_outputs(child)
     assert host.kv_pages()[0] > 0  # snapshots exist from the start
     first = threading.Event()
     long = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
-    host.submit("x", tuple(range(100, 140)), long, "", lambda item: first.set())
+    host.submit("x", long, PromptRequest(tuple(range(100, 140)), ""), lambda item: first.set())
     assert first.wait(60)
     host.abort("x")
     items: queue.SimpleQueue = queue.SimpleQueue()
     short = tuple(range(300, 310))
-    host.submit("x", short, PARAMS, "", items.put)
+    host.submit("x", PARAMS, PromptRequest(short, ""), items.put)
     outputs = [items.get(timeout=60)]
     while not outputs[-1].finished:
         outputs.append(items.get(timeout=60))
@@ -126,7 +132,7 @@ def test_a_failing_sink_ends_the_actor_not_just_the_reader(tiny_qwen3):
         def sink(item):
             raise KeyError("a broken sink")
 
-        host.submit("r", tuple(range(100, 120)), PARAMS, "", sink)
+        host.submit("r", PARAMS, PromptRequest(tuple(range(100, 120)), ""), sink)
         assert died.wait(60)
         assert isinstance(fatal[0], KeyError)
     finally:

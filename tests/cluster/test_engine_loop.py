@@ -19,6 +19,7 @@ from tests.chunkstore.testkit import wait_until
 from workers.engine.checkpoint import checkpoint_fingerprint
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, StepOutput
+from workers.engine.request import PromptRequest
 from workers.engine.reuse_info import DEFAULT_DEVIATION_RATIO, ReuseInfo, ReuseRequest
 from workers.engine.sampling_params import SamplingParams
 from workers.runtime.actor import _collect, _Outbox, coalesce
@@ -46,9 +47,9 @@ def loop(tiny_qwen3):
 
 
 def collect(loop: EngineLoop, request_id: str, prompt, params, **reuse) -> list:
-    """``reuse``: ``placeable`` and ``reuse`` as ``EngineLoop.submit`` takes them."""
+    """``reuse``: the prompt's other fields (``PromptRequest``)."""
     items: queue.SimpleQueue = queue.SimpleQueue()
-    loop.submit(request_id, tuple(prompt), params, "", items.put, **reuse)
+    loop.submit(request_id, params, PromptRequest(tuple(prompt), "", **reuse), items.put)
     out = []
     while True:
         item = items.get(timeout=30)
@@ -90,7 +91,7 @@ def test_load_reports_backlog_rates_and_a_growing_version(loop):
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     # enough prompt tokens for a prefill-rate sample
     prompt = tuple(range(100, 100 + RATE_SAMPLE_MIN_TOKENS))
-    loop.submit("a", prompt, params, "", items.put, expected_cached_tokens=24)
+    loop.submit("a", params, PromptRequest(tuple(prompt), "", expected_cached_tokens=24), items.put)
     # a call after a submit runs after it is added, before the engine steps
     shape = loop.call(lambda: loop._engine.load_shape())
     gate.set()
@@ -175,8 +176,8 @@ def test_approximate_requests_reach_the_engine_with_their_spans(loop, tiny_qwen3
 def test_abort_stops_a_request_and_frees_its_load(loop):
     loop, _ = loop
     seen = threading.Event()
-    loop.submit("long", tuple(range(10, 40)), SamplingParams(max_tokens=3000, ignore_eos=True), "",
-                lambda item: seen.set())  # fmt: skip
+    params = SamplingParams(max_tokens=3000, ignore_eos=True)
+    loop.submit("long", params, PromptRequest(tuple(range(10, 40)), ""), lambda item: seen.set())
     assert seen.wait(30)
     assert loop.load().requests == 1
     loop.abort("long")
@@ -376,7 +377,7 @@ def test_call_runs_on_the_loop_thread_and_prefill_keeps_others_streaming(loop):
     loop, mirror = loop
     items: queue.SimpleQueue = queue.SimpleQueue()
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    loop.submit("other", tuple(range(300, 340)), params, "", items.put)
+    loop.submit("other", params, PromptRequest(tuple(range(300, 340)), ""), items.put)
     thread = loop.call(lambda: threading.current_thread().name).result(timeout=30)
     assert thread == "engine-loop"
     loop.call(lambda: loop.prefill(list(range(200, 264)), "")).result(timeout=30)

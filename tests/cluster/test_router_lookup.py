@@ -24,6 +24,7 @@ from tests.cluster.worker_doubles import (
     StartLog,
     worker_info,
 )
+from workers.engine.request import PromptRequest
 from workers.engine.reuse_info import ReuseRequest
 from workers.engine.sampling_params import SamplingParams
 from workers.runtime.worker_types import EngineLoad, WorkerRequest
@@ -73,10 +74,8 @@ def route_one(
         prompt = PreparedPrompt(token_ids=tokens, lookup_keys=(b"k" * 32,), token_ends=(32,))
         request = WorkerRequest(
             request_id="r",
-            prompt_token_ids=tokens,
+            prompt=PromptRequest(tokens, "", reuse=ReuseRequest()),
             params=(SamplingParams(max_tokens=1),),
-            tenant_salt="",
-            reuse=ReuseRequest(),
         )
         try:
             stream = await asyncio.wait_for(router.open(prompt, request), 60)
@@ -101,9 +100,9 @@ def test_one_worker_is_routed_without_a_lookup_two_with_one(ray_cluster):
 def test_a_spilled_request_tells_its_worker_the_prompt_is_held_elsewhere(ray_cluster):
     reason, _, sent = route_one(2, HolderDirectory())
     assert reason is Reason.AFFINITY
-    assert [(w, r.held_elsewhere) for w, r in sent] == [("w0", False)]
+    assert [(w, r.prompt.held_elsewhere) for w, r in sent] == [("w0", False)]
     # the holder's queued prefill (a second at the assumed rate) outweighs its 32 tokens
     busy = EngineLoad(2, 20_000, 0, 0, 0, 0, prefill_backlog_tokens=20_000)
     reason, _, sent = route_one(2, HolderDirectory(), {"w0": busy})
     assert reason is Reason.SPILL
-    assert [(w, r.held_elsewhere) for w, r in sent] == [("w1", True)]
+    assert [(w, r.prompt.held_elsewhere) for w, r in sent] == [("w1", True)]

@@ -17,6 +17,7 @@ from cluster.router import Router, RouterSettings
 from cluster.routing_policy import RoutingWeights
 from cluster.worker_pool import Health, WorkerPool, disagreement
 from tests.cluster.worker_doubles import AGREEMENT, FakeWorker, NoDirectory, worker_info
+from workers.engine.request import PromptRequest
 from workers.engine.sampling_params import SamplingParams
 from workers.runtime.worker_types import WorkerRequest
 
@@ -97,7 +98,7 @@ def test_a_request_with_only_disagreeing_workers_gets_the_reason(ray_cluster):
         pool = WorkerPool(handles, AGREEMENT, poll_interval_s=0.05, poll_timeout_s=10)
         router = Router(pool, NoDirectory(), RouterSettings(WEIGHTS, max_attempts=3), Metrics())
         prompt = PreparedPrompt(token_ids=(1, 2, 3), lookup_keys=(), token_ends=())
-        request = WorkerRequest("r", (1, 2, 3), (SamplingParams(max_tokens=4),), "")
+        request = WorkerRequest("r", PromptRequest((1, 2, 3), ""), (SamplingParams(max_tokens=4),))
         try:
             with pytest.raises(NoHealthyWorker, match="fingerprint 'ffff'.*model.path"):
                 await router.open(prompt, request)

@@ -124,7 +124,7 @@ class FakeWorker:
                 text="a",
                 finished=False,
                 finish_reason=None,
-                prompt_tokens=len(request.prompt_token_ids),
+                prompt_tokens=len(request.prompt.token_ids),
                 reuse=ReuseInfo("exact"),
             )
         )

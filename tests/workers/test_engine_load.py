@@ -8,6 +8,7 @@ import pytest
 from chunkstore.hashing import pack_tokens, root_key
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, LoadShape
+from workers.engine.request import PromptRequest
 from workers.engine.reuse_info import ReuseInfo, ReuseRequest
 from workers.engine.sampling_params import SamplingParams
 from workers.runtime.worker_types import WorkerRequest
@@ -202,15 +203,14 @@ def test_a_request_held_elsewhere_gives_up_its_pages_first(tiny_qwen3, held_else
     assert cached_pages(lost) == 2  # the system prompt, released as usual
 
 
-def test_a_worker_request_refuses_a_negative_hint():
-    params = (SamplingParams(max_tokens=1),)
-    assert WorkerRequest("r", (1, 2), params, "").expected_cached_tokens == 0
-    assert (
-        WorkerRequest("r", (1, 2), params, "", expected_cached_tokens=5).expected_cached_tokens == 5
-    )
+def test_a_prompt_request_refuses_a_negative_hint():
+    assert PromptRequest((1, 2), "").expected_cached_tokens == 0
+    assert PromptRequest((1, 2), "", expected_cached_tokens=5).expected_cached_tokens == 5
     for bad in (-1, 1.5, None):
         with pytest.raises(ValueError, match="expected_cached_tokens must be an integer >= 0"):
-            WorkerRequest("r", (1, 2), params, "", expected_cached_tokens=bad)
+            PromptRequest((1, 2), "", expected_cached_tokens=bad)
+    with pytest.raises(ValueError, match="at least one choice"):
+        WorkerRequest("r", PromptRequest((1, 2), ""), ())
 
 
 def test_an_approximate_admission_that_cannot_get_its_pages_queues_no_forward(tiny_qwen3):

@@ -46,7 +46,7 @@ from workers.engine.model_runner import CarriedTokens, ModelRunner
 from workers.engine.models.config import ModelConfig
 from workers.engine.models.loader import load_model
 from workers.engine.placement import place_chunk, rope_supports_placement, sequence_slots
-from workers.engine.request import Sequence
+from workers.engine.request import PromptRequest, Sequence
 from workers.engine.reuse import NoReuse, Reuse
 from workers.engine.reuse_info import ReuseInfo, ReuseRequest
 from workers.engine.sampler import sample_on_device, top_logprobs
@@ -247,43 +247,36 @@ class Engine:
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: list[int] | tuple[int, ...],
         params: SamplingParams,
-        tenant_salt: str | None = None,
-        placeable: tuple[tuple[int, int], ...] = (),
-        reuse: ReuseRequest | None = None,
-        expected_cached_tokens: int = 0,
-        held_elsewhere: bool = False,
+        *fields,
+        **named,
     ) -> None:
-        """``placeable``: sorted, disjoint (start, end) spans of the prompt (its
-        chunks) that approximate reuse may take from position-free entries; exact
-        reuse ignores them. ``reuse``: what this request asks of reuse (default
-        exact); on an engine with reuse off every request is served without.
-        ``expected_cached_tokens``: the caller's estimate of the prompt tokens this
-        engine holds, for ``load_shape`` while the request waits; it changes nothing
-        that is computed. ``held_elsewhere``: the caller knows another engine holds
-        more of this prompt; the pages this request computes are then released cold
-        (evicted first, unless used again; ``Sequence.held_elsewhere``). Output never
-        depends on it."""
-        prompt = list(prompt_token_ids)  # validated, packed and stored alike
-        packed = self._validate(request_id, prompt)
-        _validate_spans(placeable, len(prompt))
-        if expected_cached_tokens < 0:
-            raise ValueError(f"expected_cached_tokens must be >= 0, got {expected_cached_tokens}")
-        reuse = reuse or ReuseRequest()
+        """``submit`` with the prompt's other fields after the tokens, in
+        ``PromptRequest``'s order (``tenant_salt``, ``placeable``, ...) or by name."""
+        self.submit(request_id, params, PromptRequest(tuple(prompt_token_ids), *fields, **named))
+
+    def submit(self, request_id: str, params: SamplingParams, prompt: PromptRequest) -> None:
+        """Queue one choice of ``prompt`` (its fields: ``PromptRequest``); ValueError
+        names what is wrong with it. Output never depends on ``expected_cached_tokens``
+        or ``held_elsewhere``."""
+        tokens = list(prompt.token_ids)  # the sequence's own: it grows with the output
+        packed = self._validate(request_id, tokens)
+        _validate_spans(prompt.placeable, len(tokens))
+        reuse = prompt.reuse or ReuseRequest()
         if reuse.mode == "approximate":
             self._check_placement()
         seq = Sequence(
             request_id=request_id,
             arrival=next(self._arrivals),
-            prompt_token_ids=prompt,
+            prompt_token_ids=tokens,
             params=params,
-            namespace=self.namespace(tenant_salt),
+            namespace=self.namespace(prompt.tenant_salt),
             packed_prompt=packed,
-            placeable=tuple(placeable),
+            placeable=tuple(prompt.placeable),
             reuse_request=reuse,
-            expected_cached_tokens=expected_cached_tokens,
-            held_elsewhere=held_elsewhere,
+            expected_cached_tokens=prompt.expected_cached_tokens,
+            held_elsewhere=prompt.held_elsewhere,
         )
         if params.seed is not None and not params.greedy:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)

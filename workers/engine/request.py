@@ -17,6 +17,38 @@ from workers.engine.sampling_params import SamplingParams
 ALL_EXACT = sys.maxsize  # ``exact_until`` of a sequence with no approximated position
 
 
+@dataclass(frozen=True)
+class PromptRequest:
+    """What one prompt asks of an engine, beside the sampling of each choice. Built
+    once (by the router, the offline ``LLM`` or ``Engine.add_request``) and passed on
+    as it is, through a worker's actor, engine host and loop, to ``Engine.submit``,
+    which makes the ``Sequence``: a request field is added here and where it is used.
+
+    ``tenant_salt``: the key namespace's salt (None: the engine's configured one).
+    ``placeable``: sorted, disjoint (start, end) spans of the prompt (its chunks) that
+    approximate reuse may take from position-free entries; exact reuse ignores them.
+    ``reuse``: what the request asks of reuse (None: exact). ``expected_cached_tokens``:
+    the router's estimate of the prompt tokens the engine holds, used only for its
+    prefill backlog while the request waits (``Engine.load_shape``); nothing computed
+    depends on it. ``held_elsewhere``: the router sent it here although another worker
+    holds more of the prompt (a spill): the pages it computes are released cold."""
+
+    token_ids: tuple[int, ...]
+    tenant_salt: str | None = None
+    placeable: tuple[tuple[int, int], ...] = ()
+    reuse: ReuseRequest | None = None
+    expected_cached_tokens: int = 0
+    held_elsewhere: bool = False
+
+    def __post_init__(self) -> None:
+        cached = self.expected_cached_tokens
+        if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+            raise ValueError(
+                f"expected_cached_tokens must be an integer >= 0 (prompt tokens the "
+                f"router expects this worker to hold), got {cached!r}"
+            )
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -131,17 +131,7 @@ class Worker:
         sink = self._outbox.sink(outputs)
         ids = [f"{request.request_id}#{i}" for i in range(len(request.params))]
         for request_id, params in zip(ids, request.params, strict=True):
-            self._engine.submit(
-                request_id,
-                request.prompt_token_ids,
-                params,
-                request.tenant_salt,
-                sink,
-                placeable=request.placeable,
-                reuse=request.reuse,
-                expected_cached_tokens=request.expected_cached_tokens,
-                held_elsewhere=request.held_elsewhere,
-            )
+            self._engine.submit(request_id, params, request.prompt, sink)
         recorded = not request.chunk_ids
         try:
             async for item in _collect(outputs, ids, request.stream_interval_s, self._engine.load):
@@ -160,7 +150,11 @@ class Worker:
 
     def _record_use(self, request: WorkerRequest, cached: int) -> None:
         self._engine.chunks(
-            "record_use", request.tenant_salt, request.chunk_ids, request.prompt_token_ids, cached
+            "record_use",
+            request.prompt.tenant_salt,
+            request.chunk_ids,
+            request.prompt.token_ids,
+            cached,
         )
 
     # -- registered chunks (see workers.runtime.worker_chunks) ------------------------------

@@ -4,8 +4,8 @@ the socket pair the actor made.
 
 Protocol (pickled tuples over ``multiprocessing.connection``):
 - actor -> child: ``("start", EngineConfig, cpu_threads)``, then ``("run",)`` once the
-  actor is ready for outputs; then any of ``("submit", submission, request_id, prompt,
-  params, tenant_salt, reuse_kwargs)``, ``("abort", request_id)``, ``("chunks",
+  actor is ready for outputs; then any of ``("submit", submission, request_id, params,
+  PromptRequest)``, ``("abort", request_id)``, ``("chunks",
   call_id, method, args)``. ``submission`` numbers each submit, so outputs of an
   aborted request never reach a later one with the same id.
 - child -> actor: ``("ready", facts, snapshot)`` or ``("failed", why)`` after
@@ -105,14 +105,9 @@ def serve(conn: Connection) -> int:
             os._exit(0)
         kind = message[0]
         if kind == "submit":
-            _, submission, request_id, prompt, params, tenant_salt, reuse = message
+            _, submission, request_id, params, prompt = message
             loop.submit(
-                request_id,
-                prompt,
-                params,
-                tenant_salt,
-                lambda item, n=submission: pending.append((n, item)),
-                **reuse,
+                request_id, params, prompt, lambda item, n=submission: pending.append((n, item))
             )
         elif kind == "abort":
             loop.abort(message[1])

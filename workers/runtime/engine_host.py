@@ -49,6 +49,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from workers.engine.request import PromptRequest
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.workload_tally import StepTally
 from workers.runtime.engine_loop import EngineLoop, Rejected, Sink
@@ -94,9 +95,10 @@ class LocalEngine:
         """Stop the loop thread (the engine stays as it is)."""
         self._loop.stop()
 
-    def submit(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams,
-               tenant_salt: str, sink: Sink, **reuse) -> None:  # fmt: skip
-        self._loop.submit(request_id, prompt, params, tenant_salt, sink, **reuse)
+    def submit(
+        self, request_id: str, params: SamplingParams, prompt: PromptRequest, sink: Sink
+    ) -> None:
+        self._loop.submit(request_id, params, prompt, sink)
 
     def abort(self, request_id: str) -> None:
         self._loop.abort(request_id)
@@ -175,13 +177,14 @@ class ChildEngine:
         self._send(("run",))
         self._reader.start()
 
-    def submit(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams,
-               tenant_salt: str, sink: Sink, **reuse) -> None:  # fmt: skip
+    def submit(
+        self, request_id: str, params: SamplingParams, prompt: PromptRequest, sink: Sink
+    ) -> None:
         with self._lock:
             number = next(self._numbers)
             self._sinks[number] = sink
             self._submissions[request_id] = number
-        self._send(("submit", number, request_id, prompt, params, tenant_salt, reuse))
+        self._send(("submit", number, request_id, params, prompt))
 
     def abort(self, request_id: str) -> None:
         with self._lock:  # after abort the sink gets nothing more

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 from chunkstore.events import CacheEvent
 from workers.engine.engine import Engine, StepOutput
-from workers.engine.reuse_info import ReuseRequest
+from workers.engine.request import PromptRequest
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.workload_tally import StepTally
 from workers.runtime.worker_types import EngineLoad
@@ -92,14 +92,9 @@ Sink = Callable[[StepOutput | Rejected], None]
 @dataclass(frozen=True)
 class _Submit:
     request_id: str
-    prompt_token_ids: tuple[int, ...]
     params: SamplingParams
-    tenant_salt: str
+    prompt: PromptRequest
     sink: Sink
-    placeable: tuple[tuple[int, int], ...]
-    reuse: ReuseRequest | None
-    expected_cached_tokens: int
-    held_elsewhere: bool
 
 
 @dataclass(frozen=True)
@@ -194,34 +189,12 @@ class EngineLoop:
         self._thread.join()
 
     def submit(
-        self,
-        request_id: str,
-        prompt_token_ids: tuple[int, ...],
-        params: SamplingParams,
-        tenant_salt: str,
-        sink: Sink,
-        placeable: tuple[tuple[int, int], ...] = (),
-        reuse: ReuseRequest | None = None,
-        expected_cached_tokens: int = 0,
-        held_elsewhere: bool = False,
+        self, request_id: str, params: SamplingParams, prompt: PromptRequest, sink: Sink
     ) -> None:
-        """``placeable``, ``reuse``, ``expected_cached_tokens`` (the router's
-        estimate of the prompt tokens cached here, for the load's backlog while the
-        request waits) and ``held_elsewhere``: as ``Engine.add_request`` takes them (a
-        request the engine refuses, e.g. approximate on a model that cannot place
-        chunks, gets a ``Rejected`` naming why)."""
-        command = _Submit(
-            request_id,
-            prompt_token_ids,
-            params,
-            tenant_salt,
-            sink,
-            tuple(placeable),
-            reuse,
-            expected_cached_tokens,
-            held_elsewhere,
-        )
-        self._commands.put(command)
+        """Queue one choice of ``prompt`` for ``Engine.submit``; its outputs go to
+        ``sink`` (a request the engine refuses, e.g. approximate on a model that cannot
+        place chunks, gets a ``Rejected`` naming why)."""
+        self._commands.put(_Submit(request_id, params, prompt, sink))
 
     def abort(self, request_id: str) -> None:
         """Stop a choice (a no-op once it finished)."""
@@ -363,20 +336,11 @@ class EngineLoop:
 
     def _add(self, command: _Submit) -> None:
         try:
-            self._engine.add_request(
-                command.request_id,
-                list(command.prompt_token_ids),
-                command.params,
-                tenant_salt=command.tenant_salt,
-                placeable=command.placeable,
-                reuse=command.reuse,
-                expected_cached_tokens=command.expected_cached_tokens,
-                held_elsewhere=command.held_elsewhere,
-            )
+            self._engine.submit(command.request_id, command.params, command.prompt)
         except ValueError as error:
             command.sink(Rejected(command.request_id, str(error)))
             return
-        tokens = len(command.prompt_token_ids) + command.params.max_tokens
+        tokens = len(command.prompt.token_ids) + command.params.max_tokens
         self._active[command.request_id] = _Active(command.sink, tokens)
         with self._lock:
             self._counters.requests += 1

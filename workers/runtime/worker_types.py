@@ -16,7 +16,8 @@ import pickle
 from dataclasses import dataclass, field
 
 from workers.engine.config import DEFAULT_ENTRY_SYSTEM_PROMPT, EngineConfig
-from workers.engine.reuse_info import ReuseInfo, ReuseRequest
+from workers.engine.request import PromptRequest
+from workers.engine.reuse_info import ReuseInfo
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.workload_tally import StepTally
 from workers.runtime.directory_client import DirectoryKind, DirectorySpec
@@ -41,40 +42,22 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class WorkerRequest:
-    """One API request: ``len(params)`` choices (OpenAI ``n``) of one prompt."""
+    """One API request: ``len(params)`` choices (OpenAI ``n``) of one prompt. The
+    worker submits each choice with ``prompt`` as it is (``Engine.submit``)."""
 
     request_id: str  # unique per attempt; the worker appends "#<choice>"
-    prompt_token_ids: tuple[int, ...]
+    prompt: PromptRequest  # its tenant salt derived by the server from the caller
     params: tuple[SamplingParams, ...]
-    tenant_salt: str  # derived by the server from the caller's identity
     chunk_ids: tuple[str, ...] = ()  # registered chunks the prompt uses (hit counting)
     # After the first delta, at least this long between deltas (what arrives meanwhile
     # is coalesced); math.inf: only the first and the last (callers that buffer).
     stream_interval_s: float = 0.0
-    reuse: ReuseRequest = ReuseRequest()  # what the request asks of reuse (exact or not)
-    # (start, end) spans of the prompt's chunks approximate reuse may place
-    # (chunking.placeable_spans); exact requests carry none
-    placeable: tuple[tuple[int, int], ...] = ()
-    # the router's estimate (directory lookup) of the prompt tokens this worker holds:
-    # used only for the worker's prefill backlog while the request waits for admission
-    # (``EngineLoad.prefill_backlog_tokens``); what is computed never depends on it
-    expected_cached_tokens: int = 0
-    # the router chose this worker although another holds more of the prompt (a
-    # spill): what the request computes is kept at the lowest priority here
-    # (``Sequence.held_elsewhere``)
-    held_elsewhere: bool = False
 
     def __post_init__(self) -> None:
         if not self.params:
             raise ValueError("a worker request needs at least one choice")
         if not self.stream_interval_s >= 0:
             raise ValueError(f"stream_interval_s must be >= 0, got {self.stream_interval_s}")
-        cached = self.expected_cached_tokens
-        if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
-            raise ValueError(
-                f"expected_cached_tokens must be an integer >= 0 (prompt tokens the "
-                f"router expects this worker to hold), got {cached!r}"
-            )
 
 
 @dataclass(frozen=True)
