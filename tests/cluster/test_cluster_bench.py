@@ -24,21 +24,9 @@ def _engine_processes() -> list[str]:
     return found.stdout.split()
 
 
-@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
-def test_cluster_bench_answers_everything_and_survives_a_killed_worker(
-    ray_cluster, tiny_qwen3, tmp_path, engine_process
-):
-    """With the engine on the actor's thread or in its own process (there, the killed
-    actor's engine process ends with it and the restarted actor starts a new one). The
-    engine-thread run also runs each policy open-loop at half the closed-loop rate."""
-    out = tmp_path / "runs.json"
+def _run_bench(ray_cluster, args: list[str]) -> subprocess.CompletedProcess:
+    """``bench/cluster_rag.py args`` on the test cluster; it must succeed."""
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address, "RAY_AUTH_MODE": "disabled"}
-    args = ["--model", str(tiny_qwen3), "--workers", "1,2", "--gpus-per-worker", "0",
-            "--pages", "400", "--docs", "12", "--system-tokens", "48", "--doc-tokens", "160",
-            "--max-tokens", "4", "--requests-per-worker", "24", "--concurrency", "3",
-            "--kill", "--kill-at", "0.3", "--json", str(out)]  # fmt: skip
-    args += ["--engine", "process"] if engine_process else ["--engine", "thread"]
-    args += [] if engine_process else ["--rate-share", "0.5"]
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "cluster_rag.py"), *args],
         env=env,
@@ -47,6 +35,24 @@ def test_cluster_bench_answers_everything_and_survives_a_killed_worker(
         timeout=420,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
+def test_cluster_bench_answers_everything_and_survives_a_killed_worker(
+    ray_cluster, tiny_qwen3, tmp_path, engine_process
+):
+    """With the engine on the actor's thread or in its own process (there, the killed
+    actor's engine process ends with it and the restarted actor starts a new one). The
+    engine-thread run also runs each policy open-loop at half the closed-loop rate."""
+    out = tmp_path / "runs.json"
+    args = ["--model", str(tiny_qwen3), "--workers", "1,2", "--gpus-per-worker", "0",
+            "--pages", "400", "--docs", "12", "--system-tokens", "48", "--doc-tokens", "160",
+            "--max-tokens", "4", "--requests-per-worker", "24", "--concurrency", "3",
+            "--kill", "--kill-at", "0.3", "--json", str(out)]  # fmt: skip
+    args += ["--engine", "process"] if engine_process else ["--engine", "thread"]
+    args += [] if engine_process else ["--rate-share", "0.5"]
+    _run_bench(ray_cluster, args)
     if engine_process:  # the killed worker's engine process and every other one ended
         assert wait_until(lambda: not _engine_processes(), timeout_s=20), _engine_processes()
     everything = json.loads(out.read_text())
@@ -120,20 +126,12 @@ def test_cluster_bench_compares_reuse_modes_over_ranked_documents(
     from cached KV than exact reuse does (it places a document after any system prompt
     and documents; exact reuse needs the same ones before it)."""
     out = tmp_path / "runs.json"
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.gcs_address, "RAY_AUTH_MODE": "disabled"}
     args = ["--model", str(tiny_qwen3), "--workers", "2", "--gpus-per-worker", "0",
             "--pages", "600", "--docs", "10", "--docs-per-request", "3", "--systems", "4",
             "--system-tokens", "24", "--doc-tokens", "64", "--max-tokens", "2",
             "--requests-per-worker", "16", "--concurrency", "2", "--engine", "thread",
             "--reuse", "exact", "approximate", "--json", str(out)]  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "cluster_rag.py"), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=420,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = _run_bench(ray_cluster, args)
     assert "3 x document 64 (of 10" in done.stdout
     runs = {r["policy"]: r for r in json.loads(out.read_text())}
     assert set(runs) == {
