@@ -15,7 +15,7 @@ _INTEGRATION_MARKERS = ("ray", "redis")
 # run benchmarks: the integration lane's too.
 _INTEGRATION_MODULES = (
     "tests/bench/",
-    "tests/cluster/test_engine_host.py",
+    "tests/workers/runtime/test_engine_host.py",
     "tests/cluster/test_chat_cli.py",
     "tests/cluster/test_serve_command.py",
     "tests/cluster/test_routing_bench.py",
