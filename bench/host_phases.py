@@ -164,7 +164,7 @@ ENGINE_STEP = [
     "workers.engine.engine:Engine._validate",
     "workers.engine.engine:Engine.step",
     "workers.engine.scheduler:Scheduler.schedule",
-    "workers.engine.approximate:ChunkReuse.admit",
+    "workers.engine.approximate.chunk_reuse:ChunkReuse.admit",
     "workers.engine.reuse:ExactPrefixReuse.admit",
     "workers.engine.kv_pool:KVPool.match_chain",
     "workers.engine.kv_pool:KVPool.acquire",
@@ -173,8 +173,8 @@ ENGINE_STEP = [
     "workers.engine.model_runner:ModelRunner.run",
     "workers.engine.model_runner:build_inputs",
     "workers.engine.kv_pool:KVPool.allocate",
-    "workers.engine.approximate:place_spans",
-    "workers.engine.placement:place_chunk",  # place_spans' copy to the device and launch
+    "workers.engine.approximate.chunk_reuse:place_spans",
+    "workers.engine.approximate.placement:place_chunk",  # place_spans' copy to the device and launch
     "workers.engine.layers.placement_kernel:place_rows",
     "workers.engine.model_runner:ModelRunner.repair_selecting",
     "workers.engine.graphs.selection:SelectionGraphs.start",
@@ -193,7 +193,7 @@ ENGINE_STEP = [
     "workers.engine.engine:sample_on_device",
     "workers.engine.engine:Engine._resolve",
     "torch.cuda:Event.synchronize",
-    "workers.engine.approximate:ChunkReuse.publish",
+    "workers.engine.approximate.chunk_reuse:ChunkReuse.publish",
     "workers.engine.request:Sequence.extend_page_keys",
     "workers.engine.engine:Engine._emit_token",
     "workers.engine.scheduler:Scheduler.finish",
@@ -203,12 +203,12 @@ ENGINE_STEP = [
 # The edges ``Timeline`` notes for one approximate admission (bench/approx_profile.py).
 ADMISSION_TIMELINE = [
     "workers.engine.engine:Engine.step",
-    "workers.engine.approximate:ChunkReuse.admit",
+    "workers.engine.approximate.chunk_reuse:ChunkReuse.admit",
     "workers.engine.model_runner:ModelRunner.repair_selecting",
     "workers.engine.model_runner:build_inputs",
     "workers.engine.graphs.selection:SelectionGraphs.start",
     "workers.engine.graphs.selection:stage_selection",
-    "workers.engine.approximate:place_spans",
+    "workers.engine.approximate.chunk_reuse:place_spans",
     "workers.engine.graphs.selection:SelectionGraphs.finish",
     "torch.cuda.graphs:CUDAGraph.replay",
     "workers.engine.graphs.kept:KeptRowsGraphs.run",

@@ -9,7 +9,7 @@ Modes (one engine each, same device and dtype):
 - ``exact``: exact prefix reuse on a warm engine (every prompt ran once before), so
   nearly every prompt token comes from the cache. Must equal full prefill token for
   token on the CPU; mismatches are counted and reported.
-- ``naive``: naive placement (``workers.engine.naive_placement``): each document's KV
+- ``naive``: naive placement (``workers.engine.approximate.naive``): each document's KV
   computed alone at position 0, rotated to its place, nothing recomputed.
 - ``approximate``, one row per repair setting (``--repairs``, e.g. ``k=4`` or
   ``k=2,r=0.1``): every document's position-free entry is held, placed, and repaired.
@@ -55,9 +55,9 @@ from modeltools.docqa_data import (  # noqa: E402
     answer_matches,
     generate,
 )
+from workers.engine.approximate.naive import NaivePlacement  # noqa: E402
 from workers.engine.config import DEFAULT_ENTRY_SYSTEM_PROMPT, EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
-from workers.engine.naive_placement import NaivePlacement  # noqa: E402
 from workers.engine.reuse_info import ReuseRequest  # noqa: E402
 from workers.engine.sampling_params import SamplingParams  # noqa: E402
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from workers.engine.approximate.placement import _place_stacked, place_chunk
 from workers.engine.layers.rotary import cos_sin_cache
-from workers.engine.placement import _place_stacked, place_chunk
 
 
 @pytest.mark.parametrize(

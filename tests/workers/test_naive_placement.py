@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from chunkstore.events import EventKind
+from workers.engine.approximate.naive import NaivePlacement
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
-from workers.engine.naive_placement import NaivePlacement
 from workers.engine.request import Sequence
 from workers.engine.reuse import ExactPrefixReuse
 from workers.engine.sampling_params import SamplingParams

@@ -21,9 +21,9 @@ import torch
 
 from chunkstore.hashing import Namespace
 from workers import LLM, SamplingParams
+from workers.engine.approximate.placement import place_chunk, rope_supports_placement, rotate_keys
 from workers.engine.model_runner import build_inputs
 from workers.engine.models.config import ModelConfig
-from workers.engine.placement import place_chunk, rope_supports_placement, rotate_keys
 from workers.engine.request import Sequence
 from workers.engine.scheduler import ScheduledSeq
 
@@ -208,8 +208,8 @@ def test_rope_supports_placement(model_factory):
 def test_placing_into_the_stacked_cache_equals_placing_layer_by_layer():
     """All layers at once (the runner's kv_stack) writes what the per-layer path
     writes, per-row rotations included, and nothing else."""
+    from workers.engine.approximate.placement import place_chunk
     from workers.engine.layers.rotary import cos_sin_cache
-    from workers.engine.placement import place_chunk
 
     torch.manual_seed(0)
     layers, pages, page_size, heads, dim = 3, 12, 16, 2, 8
@@ -229,8 +229,8 @@ def test_placing_spans_from_a_layer_leaves_the_layers_below_it():
     """place_spans with first_layer (two spans with unaligned starts, across page
     boundaries): the layers from it on hold what a placement of every layer writes
     there, and the layers below it keep their old contents, bit for bit."""
+    from workers.engine.approximate.placement import place_spans
     from workers.engine.layers.rotary import cos_sin_cache
-    from workers.engine.placement import place_spans
 
     torch.manual_seed(0)
     layers, pages, page_size, heads, dim = 4, 24, 16, 2, 8

@@ -110,9 +110,9 @@ def test_qk_norm_rope_write_kv(qk_norm, block):
 
 
 def test_placement_rows():
+    from workers.engine.approximate.placement import _place_stacked
     from workers.engine.layers.placement_kernel import place_rows
     from workers.engine.layers.rotary import cos_sin_cache
-    from workers.engine.placement import _place_stacked
 
     layers, pages, page, heads, dim, n = 2, 16, 4, 2, 16, 20
     gen = torch.Generator().manual_seed(2)

@@ -35,7 +35,12 @@ import torch
 
 from chunkstore.chunking import entry_context
 from chunkstore.hashing import Namespace, PageKey, pack_tokens, position_free_key
-from workers.engine.approximate import ChunkReuse
+from workers.engine.approximate.chunk_reuse import ChunkReuse
+from workers.engine.approximate.placement import (
+    place_chunk,
+    rope_supports_placement,
+    sequence_slots,
+)
 from workers.engine.attention import make_backend
 from workers.engine.attention.base import AttentionShape
 from workers.engine.checkpoint import checkpoint_fingerprint, load_tokenizer
@@ -45,7 +50,6 @@ from workers.engine.kv_pool import KVPool
 from workers.engine.model_runner import CarriedTokens, ModelRunner
 from workers.engine.models.config import ModelConfig
 from workers.engine.models.loader import load_model
-from workers.engine.placement import place_chunk, rope_supports_placement, sequence_slots
 from workers.engine.request import PromptRequest, Sequence
 from workers.engine.reuse import NoReuse, Reuse
 from workers.engine.reuse_info import ReuseInfo, ReuseRequest

@@ -7,10 +7,10 @@ Implementations:
 - ``ExactPrefixReuse`` (mode ``exact``): the longest run of cached full pages whose
   chain keys equal the sequence's own (same tokens after the same tokens), and every
   full *exact* page computed is published under its chain key.
-- ``approximate.ChunkReuse``: exact for every request, plus position-free entries
+- ``approximate.chunk_reuse.ChunkReuse``: exact for every request, plus position-free entries
   placed and repaired for requests that ask for approximate reuse (the default of
   an engine with reuse on).
-- ``naive_placement.NaivePlacement``: a measurement mode, never offered to users.
+- ``approximate.naive.NaivePlacement``: a measurement mode, never offered to users.
 
 Invariants every implementation keeps:
 - ``admit`` leaves the sequence with references on exactly ``seq.page_ids``, KV for

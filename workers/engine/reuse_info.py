@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# naive_placement: a measurement mode (workers/engine/naive_placement.py), never offered
+# naive_placement: a measurement mode (workers/engine/approximate/naive.py), never offered
 REUSE_MODES = ("off", "exact", "approximate", "naive_placement")
 REQUEST_MODES = ("exact", "approximate")  # what a request may ask for
 # Repair defaults of the approximate mode, chosen with bench/reuse_quality.py on the

@@ -27,7 +27,7 @@ from array import array
 
 import numpy as np
 
-from workers.engine.placement import place_spans
+from workers.engine.approximate.placement import place_spans
 from workers.engine.request import Sequence
 from workers.engine.reuse import ExactPrefixReuse, publish_exact_pages
 from workers.engine.reuse_info import ReuseInfo

@@ -57,8 +57,8 @@ from collections.abc import Callable
 import numpy as np
 
 from chunkstore.hashing import Namespace, PageKey, packed_position_free_key
+from workers.engine.approximate.placement import place_spans, take_spans
 from workers.engine.kv_pool import ChunkEntry, KVPool
-from workers.engine.placement import place_spans, take_spans
 from workers.engine.request import Sequence
 from workers.engine.reuse import ExactPrefixReuse, publish_exact_pages, start_from
 from workers.engine.reuse_info import ReuseInfo
