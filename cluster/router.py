@@ -187,8 +187,7 @@ class Router:
             # with one worker open there is nothing to choose: no directory round trip
             if self._chunk_aware and not attempts.looked_up and len(views) > 1:
                 attempts.looked_up = True
-                asked = request.prompt.reuse or ReuseRequest()
-                attempts.holdings = await self._lookup(prompt, asked)
+                attempts.holdings = await self._lookup(prompt, request.prompt.reuse)
                 views = [v for v in self.pool.views() if v.worker_id not in attempts.tried]
             now = time.monotonic()
             decision = self._choose(views, attempts.holdings, prompt, now)

@@ -52,7 +52,7 @@ from workers.engine.models.config import ModelConfig
 from workers.engine.models.loader import load_model
 from workers.engine.request import PromptRequest, Sequence
 from workers.engine.reuse import NoReuse, Reuse
-from workers.engine.reuse_info import ReuseInfo, ReuseRequest
+from workers.engine.reuse_info import ReuseInfo
 from workers.engine.sampler import sample_on_device, top_logprobs
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
@@ -267,8 +267,7 @@ class Engine:
         tokens = list(prompt.token_ids)  # the sequence's own: it grows with the output
         packed = self._validate(request_id, tokens)
         _validate_spans(prompt.placeable, len(tokens))
-        reuse = prompt.reuse or ReuseRequest()
-        if reuse.mode == "approximate":
+        if prompt.reuse.mode == "approximate":
             self._check_placement()
         seq = Sequence(
             request_id=request_id,
@@ -278,7 +277,7 @@ class Engine:
             namespace=self.namespace(prompt.tenant_salt),
             packed_prompt=packed,
             placeable=tuple(prompt.placeable),
-            reuse_request=reuse,
+            reuse_request=prompt.reuse,
             expected_cached_tokens=prompt.expected_cached_tokens,
             held_elsewhere=prompt.held_elsewhere,
         )

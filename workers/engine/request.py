@@ -27,7 +27,8 @@ class PromptRequest:
     ``tenant_salt``: the key namespace's salt (None: the engine's configured one).
     ``placeable``: sorted, disjoint (start, end) spans of the prompt (its chunks) that
     approximate reuse may take from position-free entries; exact reuse ignores them.
-    ``reuse``: what the request asks of reuse (None: exact). ``expected_cached_tokens``:
+    ``reuse``: what the request asks of reuse (None, taken as given: exact).
+    ``expected_cached_tokens``:
     the router's estimate of the prompt tokens the engine holds, used only for its
     prefill backlog while the request waits (``Engine.load_shape``); nothing computed
     depends on it. ``held_elsewhere``: the router sent it here although another worker
@@ -36,11 +37,13 @@ class PromptRequest:
     token_ids: tuple[int, ...]
     tenant_salt: str | None = None
     placeable: tuple[tuple[int, int], ...] = ()
-    reuse: ReuseRequest | None = None
+    reuse: ReuseRequest = ReuseRequest()
     expected_cached_tokens: int = 0
     held_elsewhere: bool = False
 
     def __post_init__(self) -> None:
+        if self.reuse is None:  # callers with nothing to ask pass None
+            object.__setattr__(self, "reuse", ReuseRequest())
         cached = self.expected_cached_tokens
         if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
             raise ValueError(

@@ -149,15 +149,15 @@ class ChunkReuse:
         seq.harvests = [h for h in seq.harvests if h[1] > end]
         page_size = self.pool.page_size
         taken: dict[PageKey, tuple[int, int, list[int]]] = {}
-        for start, stop, key in ready:
-            if key in taken or self.pool.entry(key) is not None:
-                continue  # a chunk repeated in the prompt, or an entry stored meanwhile
-            with self.pool.sparing_entries():  # an unproven entry displaces no proven one
+        with self.pool.sparing_entries():  # an unproven entry displaces no proven one
+            for start, stop, key in ready:
+                if key in taken or self.pool.entry(key) is not None:
+                    continue  # a chunk repeated in the prompt, or an entry stored meanwhile
                 pages = self.pool.allocate(-(-(stop - start) // page_size))
-            if pages is None:
-                self.fill(key, seq.token_ids[start:stop], seq.namespace)
-                continue
-            taken[key] = (start, stop, pages)
+                if pages is None:
+                    self.fill(key, seq.token_ids[start:stop], seq.namespace)
+                    continue
+                taken[key] = (start, stop, pages)
         if not taken:
             return
         take_spans(
