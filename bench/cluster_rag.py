@@ -2,7 +2,7 @@
 1, 2, ... workers, and a worker killed mid-run.
 
 The path is the one ``chunkserve batch`` and every HTTP router replica take, minus
-HTTP: Ray worker actors (``cluster.actors``; one per GPU with ``--gpus-per-worker 1``),
+HTTP: Ray worker actors (``cluster.ops.actors``; one per GPU with ``--gpus-per-worker 1``),
 the embedded chunk directory, and the project's router and completion service
 (``cluster.assembly.build_service``). Each run has ``--routers-per-worker`` router
 replicas, each an actor of its own as the HTTP app's replicas are, and a closed loop
@@ -32,6 +32,11 @@ Every (workers, policy) run uses fresh texts (nothing cached from earlier runs) 
 same sequence of document indices, so runs start equally cold and see the same
 workload. The workers start once (the most asked for); a run with fewer uses the
 first ones only.
+
+Host-memory KV tier (``--host-kv-gib 0 G``): the whole comparison runs once per value,
+each on a cluster of its own whose workers have a host tier of that many GiB
+(``engine.host_kv_gib``; 0: off), and the report lists the runs together, the tier's
+size in each run's policy label.
 
 Kill test (``--kill``): all workers, chunk-aware, buffered (non-streamed) requests like
 the batch job's, from one router in this process; when ``--kill-at`` of the requests
@@ -67,13 +72,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import router_phases  # noqa: E402
 from bench.common import Shape, print_table, retrieval_sequence  # noqa: E402
-from cluster.actors import ClusterActors, ensure_cluster, kill_cluster, wait_ready  # noqa: E402
+from bench.process_cpu import cpu_by_role, cpu_snapshot, per_request_ms  # noqa: E402
+from cluster.api.completions import CompletionService  # noqa: E402
+from cluster.api.openai_protocol import ChatCompletionRequest  # noqa: E402
 from cluster.assembly import build_service  # noqa: E402
-from cluster.completions import CompletionService  # noqa: E402
 from cluster.config import ClusterConfig, apply_override, parse_config  # noqa: E402
 from cluster.errors import APIError  # noqa: E402
 from cluster.metrics import Metrics  # noqa: E402
-from cluster.openai_protocol import ChatCompletionRequest  # noqa: E402
+from cluster.ops.actors import ClusterActors, ensure_cluster, kill_cluster, wait_ready  # noqa: E402
 from workers.engine.checkpoint import load_tokenizer  # noqa: E402
 
 MODEL_NAME = "bench"
@@ -90,7 +96,7 @@ class RequestResult:
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
-    reason: str = ""  # the routing decision's reason (routing_policy.Reason)
+    reason: str = ""  # the routing decision's reason (cluster.routing.policy.Reason)
     expected_wait_s: float = 0.0  # the router's estimate of the time to first token
     # the chosen worker as the router saw it: requests in flight, queued prefill
     # tokens, measured prefill rate (tokens/s) and step time (s); 0 where not measured
@@ -139,6 +145,7 @@ class RunResult:
     steps: dict[str, dict] = field(default_factory=dict)
     open_rate: float | None = None  # open loop: the offered requests/s; None: closed loop
     reuse: str = "exact"  # what every request asked for
+    cpu_s: dict[str, float] = field(default_factory=dict)  # process kind -> CPU seconds
 
     def summary(self) -> dict:
         return {
@@ -170,6 +177,7 @@ class RunResult:
             "ttft_phases_ms": self.phases(),
             "views": self.views(),
             "requests_per_worker": dict(Counter(r.worker for r in self.results)),
+            "cpu_ms_per_request": per_request_ms(self.cpu_s, len(self.results)),
             "kill": self.kill,
         }
 
@@ -375,15 +383,18 @@ async def answer(
     ttft = first - started
     timed = router_phases.phases_of(phases, started, first)
     usage = None
-    async for event in reply.events:
-        payload = event.removeprefix("data: ").strip()
+    async for events in reply.events:  # one or more server-sent events, written at once
         # only an error or the usage chunk is read: this client shares the router
         # replica's event loop, which a real client would not load
-        if payload.startswith("{") and ('"usage":{' in payload or '"error"' in payload):
-            chunk = json.loads(payload)
-            if "error" in chunk:
-                raise APIError(chunk["error"]["message"])
-            usage = chunk.get("usage") or usage
+        if '"usage":{' not in events and '"error"' not in events:
+            continue
+        for event in events.split("\n\n"):
+            payload = event.removeprefix("data: ").strip()
+            if payload.startswith("{") and ('"usage":{' in payload or '"error"' in payload):
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    raise APIError(chunk["error"]["message"])
+                usage = chunk.get("usage") or usage
     if usage is None:
         raise APIError("the stream ended without a usage chunk")
     return RequestResult(
@@ -434,6 +445,7 @@ class RouterReplica:
 
     async def ready(self) -> None:
         await self.service.router.pool.start()  # first load poll of every worker
+        self.service.metrics.watch_loop()
 
     async def run(self, bodies: list[ChatCompletionRequest], clients: int) -> RunResult:
         return await self._profiled(run_workload(self.service, bodies, clients, "replica"))
@@ -547,8 +559,8 @@ def default_pages(docs: int, doc_tokens: int) -> int:
     return (docs + 1) // 2 * -(-doc_tokens // PAGE_SIZE) + HEADROOM_PAGES
 
 
-def cluster_config(args: argparse.Namespace, count: int) -> ClusterConfig:
-    engine = {"page_size": PAGE_SIZE, "num_pages": args.pages}
+def cluster_config(args: argparse.Namespace, count: int, host_kv_gib: float = 0.0) -> ClusterConfig:
+    engine = {"page_size": PAGE_SIZE, "num_pages": args.pages, "host_kv_gib": host_kv_gib}
     if args.gpus_per_worker > 0:
         engine |= {"device": "cuda", "dtype": "bfloat16", "attention_backend": "flashinfer"}
         engine |= {"gpu_memory_utilization": 0.9 * args.gpus_per_worker}
@@ -587,25 +599,31 @@ def main() -> None:
 
         gpus = {"num_gpus": torch.cuda.device_count()}
     ray.init(namespace="chunkserve-bench", log_to_driver=False, **gpus)
-    cfg = cluster_config(args, max(counts))
     tokenizer = load_tokenizer(args.model)
     maker = TextMaker(tokenizer)
-    started = time.perf_counter()
-    actors = ensure_cluster(cfg, args.model, detached=False)
-    try:
-        infos = wait_ready(actors, cfg.workers.startup_timeout_s)
-        print(
-            f"{max(counts)} workers ready in {time.perf_counter() - started:.1f} s; each "
-            f"worker's own start (engine, graphs): "
-            + ", ".join(f"{info.startup_s:.1f} s" for info in infos),
-            flush=True,
-        )
-        runs = asyncio.run(measure(args, cfg, actors, shape, counts, maker))
-        report(args, shape, runs)
-        if args.json:
-            args.json.write_text(json.dumps([run.summary() for run in runs], indent=1))
-    finally:
-        kill_cluster(cfg)
+    runs: list[RunResult] = []
+    for host_kv_gib in args.host_kv_gib:
+        cfg = cluster_config(args, max(counts), host_kv_gib)
+        started = time.perf_counter()
+        actors = ensure_cluster(cfg, args.model, detached=False)
+        try:
+            infos = wait_ready(actors, cfg.workers.startup_timeout_s)
+            print(
+                f"{max(counts)} workers ready in {time.perf_counter() - started:.1f} s "
+                f"(host KV tier {host_kv_gib:g} GiB); each worker's own start (engine, "
+                "graphs): " + ", ".join(f"{info.startup_s:.1f} s" for info in infos),
+                flush=True,
+            )
+            measured = asyncio.run(measure(args, cfg, actors, shape, counts, maker))
+        finally:
+            kill_cluster(cfg)
+        if len(args.host_kv_gib) > 1:
+            for run in measured:
+                run.policy += f", host tier {host_kv_gib:g} GiB"
+        runs += measured
+    report(args, shape, runs)
+    if args.json:
+        args.json.write_text(json.dumps([run.summary() for run in runs], indent=1))
 
 
 async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
@@ -629,10 +647,12 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
         requests = sequence[: args.requests_per_worker * count]
         bodies = make_bodies(maker, shape, requests, len(runs) + 1, stream=True, reuse=reuse)
         used = dict(list(actors.workers.items())[:count])
-        before = await step_tallies(used)
+        await asyncio.gather(*(r.ready.remote() for r in replicas))  # their start is not counted
+        before, cpu_before = await step_tallies(used), cpu_snapshot()
         run = await run_replicated(
             replicas, bodies, args.concurrency * count, "", open_rate, seed=args.seed * 1000
         )
+        run.cpu_s = cpu_by_role(cpu_before, cpu_snapshot())
         run.steps = tally_difference(before, await step_tallies(used))
         run.workers, run.policy, run.reuse = count, policy_name(policy, reuse, args), reuse
         run.label = f"{count} × {run.policy_label}"
@@ -645,6 +665,8 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
         for replica in replicas:
             ray.kill(replica)
         print(summary_line(run) + f", {routers} router replica(s)", flush=True)
+        cpu = per_request_ms(run.cpu_s, len(run.results))
+        print("  CPU ms a request: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
         runs.append(run)
         closed = [r for r in runs if r.workers == count and r.open_rate is None]
         pairs = [(p, m) for p in args.policies for m in args.reuse]
@@ -919,6 +941,14 @@ def parse_args() -> argparse.Namespace:
         choices=("exact", "approximate"),
         default=["exact"],
         help="reuse modes to compare, each with every policy (the kill test takes the first)",
+    )
+    ap.add_argument(
+        "--host-kv-gib",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="host-memory KV tier per worker, in GiB (engine.host_kv_gib); several values "
+        "run the comparison once each, e.g. 0 200 (off, then on)",
     )
     ap.add_argument("--docs", type=int, default=192)
     ap.add_argument(

@@ -69,7 +69,7 @@ save_jit() {
   echo "gpu_run: saved $(ls $all | wc -l) FlashInfer modules ($(du -ch "$out"/jit.tar.xz.* | tail -1))"
 }
 model=/tmp/chunkserve-bench/qwen3-0.6b
-[ -f $model/config.json ] || python3 -m cluster.cli make-model $model --preset qwen3-0.6b >/dev/null
+[ -f $model/config.json ] || python3 -m cluster.ops.cli make-model $model --preset qwen3-0.6b >/dev/null
 export CHUNKSERVE_QWEN3_06B=$model CHUNKSERVE_RESULTS_DIR=$out
 case "${1:-all}" in
   savejit) save_jit ;;

@@ -5,7 +5,7 @@ What runs, all started here and all stopped at the end (also on an error or Ctrl
 - Redis: ``redis-server`` (from PATH) on a free port, unless ``--redis-url`` names one;
 - Ray: a private head (``ray start --head --block``, its own temp dir and ports, this
   machine's GPUs counted by torch), stopped by terminating that process;
-- the app: ``python -m cluster.cli serve --config configs/redis.yaml`` with ``--set``s for
+- the app: ``python -m cluster.ops.cli serve --config configs/redis.yaml`` with ``--set``s for
   the model, the workers, the GPUs, the Redis URL (a prefix of its own), the port and the
   Ray address; its output goes to ``--serve-log``;
 - the clients: a closed loop of ``--concurrency`` ``openai.AsyncOpenAI`` clients sending
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import re
@@ -56,11 +57,13 @@ sys.path.insert(0, str(REPO))
 from bench.cluster_rag import (  # noqa: E402
     MODEL_NAME,
     TextMaker,
+    default_pages,
     make_bodies,
     ttft_quantile_ms,
 )
 from bench.cluster_rag import RequestResult as Result  # noqa: E402
 from bench.common import Shape, retrieval_sequence  # noqa: E402
+from bench.process_cpu import cpu_by_role, cpu_snapshot, per_request_ms  # noqa: E402
 from workers.engine.checkpoint import load_tokenizer  # noqa: E402
 
 BASE_CONFIG = REPO / "configs/redis.yaml"
@@ -229,7 +232,7 @@ class ServeProcess:
     def __init__(
         self, sets: list[str], env: dict, log_path: Path, config: Path = BASE_CONFIG
     ) -> None:
-        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config)]
+        cmd = [sys.executable, "-m", "cluster.ops.cli", "serve", "--config", str(config)]
         for item in sets:
             cmd += ["--set", item]
         self.log_path = log_path
@@ -302,6 +305,7 @@ class Run:
     seconds: float = 0.0
     results: list[Result] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    client_cpu_s: float = 0.0  # CPU seconds of the client processes over the run
 
     def ttft_ms(self, q: float, hits: bool | None = None) -> float:
         return ttft_quantile_ms(self.results, q, hits)
@@ -314,9 +318,20 @@ class Run:
         return len(self.results) / self.seconds if self.seconds else 0.0
 
 
+# the chat body's fields that the openai client does not know: sent in ``extra_body``
+EXTENSION_FIELDS = ("reuse",)
+
+
+def client_kwargs(body: dict) -> dict:
+    """``body`` as keyword arguments of the openai client's ``create``."""
+    kwargs = {k: v for k, v in body.items() if k not in EXTENSION_FIELDS}
+    extra = {k: body[k] for k in EXTENSION_FIELDS if k in body}
+    return kwargs | {"extra_body": extra} if extra else kwargs
+
+
 async def one_request(client, body: dict) -> Result:
     started = time.perf_counter()
-    raw = await client.chat.completions.with_raw_response.create(**body)
+    raw = await client.chat.completions.with_raw_response.create(**client_kwargs(body))
     worker = raw.headers.get("x-chunkserve-worker", "?")
     stream = raw.parse()
     ttft = None
@@ -370,6 +385,7 @@ def run_client_processes(
     for part, _, _ in parts:
         run.results += part.results
         run.errors += part.errors
+        run.client_cpu_s += part.client_cpu_s
     return run
 
 
@@ -407,18 +423,26 @@ async def run_clients(url: str, bodies: list[dict], clients: int, label: str) ->
                 last_report[0] = time.monotonic()
                 log(f"{label}: {done}/{total} answered ({len(run.errors)} errors)")
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     try:
         await asyncio.gather(*(worker() for _ in range(clients)))
     finally:
         run.seconds = time.perf_counter() - started
+        run.client_cpu_s = time.process_time() - cpu
         await client.close()
     return run
 
 
 # -- reporting ------------------------------------------------------------------------
 METRIC_LINE = re.compile(r"^(chunkserve_[a-z_]+)(\{[^}]*\})?\s+(\S+)$")
+# histograms read whole (buckets, sum, count): the routers' own view of each request
+HISTOGRAMS = (
+    "chunkserve_event_loop_lag_seconds",
+    "chunkserve_time_to_first_token_seconds",
+    "chunkserve_request_queue_time_seconds",
+)
 COUNTERS = (
+    "chunkserve_router_cpu_seconds_total",
     "chunkserve_requests_total",
     "chunkserve_prompt_tokens_total",
     "chunkserve_cached_prompt_tokens_total",
@@ -437,7 +461,8 @@ def scrape(root: str) -> dict[str, float]:
     values: dict[str, float] = {}
     for line in text.splitlines():
         match = METRIC_LINE.match(line.strip())
-        if match and match.group(1) in COUNTERS:
+        name = match.group(1) if match else ""
+        if name in COUNTERS or re.sub(r"_(bucket|sum|count)$", "", name) in HISTOGRAMS:
             key = match.group(1) + (match.group(2) or "")
             try:
                 values[key] = values.get(key, 0.0) + float(match.group(3))
@@ -451,11 +476,40 @@ def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict:
     delta = {k: v for k, v in delta.items() if v}
     prompt = delta.get("chunkserve_prompt_tokens_total", 0.0)
     cached = delta.get("chunkserve_cached_prompt_tokens_total", 0.0)
-    return {"counters": delta, "cache_hit_rate": cached / prompt if prompt else None}
+    counters = {k: v for k, v in delta.items() if not k.startswith(HISTOGRAMS)}
+    histograms = {name: histogram_summary(delta, name) for name in HISTOGRAMS}
+    return {
+        "counters": counters,
+        "histograms": histograms,
+        "cache_hit_rate": cached / prompt if prompt else None,
+    }
+
+
+def histogram_summary(delta: dict[str, float], name: str) -> dict | None:
+    """A histogram's observations over the run: their count, mean, and the upper bounds
+    of the buckets holding the median and the 90th percentile (ms); None if none."""
+    count = delta.get(f"{name}_count", 0.0)
+    if not count:
+        return None
+    bounds = sorted(
+        (float(re.search(r'le="([^"]+)"', key).group(1)), value)
+        for key, value in delta.items()
+        if key.startswith(f"{name}_bucket")
+    )
+
+    def quantile_ms(q: float) -> float:
+        return next((1000 * b for b, cumulative in bounds if cumulative >= q * count), math.inf)
+
+    return {
+        "count": int(count),
+        "mean_ms": round(1000 * delta.get(f"{name}_sum", 0.0) / count, 3),
+        "p50_at_most_ms": quantile_ms(0.5),
+        "p90_at_most_ms": quantile_ms(0.9),
+    }
 
 
 def chunkserve_status(sets: list[str], env: dict) -> str:
-    cmd = [sys.executable, "-m", "cluster.cli", "status", "--config", str(BASE_CONFIG)]
+    cmd = [sys.executable, "-m", "cluster.ops.cli", "status", "--config", str(BASE_CONFIG)]
     for item in sets:
         cmd += ["--set", item]
     try:
@@ -469,9 +523,12 @@ def chunkserve_status(sets: list[str], env: dict) -> str:
     )
 
 
-def summarize(args, shape: Shape, run: Run, metrics: dict, status: str) -> dict:
+def summarize(
+    args, shape: Shape, run: Run, metrics: dict, status: str, cpu: dict[str, float], ingress: str
+) -> dict:
     return {
         "bench": "http_rag",
+        "ingress": ingress,
         "workers": args.workers,
         "gpus_per_worker": args.gpus_per_worker,
         "router_replicas": args.replicas,
@@ -489,6 +546,9 @@ def summarize(args, shape: Shape, run: Run, metrics: dict, status: str) -> dict:
         if run.seconds
         else 0.0,
         "ttft_ms": {str(q): round(run.ttft_ms(q), 2) for q in (0.5, 0.9, 0.99)},
+        "ttft_ms_mean": round(1000 * sum(r.ttft_s for r in run.results) / len(run.results), 2)
+        if run.results
+        else None,
         "ttft_ms_hits": {str(q): round(run.ttft_ms(q, True), 2) for q in (0.5, 0.9)},
         "ttft_ms_misses": {str(q): round(run.ttft_ms(q, False), 2) for q in (0.5, 0.9)},
         "latency_ms_p50": round(
@@ -501,6 +561,7 @@ def summarize(args, shape: Shape, run: Run, metrics: dict, status: str) -> dict:
         "cached_share": round(run.cached_share(), 4),
         "requests_per_worker": dict(sorted(Counter(r.worker for r in run.results).items())),
         "metrics": metrics,
+        "cpu_ms_per_request": per_request_ms(cpu, len(run.results)),
         "chunkserve_status": status,
     }
 
@@ -511,7 +572,7 @@ def summary_line(summary: dict) -> str:
     hit = summary["metrics"].get("cache_hit_rate")
     return (
         f"http_rag: {summary['workers']} worker(s) x {summary['gpus_per_worker']} GPU, "
-        f"{summary['router_replicas']} router replicas, {summary['concurrency']} clients "
+        f"{summary['router_replicas']} router replicas ({summary['ingress']}), {summary['concurrency']} clients "
         f"in {summary['client_processes']} process(es): "
         f"{summary['requests']} requests, {summary['errors']} errors, "
         f"{summary['seconds']:.1f} s, {summary['requests_per_s']:.1f} req/s, "
@@ -521,6 +582,32 @@ def summary_line(summary: dict) -> str:
         + (f" (/metrics {hit:.1%})" if hit is not None else "")
         + f", per worker {per_worker}"
     )
+
+
+def breakdown_lines(summary: dict) -> list[str]:
+    """Where a request's time and CPU went: each kind of process's CPU ms a request,
+    the routers' event-loop lag, and time to first token as the routers saw it (arrival
+    to first token; of which arrival to the worker call) against the clients' (the rest
+    is Serve's proxy, the client and the sockets between)."""
+    cpu = summary["cpu_ms_per_request"]
+    lines = ["CPU ms a request: " + ", ".join(f"{role} {ms:.2f}" for role, ms in cpu.items())]
+    hist = summary["metrics"].get("histograms", {})
+    lag = hist.get("chunkserve_event_loop_lag_seconds")
+    if lag:
+        lines.append(
+            f"router event-loop lag: mean {lag['mean_ms']:.2f} ms, p50 <= "
+            f"{lag['p50_at_most_ms']:g} ms, p90 <= {lag['p90_at_most_ms']:g} ms"
+        )
+    ttft = hist.get("chunkserve_time_to_first_token_seconds")
+    queue = hist.get("chunkserve_request_queue_time_seconds")
+    if ttft and queue and summary["ttft_ms_mean"] is not None:
+        outside = summary["ttft_ms_mean"] - ttft["mean_ms"]
+        lines.append(
+            f"TTFT means: clients {summary['ttft_ms_mean']:.1f} ms; routers "
+            f"{ttft['mean_ms']:.1f} ms, of which {queue['mean_ms']:.1f} before the worker "
+            f"call (body, prompt, route); outside the routers {outside:.1f} ms"
+        )
+    return lines
 
 
 # -- main -----------------------------------------------------------------------------
@@ -533,6 +620,9 @@ def main() -> int:
     args.client_processes = min(args.client_processes, args.concurrency)
     args.requests = args.requests or 600 * args.workers
     args.warmup = 4 * args.workers if args.warmup is None else args.warmup
+    args.pages = default_pages(args.docs, args.doc_tokens) if args.pages is None else args.pages
+    if args.router_path and not args.pages:
+        raise SystemExit("http_rag: --router-path needs a page count (--pages > 0) for both paths")
     shape = Shape(
         args.docs, args.zipf, args.system_tokens, args.doc_tokens, args.question_tokens,
         args.max_tokens, args.docs_per_request, args.systems,
@@ -548,7 +638,14 @@ def main() -> int:
         [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     )
     env.setdefault("RAY_AUTH_MODE", "disabled")  # a private, single-user cluster
-    serve_log = args.serve_log or Path(tempfile.gettempdir()) / f"http_rag-serve-{os.getpid()}.log"
+
+    router_path = None
+    if args.router_path:  # first: its Ray must be gone before this bench starts its own
+        try:
+            router_path = run_router_path(args, env)
+        except KeyboardInterrupt:
+            log("interrupted")
+            return 130
 
     log("preparing the workload ...")
     maker = TextMaker(load_tokenizer(args.model))
@@ -565,53 +662,133 @@ def main() -> int:
         )
     ]
 
+    summaries: list[dict] = []
     with ExitStack() as stack:
         try:
             redis_url = args.redis_url or start_redis(stack)
             ray_address = start_ray(stack, args, env)
-            sets = config_overrides(args, redis_url, ray_address, args.port or free_port())
-            log(f"starting chunkserve serve ({args.workers} worker(s)); log: {serve_log}")
-            started = time.monotonic()
-            serve = ServeProcess(sets, env, serve_log)
-            stack.callback(serve.stop)
-            try:
-                url = wait_healthy(serve, args.workers, args.startup_timeout_s + 300)
-            except RuntimeError:
-                log("chunkserve serve output (tail):\n" + serve.tail())
-                raise
-            log(f"serving after {time.monotonic() - started:.1f} s")
-            root = url.removesuffix("/v1")
-            if warm:
-                warm_run = asyncio.run(
-                    run_clients(url, warm, min(len(warm), 2 * args.workers), "warm-up")
+            # Serve's proxy first: a Serve started without one (the replicas' ingress)
+            # would not start one later
+            for ingress in sorted(args.ingress, key=lambda mode: mode != "serve_proxy"):
+                run, metrics, status, cpu = measure_ingress(
+                    args, ingress, redis_url, ray_address, env, bodies, warm
                 )
-                log(f"warm-up: {len(warm_run.results)} ok, {len(warm_run.errors)} errors")
-                if warm_run.errors:
-                    log(f"warm-up errors: {warm_run.errors[:3]}")
-            time.sleep(2)  # replicas push their counts every 0.5 s: let the warm-up's land
-            before = scrape(root)
-            run = run_client_processes(
-                url, bodies, args.concurrency, args.client_processes, "measured"
-            )
-            time.sleep(2)  # likewise the measured run's last counts
-            metrics = metrics_delta(before, scrape(root))
-            log("chunkserve status ...")
-            status = chunkserve_status(sets, env)
+                summaries.append(summarize(args, shape, run, metrics, status, cpu, ingress))
         except KeyboardInterrupt:
             log("interrupted: stopping everything")
             return 130
         except RuntimeError as error:  # a service did not start: its output is above
             log(f"error: {error}; stopping everything")
             return 1
-        summary = summarize(args, shape, run, metrics, status)
+    for summary in summaries:
         print(summary_line(summary), flush=True)
-        print(status, flush=True)
-        print(json.dumps(summary, indent=1), flush=True)
-        if args.json:
-            args.json.write_text(json.dumps(summary, indent=1))
-        if run.errors:
-            log(f"first errors: {run.errors[:3]}")
-    return 1 if run.errors else 0
+        print("\n".join("  " + line for line in breakdown_lines(summary)), flush=True)
+        print(summary["chunkserve_status"], flush=True)
+    if router_path is not None:
+        print(router_path_line(router_path), flush=True)
+        for summary in summaries:
+            summary["router_path"] = router_path
+            print(comparison_line(summary, router_path), flush=True)
+    print(json.dumps(summaries, indent=1), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(summaries, indent=1))
+    errors = [e for s in summaries for e in s["first_errors"]]
+    if errors:
+        log(f"first errors: {errors[:3]}")
+    return 1 if errors else 0
+
+
+def measure_ingress(
+    args, ingress: str, redis_url: str, ray_address: str, env: dict, bodies, warm
+) -> tuple[Run, dict, str, dict[str, float]]:
+    """One app with ``server.ingress=ingress``, started, warmed, measured and stopped:
+    the run, the /metrics deltas, ``chunkserve status`` at its end, and each kind of
+    process's CPU seconds over the run."""
+    sets = config_overrides(args, redis_url, ray_address, args.port or free_port())
+    sets.append(f"server.ingress={ingress}")
+    serve_log = args.serve_log or Path(tempfile.gettempdir()) / f"http_rag-serve-{os.getpid()}.log"
+    serve_log = serve_log.with_name(f"{serve_log.stem}-{ingress}{serve_log.suffix}")
+    log(f"starting chunkserve serve ({args.workers} worker(s), {ingress}); log: {serve_log}")
+    started = time.monotonic()
+    serve = ServeProcess(sets, env, serve_log)
+    try:
+        try:
+            url = wait_healthy(serve, args.workers, args.startup_timeout_s + 300)
+        except RuntimeError:
+            log("chunkserve serve output (tail):\n" + serve.tail())
+            raise
+        log(f"serving after {time.monotonic() - started:.1f} s")
+        root = url.removesuffix("/v1")
+        if warm:
+            warm_run = asyncio.run(
+                run_clients(url, warm, min(len(warm), 2 * args.workers), "warm-up")
+            )
+            log(f"warm-up: {len(warm_run.results)} ok, {len(warm_run.errors)} errors")
+            if warm_run.errors:
+                log(f"warm-up errors: {warm_run.errors[:3]}")
+        time.sleep(2)  # replicas push their counts every 0.5 s: let the warm-up's land
+        before, cpu_before = scrape(root), cpu_snapshot()
+        run = run_client_processes(
+            url, bodies, args.concurrency, args.client_processes, f"measured ({ingress})"
+        )
+        cpu = cpu_by_role(cpu_before, cpu_snapshot()) | {"clients": run.client_cpu_s}
+        time.sleep(2)  # likewise the measured run's last counts
+        metrics = metrics_delta(before, scrape(root))
+        log("chunkserve status ...")
+        status = chunkserve_status(sets, env)
+    finally:
+        serve.stop()
+    return run, metrics, status, cpu
+
+
+def run_router_path(args, env: dict) -> dict:
+    """``bench/cluster_rag.py`` on this workload (chunk-aware, the same workers, pages,
+    requests, clients per worker and router replicas), in a process of its own: its
+    summary."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "router.json"
+        cmd = [
+            sys.executable, str(REPO / "bench/cluster_rag.py"), "--model", str(args.model),
+            "--workers", str(args.workers), "--gpus-per-worker", str(args.gpus_per_worker),
+            "--policies", "chunk_aware", "--reuse", args.reuse, "--docs", str(args.docs),
+            "--docs-per-request", str(args.docs_per_request), "--systems", str(args.systems),
+            "--zipf", str(args.zipf), "--system-tokens", str(args.system_tokens),
+            "--doc-tokens", str(args.doc_tokens), "--max-tokens", str(args.max_tokens),
+            "--pages", str(args.pages), "--seed", str(args.seed),
+            "--requests-per-worker", str(args.requests // args.workers),
+            "--concurrency", str(max(1, args.concurrency // args.workers)),
+            "--routers-per-worker", str(args.replicas / args.workers), "--json", str(out),
+        ]  # fmt: skip
+        log("the router path: " + " ".join(cmd[1:]))
+        done = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+        log("router path output:\n" + done.stdout[-6000:])
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(f"bench/cluster_rag.py exited with {done.returncode}")
+        (summary,) = json.loads(out.read_text())
+    summary.pop("requests", None)  # per-request rows: not wanted in this report
+    return summary
+
+
+def router_path_line(router: dict) -> str:
+    t = router["ttft_ms"]
+    cpu = ", ".join(f"{k} {v:.2f}" for k, v in router.get("cpu_ms_per_request", {}).items())
+    return (
+        f"router path (bench/cluster_rag.py, no HTTP): {router['answered']} ok, "
+        f"{len(router['errors'])} errors, {router['requests_per_s']:.1f} req/s, TTFT p50 "
+        f"{t['0.5']:.0f} ms p90 {t['0.9']:.0f} ms, hit {router['hit_rate']:.1%}; CPU ms a "
+        f"request: {cpu}"
+    )
+
+
+def comparison_line(summary: dict, router: dict) -> str:
+    """The HTTP path against the router path: the requests/s ratio (target >= 0.95) and
+    the TTFT differences (targets p50 <= +10 ms, p90 <= +20 ms)."""
+    ratio = summary["requests_per_s"] / router["requests_per_s"]
+    http, direct = summary["ttft_ms"], router["ttft_ms"]
+    return (
+        f"HTTP ({summary['ingress']}) / router path: {ratio:.2f}x req/s; TTFT p50 "
+        f"{http['0.5'] - direct['0.5']:+.0f} ms, p90 {http['0.9'] - direct['0.9']:+.0f} ms"
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -628,9 +805,10 @@ def parse_args() -> argparse.Namespace:
         "--client-processes",
         type=int,
         default=max(1, min(8, (os.cpu_count() or 1) // 4)),
-        help="processes the clients run in (default: a quarter of the CPUs, at most 8): "
-        "one Python process parsing every streamed chunk of 100+ requests/s bounds the "
-        "measurement",
+        help="processes the clients run in (default: a quarter of the CPUs, at most 8): the "
+        "openai client spends about 10 ms of CPU a streamed request, so one process "
+        "parsing every stream of 100+ requests/s would bound the measurement (32 "
+        "processes on 64 cores measured no better: bench/RESULTS.md, 'HTTP path')",
     )
     ap.add_argument(
         "--concurrency", type=int, help="clients in the closed loop (default: 32 per worker)"
@@ -649,7 +827,26 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--doc-tokens", type=int, default=2048)
     ap.add_argument("--question-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--pages", type=int, help="KV pages per worker (default: sized by the engine)")
+    ap.add_argument(
+        "--pages",
+        type=int,
+        help="KV pages per worker (default: bench/cluster_rag.py's, half the documents "
+        "plus headroom; 0: sized by the engine)",
+    )
+    ap.add_argument(
+        "--ingress",
+        nargs="+",
+        choices=("replicas", "serve_proxy"),
+        default=["replicas"],
+        help="server.ingress of the app, each measured in turn (replicas: each router "
+        "replica listens itself; serve_proxy: through Serve's HTTP proxy)",
+    )
+    ap.add_argument(
+        "--router-path",
+        action="store_true",
+        help="first run bench/cluster_rag.py on the same workload (chunk-aware, the same "
+        "clients per worker and router replicas) and print the HTTP path's ratio to it",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--redis-url", help="use this Redis (default: start redis-server on a free port)"

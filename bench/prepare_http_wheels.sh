@@ -2,7 +2,9 @@
 # The .whl-http bundle for the GPU host (no network there): what the cluster and
 # HTTP runs of bench/gpu_run.sh need beyond torch, flashinfer (.whl) and ray
 # (.whl-ray-a, .whl-ray-b): pydantic and FastAPI for cluster/, the openai client and
-# redis for bench/http_rag.py, grpcio-reflection for Ray Serve. Versions follow this machine's installed ones, so the
+# redis for bench/http_rag.py, grpcio-reflection for Ray Serve, and uvicorn's standard
+# extras (httptools, uvloop: what `pip install ray[serve]` brings; h11 alone parses
+# HTTP in Python, several times slower). Versions follow this machine's installed ones, so the
 # GPU host runs what the CPU suite tested. Run from the repository root, after
 # ../shared/gpu-host/prepare-wheels.sh (whose install.sh it copies).
 set -euo pipefail
@@ -11,7 +13,7 @@ plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
       --platform manylinux2014_x86_64 --platform any)
 pinned() { python3 -m pip show "$1" 2>/dev/null | awk -v n="$1" '/^Version:/ {print n "==" $2}'; }
 names=(pydantic pydantic_core annotated_types typing_inspection fastapi starlette uvicorn opentelemetry-api
-       openai httpx2 httpcore2 truststore jiter sniffio redis)
+       openai httpx2 httpcore2 truststore jiter sniffio redis httptools uvloop h11 click)
 specs=()
 for n in "${names[@]}"; do
   s=$(pinned "$n"); [ -n "$s" ] || { echo "prepare_http_wheels: $n is not installed here" >&2; exit 1; }

@@ -53,8 +53,8 @@ from chunkstore.embedded_directory import EmbeddedChunkDirectory
 from chunkstore.hashing import Namespace, pack_tokens
 from chunkstore.publisher import EventPublisher
 from cluster.config import RouterSection
-from cluster.prompts import PreparedPrompt, prepare_chunks
-from cluster.routing_policy import Decision, Reason, RoutingWeights, WorkerView, choose_worker
+from cluster.routing.policy import Decision, Reason, RoutingWeights, WorkerView, choose_worker
+from cluster.routing.prompts import PreparedPrompt, prepare_chunks
 from modeltools.make_model import make_model
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine, StepOutput

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 from bench.common import Shape, document_sequence, print_table
 from bench.routing import H200_QWEN3_06B_CONTEXT
-from cluster import routing_policy
-from cluster.routing_policy import (
+from cluster.routing import policy as routing_policy
+from cluster.routing.policy import (
     RouteMemory,
     RoutingWeights,
     WorkerView,

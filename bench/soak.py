@@ -5,7 +5,7 @@ the latency and the outcomes as it goes.
 What runs, all started here and all stopped at the end (also on an error or Ctrl-C):
 - Ray: a private head (``bench/http_rag.py``'s ``start_ray``: its own temp dir and free
   ports, CPUs only), joined by explicit address only;
-- the app: ``python -m cluster.cli serve --config CONFIG`` (default ``configs/local.yaml``:
+- the app: ``python -m cluster.ops.cli serve --config CONFIG`` (default ``configs/local.yaml``:
   the shipped doc-QA model) named ``soak-XXXXXX`` on a free port of 127.0.0.1;
 - the clients: ``--clients`` asyncio tasks in this process, each with its own
   ``openai.AsyncOpenAI`` and ``httpx.AsyncClient``. Closed loop with pacing: a client
@@ -395,7 +395,7 @@ def role(args: list[str]) -> str:
     exe = Path(args[0]).name
     if exe in ("gcs_server", "raylet"):
         return exe
-    if "cluster.cli" in args and "serve" in args:
+    if "cluster.ops.cli" in args and "serve" in args:
         return "chunkserve serve"
     if "ray.scripts.scripts" in args:
         return "ray start"

@@ -14,8 +14,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-_PART_SENTINEL = "\u2063CHUNKSERVE-PART\u2063"
-
 
 class ChatTokenizer(Protocol):
     """What chunking needs of a tokenizer (a Hugging Face tokenizer fits)."""
@@ -54,6 +52,28 @@ def validate_messages(messages: Sequence[Message]) -> None:
                 )
             if not isinstance(part.get("text"), str):
                 raise ValueError(f"messages[{i}].content[{j}].text must be a string")
+
+
+def message_chars(messages: Sequence[Message]) -> int:
+    """Characters of the messages' text (contents and text parts), what a prompt size
+    limit counts before anything is tokenized."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p.get("text") or "") for p in content if isinstance(p, Mapping))
+    return total
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token can stand for, from the vocabulary's spellings
+    (a byte-level BPE spells each byte as one character, a SentencePiece-style one each
+    character as one, so a spelling is never shorter than its text). A text of more
+    than ``context * this`` characters has more than ``context`` tokens: the bound by
+    which an over-long prompt is refused before it is tokenized."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
 
 
 def placeable_spans(chunks: Sequence[Chunk]) -> tuple[tuple[int, int], ...]:
@@ -138,8 +158,8 @@ def _leave_final_open(
     """``texts`` without the template's end of the last message (what follows its
     content), so the prompt ends inside that message."""
     flat = [_flatten(m) for m in messages]
-    probe = _render(tokenizer, [*flat[:-1], {**flat[-1], "content": _PART_SENTINEL}], False)
-    footer = probe.rsplit(_PART_SENTINEL, 1)[-1]
+    probe = _render(tokenizer, [*flat[:-1], {**flat[-1], "content": _mark(0)}], False)
+    footer = probe.rsplit(_mark(0), 1)[-1]
     texts = [(role, text) for role, text in texts if text]
     role, last = texts[-1]
     if not footer or not last.endswith(footer):
@@ -155,33 +175,102 @@ def _render(tokenizer: ChatTokenizer, messages: Sequence[Message], generation: b
     )
 
 
+_MARK_OPENING = "\u2063CHUNKSERVE-"
+MAX_ROLES = 8  # distinct roles a conversation is chunked with (one rendering each)
+
+
+def _mark(k: int) -> str:
+    """Message ``k``'s content in a probe rendering: text no template changes, none a
+    part of another."""
+    return f"{_MARK_OPENING}{k}\u2063"
+
+
 def _render_per_chunk(
     tokenizer: ChatTokenizer, messages: Sequence[Message], add_generation_prompt: bool
 ) -> list[tuple[str, str]]:
     """(role, text) per chunk, such that the texts concatenate to the full rendering.
 
-    Relies on the template rendering a conversation's prefix as a prefix of its text
-    (true of ChatML and Llama 3 templates); when a template breaks that, the whole
-    conversation becomes one chunk, which is still exact, just less shareable.
+    Linear in the conversation's size (a quadratic one let a request of thousands of
+    empty messages hold a router for minutes): the conversation is rendered once with
+    its contents and once with each message's content replaced by a mark (the probe),
+    plus once per distinct role up to that role's first message (at most
+    ``MAX_ROLES``). The probe gives the template's text between consecutive contents;
+    the per-role renderings say how much of it ends the message before (its footer:
+    what the template writes after a message's content when it is the last one), the
+    rest opens the next (its header). So a message's chunk is its header, content and
+    footer, as a rendering of the conversation up to it ends, and a chunk's tokens do
+    not depend on the messages after it
+    (``test_chunk_tokens_do_not_depend_on_what_follows``), except where the template
+    itself writes a message differently when more follow (Qwen3 marks the last
+    assistant turn's thinking).
+
+    Exact or nothing: the chunks must concatenate to the full rendering, checked;
+    where a template breaks that (it renders a prefix other than as a prefix of the
+    whole, or changes contents beyond trimming them), the whole conversation is one
+    chunk, still exact, just less shareable.
     """
     flat = [_flatten(m) for m in messages]
     full = _render(tokenizer, flat, add_generation_prompt)
+    whole = [("conversation", full)]
+    marks = [_mark(k) for k in range(len(flat))]
+    probe = _render(
+        tokenizer, [{**m, "content": marks[k]} for k, m in enumerate(flat)], add_generation_prompt
+    )
+    between = _between_marks(probe, marks)  # len(flat) + 1 template texts
+    if between is None:
+        return whole
+    footers: dict[str, str] = {}  # role -> its footer
+    for k, message in enumerate(flat):
+        if message["role"] in footers:
+            continue
+        if len(footers) == MAX_ROLES:
+            return whole
+        ending = _render(tokenizer, [{**m, "content": marks[i]} for i, m in enumerate(flat[: k + 1])], False)  # fmt: skip
+        if not probe.startswith(ending) or marks[k] not in ending:
+            return whole
+        footers[message["role"]] = ending[ending.index(marks[k]) + len(marks[k]) :]
     out: list[tuple[str, str]] = []
-    previous = ""
+    header, position = between[0], 0  # ``position``: where ``header`` starts in ``full``
     for k, message in enumerate(messages):
-        rendered = _render(tokenizer, flat[: k + 1], False)
-        if not rendered.startswith(previous):
-            return [("conversation", full)]
-        piece = rendered[len(previous) :]
-        parts = _split_parts(tokenizer, flat[:k], message, previous, piece)
-        if parts is None:
-            return [("conversation", full)]
-        out += [(message["role"], text) for text in parts]
-        previous = rendered
-    if not full.startswith(previous):
-        return [("conversation", full)]
-    out.append(("generation", full[len(previous) :]))
+        footer = footers[message["role"]]
+        if not between[k + 1].startswith(footer) or not full.startswith(header, position):
+            return whole
+        position += len(header)
+        rendered = _rendered_content(full, position, flat[k]["content"], footer)
+        if rendered is None:
+            return whole
+        out += [(message["role"], t) for t in _message_texts(message, header, rendered, footer)]
+        position += len(rendered) + len(footer)
+        header = between[k + 1][len(footer) :]
+    if full[position:] != header:  # what is left: the generation prompt, if any
+        return whole
+    out.append(("generation", header))
     return out
+
+
+def _between_marks(probe: str, marks: list[str]) -> list[str] | None:
+    """The probe's texts before, between and after the marks (each exactly once, in
+    order), or None."""
+    if probe.count(_MARK_OPENING) != len(marks):
+        return None
+    texts, position = [], 0
+    for mark in marks:
+        found = probe.find(mark, position)
+        if found < 0:
+            return None
+        texts.append(probe[position:found])
+        position = found + len(mark)
+    texts.append(probe[position:])
+    return texts
+
+
+def _rendered_content(full: str, position: int, content: str, footer: str) -> str | None:
+    """The message's content as the template wrote it at ``position`` of ``full``
+    (itself, or trimmed: Llama 3's template trims contents), or None."""
+    for rendered in (content, content.strip()):
+        if full.startswith(rendered + footer, position):
+            return rendered
+    return None
 
 
 def _flatten(message: Message) -> dict[str, Any]:
@@ -191,26 +280,15 @@ def _flatten(message: Message) -> dict[str, Any]:
     return {**message, "content": content}
 
 
-def _split_parts(
-    tokenizer: ChatTokenizer,
-    history: list[dict[str, Any]],
-    message: Message,
-    previous: str,
-    piece: str,
-) -> list[str] | None:
+def _message_texts(message: Message, header: str, rendered: str, footer: str) -> list[str]:
     """Texts of a message's chunks: itself, or its header (the role's template
     text) and then one per content part, the footer joined to the last part. The
     header is a chunk of its own so a part's tokens are the same wherever the part
-    appears in the message (a document first or third is one position-free entry)."""
+    appears in the message (a document first or third is one position-free entry).
+    A message whose parts the template changed (trimmed) is one chunk."""
     content = message["content"]
-    if isinstance(content, str) or len(content) == 1:
-        return [piece]
-    probe = _render(tokenizer, [*history, {**message, "content": _PART_SENTINEL}], False)
-    if not probe.startswith(previous) or probe.count(_PART_SENTINEL) != 1:
-        return None
-    header, footer = probe[len(previous) :].split(_PART_SENTINEL)
-    texts = [part["text"] for part in content]
-    texts[-1] = texts[-1] + footer
-    if header + "".join(texts) != piece:
-        return None
+    texts = [part["text"] for part in content] if isinstance(content, list) else [content]
+    if len(texts) == 1 or "".join(texts) != rendered:
+        return [header + rendered + footer]
+    texts[-1] += footer
     return [header, *texts]

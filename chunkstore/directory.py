@@ -27,6 +27,11 @@ Mutation semantics (every implementation follows them exactly):
 - ``lookup(keys, token_ends, entry_keys)`` answers both questions in one call
   (one round trip): per live worker, the leading run of ``keys`` it holds and the
   indices of the ``entry_keys`` it holds (any of them: entries need no prefix).
+  A key counts as held in either of the worker's tiers; the answer says which of
+  them sit only in host memory (``offloaded`` events put a key there, ``stored``,
+  ``reloaded`` and ``removed`` take it out, ``cleared`` empties it): the tokens of
+  the run (``WorkerHolding.host_tokens``) and the entries (``host_entries``).
+  A snapshot carries no tiers: its keys count as in device memory until they move.
 - A worker is *live* while its lease is fresh. ``lookup`` counts live workers
   only; a worker's keys are garbage-collected at most one lease TTL after its
   lease expired, so entries never outlive their worker's lease by more than one
@@ -92,6 +97,7 @@ class WorkerHolding:
     worker_id: str
     chunks: int  # >= 1
     tokens: int  # token_ends[chunks - 1]
+    host_tokens: int = 0  # of ``tokens``, those whose keys sit only in host memory
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,7 @@ class EntryHolding:
 
     worker_id: str
     entries: tuple[int, ...]
+    host_entries: tuple[int, ...] = ()  # of ``entries``, those only in host memory
 
 
 @dataclass(frozen=True)
@@ -235,30 +242,54 @@ def lookup_in(
     keys: Sequence[PageKey],
     token_ends: Sequence[int],
     entry_keys: Sequence[PageKey] = (),
+    host: Mapping[str, Collection[PageKey]] | None = None,
 ) -> LookupResult:
-    """``lookup`` over ``live``: each live worker's held keys (page and entry keys)."""
+    """``lookup`` over ``live``: each live worker's held keys (page and entry keys,
+    either tier); ``host``: of those, each worker's keys only in host memory."""
     runs = {w: leading_run(key in held for key in keys) for w, held in live.items()}
     entries = {
         w: [i for i, key in enumerate(entry_keys) if key in held] for w, held in live.items()
     }
-    return lookup_result(runs, token_ends, entries)
+    offloaded = {w: held for w, held in (host or {}).items() if w in live and held}
+    host_chain = {
+        w: [i for i in range(runs[w]) if keys[i] in held] for w, held in offloaded.items()
+    }
+    host_entries = {
+        w: [i for i in entries[w] if entry_keys[i] in held] for w, held in offloaded.items()
+    }
+    return lookup_result(runs, token_ends, entries, host_chain, host_entries)
 
 
 def lookup_result(
     runs: Mapping[str, int],
     token_ends: Sequence[int],
     entries: Mapping[str, Iterable[int]] | None = None,
+    host_chain: Mapping[str, Iterable[int]] | None = None,
+    host_entries: Mapping[str, Iterable[int]] | None = None,
 ) -> LookupResult:
     """Build a result from worker -> leading run and worker -> indices of held entry
-    keys (runs of 0 and empty index sets are dropped)."""
+    keys (runs of 0 and empty index sets are dropped), and of those, worker -> the
+    indices of the run's chain keys and of the entry keys held only in host memory."""
+    host_chain, host_entries = host_chain or {}, host_entries or {}
     holdings = [
-        WorkerHolding(worker_id=w, chunks=n, tokens=token_ends[n - 1])
+        WorkerHolding(
+            worker_id=w,
+            chunks=n,
+            tokens=token_ends[n - 1],
+            host_tokens=sum(
+                token_ends[i] - (token_ends[i - 1] if i else 0) for i in host_chain.get(w, ())
+            ),
+        )
         for w, n in runs.items()
         if n > 0
     ]
     holdings.sort(key=lambda h: (-h.chunks, h.worker_id))
     held = [
-        EntryHolding(worker_id=w, entries=tuple(sorted(indices)))
+        EntryHolding(
+            worker_id=w,
+            entries=tuple(sorted(indices)),
+            host_entries=tuple(sorted(host_entries.get(w, ()))),
+        )
         for w, indices in (entries or {}).items()
     ]
     held = sorted((e for e in held if e.entries), key=lambda e: e.worker_id)

@@ -57,6 +57,9 @@ class DirectoryChanges:
     lease_left_s: Mapping[str, float]  # every record's lease, in seconds left (<= 0: ended)
     changes: tuple[RecordChange, ...] = ()
     snapshot: Mapping[str, frozenset[PageKey]] | None = None
+    # with a snapshot: of each record's keys, those only in host memory (workers with none
+    # left out)
+    host_snapshot: Mapping[str, frozenset[PageKey]] = field(default_factory=dict)
 
 
 @dataclass
@@ -66,6 +69,7 @@ class DirectoryMirror:
     directory_id: str = ""
     version: int = -1  # nothing applied yet: the first answer is a snapshot
     _records: dict[str, set[PageKey]] = field(default_factory=dict)
+    _host: dict[str, set[PageKey]] = field(default_factory=dict)  # of those, host-only keys
     _lease_until: dict[str, float] = field(default_factory=dict)  # on the caller's clock
     _hidden_until: dict[str, float] = field(default_factory=dict)  # hide_worker's, ditto
 
@@ -73,6 +77,7 @@ class DirectoryMirror:
         """Bring the copy to ``answer.version``; ``now``: when the answer arrived."""
         if answer.snapshot is not None:
             self._records = {w: set(keys) for w, keys in answer.snapshot.items()}
+            self._host = {w: set(answer.host_snapshot.get(w, ())) for w in self._records}
             for worker in [w for w in self._hidden_until if w not in self._records]:
                 del self._hidden_until[worker]
         elif answer.directory_id != self.directory_id or not self._follows(answer):
@@ -86,12 +91,15 @@ class DirectoryMirror:
                 self._hidden_until.pop(change.worker_id, None)
             if change.removed:
                 self._records.pop(change.worker_id, None)
+                self._host.pop(change.worker_id, None)
                 continue
             keys = self._records.setdefault(change.worker_id, set())
+            host = self._host.setdefault(change.worker_id, set())
             if change.reset:
                 keys.clear()
+                host.clear()
             for event in change.events:
-                apply_event(keys, event)
+                apply_event(keys, event, host)
         self.directory_id, self.version = answer.directory_id, answer.version
         self._lease_until = {w: now + left for w, left in answer.lease_left_s.items()}
 
@@ -113,7 +121,7 @@ class DirectoryMirror:
             if self._lease_until.get(w, float("-inf")) > now
             and self._hidden_until.get(w, float("-inf")) <= now
         }
-        return d.lookup_in(live, keys, token_ends, entry_keys)
+        return d.lookup_in(live, keys, token_ends, entry_keys, self._host)
 
     def hide_worker(self, worker_id: str, until: float) -> None:
         """Leave ``worker_id`` out of lookups until ``until`` (the caller's clock), or

@@ -39,6 +39,7 @@ class _Record:
     last_seq: int
     lease_until: float
     keys: set[PageKey] = field(default_factory=set)
+    host: set[PageKey] = field(default_factory=set)  # of ``keys``, only in host memory
 
 
 class EmbeddedChunkDirectory:
@@ -82,11 +83,12 @@ class EmbeddedChunkDirectory:
                 return d.STALE_EPOCH
             if seq != record.last_seq + 1:  # BROKEN + 1 never matches a seq >= 0
                 record.keys.clear()
+                record.host.clear()
                 record.last_seq = BROKEN
                 self._logged(RecordChange(worker_id, reset=True))
                 return d.NEEDS_SNAPSHOT
             for event in events:
-                apply_event(record.keys, event)
+                apply_event(record.keys, event, record.host)
             record.last_seq = seq
             if events:
                 self._logged(RecordChange(worker_id, tuple(events)))
@@ -101,7 +103,7 @@ class EmbeddedChunkDirectory:
             record = self._open(worker_id, epoch)
             if record is None:
                 return d.STALE_EPOCH
-            record.keys = set(keys)
+            record.keys, record.host = set(keys), set()
             record.last_seq = seq
             stored = (CacheEvent(EventKind.STORED, tuple(record.keys)),) if keys else ()
             self._logged(RecordChange(worker_id, stored, reset=True))
@@ -125,7 +127,8 @@ class EmbeddedChunkDirectory:
         with self._lock:
             now = self._collect()
             live = {w: r.keys for w, r in self._records.items() if r.lease_until > now}
-            result = d.lookup_in(live, keys, token_ends, entry_keys)
+            host = {w: r.host for w, r in self._records.items() if w in live}
+            result = d.lookup_in(live, keys, token_ends, entry_keys, host)
             self._lookups += 1
             self._hits += bool(result.holdings)
             return result
@@ -147,7 +150,10 @@ class EmbeddedChunkDirectory:
             oldest = self._log[0][0] if self._log else self._version + 1
             if directory_id != self._id or not oldest - 1 <= since <= self._version:
                 snapshot = {w: frozenset(r.keys) for w, r in self._records.items()}
-                return DirectoryChanges(self._id, self._version, leases, snapshot=snapshot)
+                host = {w: frozenset(r.host) for w, r in self._records.items() if r.host}
+                return DirectoryChanges(
+                    self._id, self._version, leases, snapshot=snapshot, host_snapshot=host
+                )
             newer = []
             for version, change in reversed(self._log):
                 if version <= since:

@@ -4,6 +4,10 @@ Mutation semantics (what a consumer must do):
 - ``stored``: the worker now holds the pages with these keys (full pages, verified).
 - ``removed``: the worker no longer holds these keys (evicted or overwritten).
 - ``cleared``: the worker holds nothing any more; forget every key it published.
+- ``offloaded``: the worker still holds these keys (pages or entries), now in its
+  host-memory tier: loading them back costs less than computing them, more than a
+  device hit. ``reloaded``: they are back in device memory. A key that is offloaded
+  and then dropped from the host tier reports ``removed`` / ``entry_removed``.
 - ``entry_stored`` / ``entry_removed``: the same for position-free chunk entries
   (keys from ``hashing.position_free_key``; a key space of their own, so a consumer
   may keep them beside page keys).
@@ -25,6 +29,8 @@ class EventKind(StrEnum):
     CLEARED = "cleared"
     ENTRY_STORED = "entry_stored"
     ENTRY_REMOVED = "entry_removed"
+    OFFLOADED = "offloaded"
+    RELOADED = "reloaded"
 
 
 @dataclass(frozen=True)
@@ -35,21 +41,31 @@ class CacheEvent:
     @property
     def adds(self) -> bool:
         """The worker now holds ``keys`` (page keys or position-free entry keys)."""
-        return self.kind in (EventKind.STORED, EventKind.ENTRY_STORED)
+        return self.kind in (EventKind.STORED, EventKind.ENTRY_STORED, EventKind.RELOADED)
 
     @property
     def drops(self) -> bool:
         return self.kind in (EventKind.REMOVED, EventKind.ENTRY_REMOVED)
 
 
-def apply_event(keys: set[PageKey], event: CacheEvent) -> None:
-    """What a consumer does with one event of a worker: ``keys`` is what it holds."""
+def apply_event(keys: set[PageKey], event: CacheEvent, host: set[PageKey] | None = None) -> None:
+    """What a consumer does with one event of a worker: ``keys`` is what it holds, in
+    either tier; ``host``, the part of it only in host memory (None: not tracked)."""
+    if event.kind is EventKind.OFFLOADED:
+        keys.update(event.keys)
+        if host is not None:
+            host.update(event.keys)
+        return
     if event.adds:
         keys.update(event.keys)
     elif event.drops:
         keys.difference_update(event.keys)
-    else:
+    elif event.kind is EventKind.CLEARED:
         keys.clear()
+        if host is not None:
+            host.clear()
+    if host is not None and event.keys:  # stored, reloaded or dropped: not in host only
+        host.difference_update(event.keys)
 
 
 class EventRuns:

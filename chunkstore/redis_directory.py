@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DEFAULT_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_URL = "redis://127.0.0.1:6380/0"  # 6379 is Ray's GCS on a `ray start --head`
 DEFAULT_TIMEOUT_S = 0.05
 SNAPSHOT_BATCH = 2000  # keys per staging command: each stays a short server call
 
@@ -48,6 +48,8 @@ _KIND_CODES = {
     EventKind.REMOVED: 1,
     EventKind.ENTRY_REMOVED: 1,
     EventKind.CLEARED: 2,
+    EventKind.OFFLOADED: 3,
+    EventKind.RELOADED: 0,  # held again in device memory: no longer host-only
 }
 _STATUS = {
     lua.STATUS_APPLIED: d.APPLIED,
@@ -198,11 +200,15 @@ class RedisChunkDirectory:
         packed = self._breaker.call(lambda: self._lookup(args=args))
         if packed is None:
             return d.NO_INFORMATION
-        flat = msgpack.unpackb(packed, raw=False)  # [worker, run, [entry index, ...], ...]
-        workers = flat[::3]
-        runs = dict(zip(workers, flat[1::3], strict=True))
-        entries = dict(zip(workers, flat[2::3], strict=True))
-        return d.lookup_result(runs, token_ends, entries)
+        # [worker, run, [entry index, ...], [host-only chain index, ...],
+        #  [host-only entry index, ...], ...]
+        flat = msgpack.unpackb(packed, raw=False)
+        workers = flat[::5]
+        runs = dict(zip(workers, flat[1::5], strict=True))
+        entries = dict(zip(workers, flat[2::5], strict=True))
+        host_chain = dict(zip(workers, flat[3::5], strict=True))
+        host_entries = dict(zip(workers, flat[4::5], strict=True))
+        return d.lookup_result(runs, token_ends, entries, host_chain, host_entries)
 
     def _worker_args(self, worker_id: str, epoch: int) -> list[str | int]:
         return [self._prefix, worker_id, epoch, self._ttl_ms]

@@ -5,14 +5,14 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from cluster.actors import ClusterActors, find_actor
-from cluster.completions import CompletionService, ServiceSettings
+from chunkstore.ray_access import open_directory
+from cluster.api.completions import CompletionService, ServiceSettings
 from cluster.config import ClusterConfig
-from cluster.directory_access import open_directory
 from cluster.metrics import Metrics
-from cluster.router import Router, RouterSettings
-from cluster.routing_policy import Policy, RoutingWeights
-from cluster.worker_pool import Agreement, WorkerPool
+from cluster.ops.actors import ClusterActors, find_actor
+from cluster.routing.policy import Policy, RoutingWeights
+from cluster.routing.router import Router, RouterSettings
+from cluster.routing.worker_pool import Agreement, WorkerPool
 from workers.engine.checkpoint import checkpoint_fingerprint, load_tokenizer
 from workers.engine.config import resolve_deviation_layer
 from workers.engine.models.config import ModelConfig

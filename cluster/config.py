@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from cluster.routing_policy import DEFAULT_PREFILL_TOKENS_PER_S
+from cluster.routing.policy import DEFAULT_PREFILL_TOKENS_PER_S
 from workers.engine.config import BUILT_BY_CALLER, EngineConfig
 
 
@@ -71,6 +71,12 @@ class WorkersSection(_Section):
     count: int = Field(1, gt=0, description="worker actors (one engine each)")
     num_gpus: float = Field(0, ge=0, description="GPUs per worker (1 on GPU clusters)")
     num_cpus: float = Field(1, ge=0, description="Ray CPUs reserved per worker")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each worker asks for, e.g. {gpu_node: 1} to keep "
+        "workers on the nodes started with --resources '{\"gpu_node\": 8}' (CPU and GPU "
+        "are num_cpus and num_gpus)",
+    )
     cpu_threads: int | None = Field(
         1, gt=0, description="torch threads per worker; null keeps torch's default"
     )
@@ -92,11 +98,31 @@ class WorkersSection(_Section):
         600, gt=0, description="how long to wait for workers to load their model"
     )
 
+    @model_validator(mode="after")
+    def _custom_resources_only(self) -> WorkersSection:
+        for name, amount in self.resources.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory") or amount < 0:
+                raise ValueError(
+                    f"workers.resources: {name}: {amount} is not a custom resource amount "
+                    "(>= 0; CPU and GPU are workers.num_cpus and workers.num_gpus)"
+                )
+        return self
+
+    node_wait_s: float = Field(
+        0,
+        ge=0,
+        description="how long to wait for nodes when the Ray cluster cannot hold the "
+        "workers and router replicas yet (nodes still joining: KubeRay submits the app "
+        "as soon as the head is ready), saying what it waits for; 0: refuse at once",
+    )
+
 
 class RedisSection(_Section):
     url: str = Field(
-        "redis://127.0.0.1:6379/0",
-        description="redis://[[user]:password@]host:port/db or rediss://... (TLS)",
+        "redis://127.0.0.1:6380/0",
+        description="redis://[[user]:password@]host:port/db or rediss://... (TLS); the "
+        "default port 6380 stays clear of Ray's GCS, which `ray start --head` puts on "
+        "Redis's own default, 6379",
     )
     prefix: str = Field(
         "chunkserve", min_length=1, description="key prefix; clusters sharing a Redis differ"
@@ -191,7 +217,18 @@ class ServerSection(_Section):
     host: str = Field("127.0.0.1", description="HTTP bind address (0.0.0.0 for all)")
     port: int = Field(8000, gt=0, lt=65536, description="HTTP port")
     route_prefix: str = Field("/", description="URL prefix of the app, e.g. / or /chunkserve")
-    num_replicas: int = Field(1, gt=0, description="router (HTTP ingress) replicas")
+    ingress: Literal["replicas", "serve_proxy"] = Field(
+        "replicas",
+        description="how HTTP reaches the router replicas: replicas (each listens on "
+        "host:port itself, sharing the port with the node's other replicas; one app a "
+        "port) or serve_proxy (through Serve's HTTP proxy, one a node, whose host and "
+        "port Serve's own http_options decide; its CPU bounds a node's requests/s)",
+    )
+    num_replicas: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
+        "auto",
+        description="router (HTTP ingress) replicas; auto: one per worker (one replica "
+        "carries about one GPU worker's requests; bench/RESULTS.md, 'HTTP path')",
+    )
     replica_num_cpus: float = Field(0.5, ge=0, description="Ray CPUs per router replica")
     max_ongoing_requests: int = Field(
         512, gt=0, description="requests one router replica handles at once"
@@ -200,6 +237,13 @@ class ServerSection(_Section):
         default_factory=list,
         description="accepted bearer keys; empty: no authentication. Each key is its own "
         "tenant: caches are never shared across keys",
+    )
+    metrics_token: str | None = Field(
+        None,
+        min_length=1,
+        description="bearer token that /metrics requires; null: /metrics is open on a "
+        "server without api_keys and closed (401, naming this key) on one with them, "
+        "since it counts every tenant's requests",
     )
     max_request_bytes: int = Field(
         4 * 2**20,
@@ -214,6 +258,13 @@ class ServerSection(_Section):
         "chunks expanded, or a completion's prompt), checked before tokenizing (400); "
         "null: the most that could fit the context (context length times the most "
         "characters one token stands for), so an over-long prompt is never tokenized",
+    )
+    max_messages: int | None = Field(
+        None,
+        gt=0,
+        description="most messages a chat request (chunks expanded) or a chunk may have, "
+        "checked before anything is rendered (400); null: the context length, since each "
+        "message takes at least one token",
     )
     default_max_tokens: int = Field(
         256, gt=0, description="max_tokens of requests that give none (capped by context)"
@@ -230,9 +281,10 @@ class ServerSection(_Section):
         0.02,
         ge=0,
         description="streamed answers: after the first token, at most one update per this "
-        "many seconds per choice, carrying every token made meanwhile (0: one per token). "
-        "Fewer, larger updates cost workers and routers less per token; the first token is "
-        "never held back",
+        "many seconds per choice, carrying every token made meanwhile; the first token is "
+        "never held back. 0: each token as it is made, merged only where the router falls "
+        "behind, so clients measure real inter-token latency; it costs about twice the "
+        "router CPU per streamed request (bench/RESULTS.md, 'Streaming each token')",
     )
 
     @model_validator(mode="after")
@@ -276,6 +328,12 @@ class ClusterConfig(_Section):
     server: ServerSection = Field(default_factory=ServerSection, description="HTTP app")
     batch: BatchSection = Field(default_factory=BatchSection, description="batch jobs")
     ray: RaySection = Field(default_factory=RaySection, description="Ray connection")
+
+    @property
+    def router_replicas(self) -> int:
+        """``server.num_replicas``, with auto resolved: one per worker."""
+        replicas = self.server.num_replicas
+        return max(1, self.workers.count) if replicas == "auto" else replicas
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ClusterConfig:

@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 INTER_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0)
+LOOP_LAG_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+LOOP_PROBE_S = 0.05  # the event loop's lag is sampled this often
 
 PUSH_INTERVAL_S = 0.5  # a replica's counts reach other replicas' scrapes this late
 STALE_S = 5.0  # a replica silent this long is gone: its gauges leave the sum
@@ -206,9 +208,40 @@ class Metrics:
         self.retries = Counter(
             "chunkserve_worker_retries_total", "requests moved to another worker before output"
         )
+        self.loop_lag = Histogram(
+            "chunkserve_event_loop_lag_seconds",
+            f"how late the router's event loop ran a timer that was due (sampled every "
+            f"{LOOP_PROBE_S * 1000:g} ms): the wait any callback there had for the loop, "
+            "busy with other requests' work",
+            LOOP_LAG_BUCKETS_S,
+        )
+        self.cpu_seconds = Counter(
+            "chunkserve_router_cpu_seconds_total",
+            "CPU seconds of the router processes (user + system, every thread), counted "
+            "while they serve",
+        )
         self.in_flight = 0
         self.preparing: dict[str, int] = {}  # lane -> prompts waiting for or in preparation
         self.healthy_workers: Callable[[], float] = lambda: 0
+        self._watching: asyncio.Task | None = None
+
+    def watch_loop(self) -> None:
+        """Sample the running event loop's lag into ``loop_lag`` and this process's CPU
+        time into ``cpu_seconds`` from now on, every ``LOOP_PROBE_S`` (idempotent; call
+        from the loop that serves)."""
+        if self._watching is None:
+            self._watching = asyncio.get_running_loop().create_task(self._watch_forever())
+
+    async def _watch_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        cpu = time.process_time()
+        while True:
+            due = loop.time() + LOOP_PROBE_S
+            await asyncio.sleep(LOOP_PROBE_S)
+            self.loop_lag.observe(max(0.0, loop.time() - due))
+            now = time.process_time()
+            self.cpu_seconds.inc(by=now - cpu)
+            cpu = now
 
     def cache_hit_rate(self) -> float:
         prompt = self.prompt_tokens.total()
@@ -238,6 +271,8 @@ class Metrics:
             self.lookup_failures,
             self.routes,
             self.retries,
+            self.loop_lag,
+            self.cpu_seconds,
         )
         return (*copy.deepcopy(families), in_flight.set(self.in_flight), preparing)
 
@@ -337,6 +372,35 @@ def worker_families(statuses: Mapping[str, WorkerStatus | None]) -> list[Family]
         "the device, emitting tokens): its rate is how busy the engine is",
         ("worker",),
     )
+    host_slots = Gauge(
+        "chunkserve_worker_host_kv_pages",
+        "pages the worker's host-memory KV tier holds at most (engine.host_kv_gib); "
+        "workers without the tier are left out",
+        ("worker",),
+    )
+    host_used = Gauge(
+        "chunkserve_worker_host_kv_pages_used",
+        "pages in the worker's host-memory KV tier, by what they hold: prefix pages "
+        "(exact reuse) or position-free chunk entries",
+        ("worker", "kind"),
+    )
+    host_hits = Counter(
+        "chunkserve_worker_host_kv_hits_total",
+        "admissions that loaded a prefix or a chunk entry back from the host tier",
+        ("worker",),
+    )
+    host_bytes = Counter(
+        "chunkserve_worker_host_kv_bytes_total",
+        "KV bytes moved between device and host memory, by direction (to_host: "
+        "evictions written; to_device: loads)",
+        ("worker", "direction"),
+    )
+    host_load = Counter(
+        "chunkserve_worker_host_kv_load_seconds_total",
+        "time the host tier's loads took (on a GPU their copies' span on the device); "
+        "over host_kv_bytes_total{direction=to_device}: the load cost per byte",
+        ("worker",),
+    )
     for worker_id, status in sorted(statuses.items()):
         up.set(0 if status is None else 1, worker_id)
         if status is not None:
@@ -351,9 +415,18 @@ def worker_families(statuses: Mapping[str, WorkerStatus | None]) -> list[Family]
                 steps.inc(worker_id, kind, by=count)
                 step_seconds.inc(worker_id, kind, by=seconds)
             busy.inc(worker_id, by=status.step_tally.busy_s)
+            tier = status.host_tier
+            if tier is not None:
+                host_slots.set(tier.slots, worker_id)
+                host_used.set(tier.pages, worker_id, "prefix")
+                host_used.set(tier.entry_pages, worker_id, "entry")
+                host_hits.inc(worker_id, by=tier.hits)
+                host_bytes.inc(worker_id, "to_host", by=tier.bytes_written)
+                host_bytes.inc(worker_id, "to_device", by=tier.bytes_loaded)
+                host_load.inc(worker_id, by=tier.load_s)
     return [
         up, requests, tokens, pages, kv_total, kv_in_use, backlog, prefill_rate,
-        steps, step_seconds, busy,
+        steps, step_seconds, busy, host_slots, host_used, host_hits, host_bytes, host_load,
     ]  # fmt: skip
 
 
@@ -393,6 +466,7 @@ class SharedMetrics:
         """Push this replica's counts in the background from now on (idempotent)."""
         if self._pushing is None:
             self._pushing = asyncio.get_running_loop().create_task(self._push_forever())
+            self.metrics.watch_loop()
 
     async def render(self, extra: Sequence[Family] = ()) -> str:
         """Every replica's counts summed, then this replica's gauges and ``extra``."""

@@ -9,7 +9,7 @@ names=""
 for v in "$@"; do
   IFS='|' read -r name gpu extra <<< "$v"
   names="$names $name"
-  CUDA_VISIBLE_DEVICES=$gpu python3 -m cluster.cli make-model /tmp/run$name $common $extra > /tmp/run$name.log 2>&1 &
+  CUDA_VISIBLE_DEVICES=$gpu python3 -m cluster.ops.cli make-model /tmp/run$name $common $extra > /tmp/run$name.log 2>&1 &
 done
 wait
 mkdir -p /tmp/logs

@@ -16,9 +16,9 @@ _INTEGRATION_MARKERS = ("ray", "redis")
 _INTEGRATION_MODULES = (
     "tests/bench/",
     "tests/workers/runtime/test_engine_host.py",
-    "tests/cluster/test_chat_cli.py",
-    "tests/cluster/test_serve_command.py",
-    "tests/cluster/test_routing_bench.py",
+    "tests/cluster/ops/test_chat_cli.py",
+    "tests/cluster/ops/test_serve_command.py",
+    "tests/cluster/routing/test_routing_bench.py",
 )
 
 

@@ -17,7 +17,9 @@ Shared by the HTTP app and the batch job. Invariants:
 from __future__ import annotations
 
 import functools
+import json
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -25,11 +27,15 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from chunkstore.chunking import ChatTokenizer, Chunk, Message
+from chunkstore.chunking import (
+    ChatTokenizer,
+    Chunk,
+    Message,
+    longest_token_chars,
+    message_chars,
+)
 from chunkstore.hashing import Namespace
-from cluster.errors import APIError, BadRequest, ModelNotFound, WorkerLost
-from cluster.metrics import Metrics
-from cluster.openai_format import (
+from cluster.api.openai_format import (
     SSE_DONE,
     ChatFormat,
     ChoiceOutput,
@@ -38,20 +44,21 @@ from cluster.openai_format import (
     reuse,
     sse,
     usage,
+    usage_so_far,
 )
-from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
-from cluster.prompts import (
+from cluster.api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from cluster.errors import APIError, BadRequest, ModelNotFound, WorkerLost
+from cluster.metrics import Metrics
+from cluster.routing.policy import Decision
+from cluster.routing.prompts import (
     EncodeCache,
     PreparedPrompt,
     PromptLanes,
-    longest_token_chars,
-    message_chars,
     prepare_chat,
     prepare_chunks,
     prepare_text,
 )
-from cluster.router import Router, WorkerStream
-from cluster.routing_policy import Decision
+from cluster.routing.router import Router, WorkerStream
 from workers.engine.request import PromptRequest
 from workers.engine.reuse_info import ReuseRequest
 from workers.engine.sampling_params import SamplingParams
@@ -62,6 +69,11 @@ Body = ChatCompletionRequest | CompletionRequest
 # Characters of repeated chunk texts whose tokens a router keeps (~1.4 bytes a char
 # with their token ids).
 _ENCODE_CACHE_CHARS = 32 * 2**20
+_ROLE_KEY = re.compile(rb'"role"\s*:')  # a JSON object's "role" key, as bytes
+# What a message weighs, in characters, in choosing its prompt's preparation lane:
+# about a chat template's text around one message (so thousands of empty messages,
+# whose rendering is work though they have no text, go to the large lane)
+MESSAGE_CHARS = 32
 
 
 @dataclass(frozen=True)
@@ -83,9 +95,10 @@ class Reply:
 
 
 class CompletionService:
-    """``max_prompt_chars``: the longest prompt text accepted (the HTTP app sets it from
-    ``server.max_prompt_chars``); None: the most that could fit the context, the
-    context length times the longest token's characters."""
+    """``max_prompt_chars``, ``max_messages``: the longest prompt text and the most
+    messages accepted (the HTTP app sets them from ``server.max_prompt_chars`` and
+    ``server.max_messages``); None: the most that could fit the context
+    (``check_prompt_size``)."""
 
     def __init__(
         self,
@@ -101,6 +114,7 @@ class CompletionService:
         self._settings = settings
         self.metrics = metrics
         self.max_prompt_chars: int | None = None
+        self.max_messages: int | None = None
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode)
 
     async def chat(
@@ -124,9 +138,10 @@ class CompletionService:
         asked = body.reuse_request(self._settings.default_reuse)
         approximate = asked.mode == "approximate"
         chars = message_chars(messages)
-        await self._check_prompt_chars(chars, "messages")
+        await self.check_prompt_size(chars, len(messages), "messages")
+        self._check_repair(asked)
         prompt = await self._prepare(
-            chars,
+            chars + MESSAGE_CHARS * len(messages),
             lambda encoder: prepare_chat(
                 encoder,
                 messages,
@@ -151,7 +166,7 @@ class CompletionService:
         page_size = self._settings.page_size
         if isinstance(body.prompt, str):
             text = body.prompt
-            await self._check_prompt_chars(len(text), "prompt")
+            await self.check_prompt_size(len(text), 1, "prompt")
 
             def prepare(encoder: EncodeCache) -> PreparedPrompt:
                 return prepare_text(encoder, text, namespace, page_size)
@@ -166,33 +181,91 @@ class CompletionService:
         # a text prompt is one chunk: approximate reuse has nothing to place, but the
         # request is still served (and reported) in the mode it asked for
         asked = body.reuse_request(self._settings.default_reuse)
+        self._check_repair(asked)
         prompt = await self._prepare(len(body.prompt), prepare, "prompt")
         fmt = CompletionFormat(body.model, self._token_text, body.logprobs or 0)
         return await self._run(body, prompt, tenant_salt, fmt, "prompt", asked, arrived)
 
-    # -- internals -----------------------------------------------------------------
-    async def _check_prompt_chars(self, chars: int, param: str) -> None:
-        """Refuse, before tokenizing, a prompt text over ``max_prompt_chars``."""
-        limit, code = self.max_prompt_chars, "prompt_too_long"
-        source = "server.max_prompt_chars"
-        if limit is None:
+    async def check_prompt_size(self, chars: int, messages: int, param: str) -> None:
+        """Refuse, before anything is rendered or tokenized, a prompt (or a chunk) of
+        more messages than ``max_messages`` or more text than ``max_prompt_chars``. By
+        default both are what could fit the context: each message renders to at least
+        one token, and one token stands for at most ``longest_token_chars``."""
+        if self.max_prompt_chars is None or self.max_messages is None:
             await self.router.pool.start()
-            context = self.router.pool.max_model_len()
-            if context is None:
-                return  # no worker answered yet: routing refuses the request
-            limit, code = context * self._token_chars, "context_length_exceeded"
-            source = (
-                f"the context length {context} times {self._token_chars}, the most characters "
-                "one token stands for: a longer text cannot fit; server.max_prompt_chars "
-                "overrides it"
-            )
-        if chars > limit:
+        context = self.router.pool.max_model_len()  # None: routing refuses the request
+        limit = self._messages_limit(context)
+        if limit is not None and messages > limit[0]:
+            raise _over(f"the request has {messages} messages", limit, param, "send fewer")
+        limit = self._chars_limit(context)
+        if limit is not None and chars > limit[0]:
+            raise _over(f"the prompt has {chars} characters", limit, param, "shorten the prompt")
+
+    def _check_repair(self, asked: ReuseRequest) -> None:
+        """``first_tokens`` beyond the context is refused: no chunk is that long, so it
+        can only be a mistake (a chunk of fewer tokens is recomputed whole anyway)."""
+        context = self.router.pool.max_model_len()
+        if context is not None and asked.first_tokens > context:
             raise BadRequest(
-                f"the prompt has {chars} characters, more than the {limit} this server "
-                f"accepts ({source}); shorten the prompt",
-                param=param,
-                code=code,
+                f"reuse.first_tokens is {asked.first_tokens}, more than the context length "
+                f"{context}; any value at least a chunk's length recomputes that chunk whole",
+                param="reuse.first_tokens",
             )
+
+    async def check_raw_messages(self, raw: bytes, field: str) -> None:
+        """Refuse, before the body is parsed, one whose ``field`` lists more messages
+        than accepted: parsing 100,000 messages into request objects holds the event
+        loop's interpreter for half a second (decoding the JSON alone, 45 ms); scanning
+        the bytes for "role" keys takes about 10 ms. Every message has one such key, so
+        their count bounds the messages from above. Past twice the limit the request is
+        refused by that count (no request has that many "role" keys elsewhere); just
+        past the limit, the body is decoded to count its messages exactly."""
+        if self.max_messages is None:
+            await self.router.pool.start()
+        limit = self._messages_limit(self.router.pool.max_model_len())
+        if limit is None:
+            return
+        keys = len(_ROLE_KEY.findall(raw))
+        if keys <= limit[0]:
+            return
+        if keys > 2 * limit[0] + 64:
+            count = f"{keys} messages (by its role keys)"
+        else:
+            try:
+                data = json.loads(raw)
+            except ValueError:
+                return  # not JSON: the parser says so
+            messages = data.get(field) if isinstance(data, dict) else None
+            if not isinstance(messages, list) or len(messages) <= limit[0]:
+                return
+            count = f"{len(messages)} messages"
+        raise _over(f"the request has {count}", limit, field, "send fewer")
+
+    def _messages_limit(self, context: int | None) -> tuple[int, str, str] | None:
+        """(limit, its source, error code); None: no limit known yet."""
+        if self.max_messages is not None:
+            return self.max_messages, "server.max_messages", "too_many_messages"
+        if context is None:
+            return None
+        source = (
+            f"each message takes at least one token of the context length {context}; "
+            "server.max_messages lowers it"
+        )
+        return context, source, "context_length_exceeded"
+
+    def _chars_limit(self, context: int | None) -> tuple[int, str, str] | None:
+        if self.max_prompt_chars is not None:
+            return self.max_prompt_chars, "server.max_prompt_chars", "prompt_too_long"
+        if context is None:
+            return None
+        source = (
+            f"the context length {context} times {self._token_chars}, the most characters "
+            "one token stands for: a longer text cannot fit; server.max_prompt_chars "
+            "overrides it"
+        )
+        return context * self._token_chars, source, "context_length_exceeded"
+
+    # -- internals -----------------------------------------------------------------
 
     async def _prepare(
         self, size: int, prepare: Callable[[EncodeCache], PreparedPrompt], param: str
@@ -276,20 +349,27 @@ class CompletionService:
     ) -> AsyncGenerator[str, None]:
         choices = [ChoiceOutput() for _ in range(body.n)]
         gaps = _TokenGaps(self.metrics)
+        # events that go out together are written together (one write, one packet):
+        # the opening chunks with the first delta's, the usage chunk with [DONE]
+        before = usage_so_far(prompt_tokens, choices) if body.continuous_usage else None
+        opening = "".join(sse(chunk) for chunk in fmt.opening_chunks(body.n, before))
         try:
-            for chunk in fmt.opening_chunks(body.n):
-                yield sse(chunk)
             async for delta in stream.deltas():
                 gaps.saw(delta)
                 choices[delta.index].add(delta)
                 # reuse goes on the last chunk before [DONE] (see openai_protocol.Reuse)
                 last = not body.include_usage and all(c.finish_reason for c in choices)
-                yield sse(fmt.chunk(delta, reuse(choices) if last else None))
+                running = usage_so_far(prompt_tokens, choices) if body.continuous_usage else None
+                yield opening + sse(fmt.chunk(delta, reuse(choices) if last else None, running))
+                opening = ""
+            closing = SSE_DONE
             if body.include_usage:
-                yield sse(fmt.usage_chunk(usage(prompt_tokens, choices), reuse(choices)))
-            yield SSE_DONE
-        except APIError as error:
+                closing = sse(fmt.usage_chunk(usage(prompt_tokens, choices), reuse(choices)))
+                closing += SSE_DONE
+            yield opening + closing
+        except APIError as error:  # in-band: the stream's 200 went out with its first event
             yield sse(error.body())
+            raise  # so the caller counts the request as failed (the event was sent)
         finally:  # finished, failed, or closed by the client: its tokens count alike
             stream.close()
             self._count(prompt_tokens, choices)
@@ -326,6 +406,9 @@ class CompletionService:
                     top_p=body.top_p,
                     seed=None if body.seed is None else body.seed + i,
                     stop=body.stop_list,
+                    ignore_eos=body.ignore_eos,
+                    min_tokens=body.min_tokens,
+                    response_format=body.output_format,
                     logprobs=body.num_logprobs,
                 )
                 for i in range(body.n)
@@ -368,3 +451,13 @@ class _TokenGaps:
         tokens = len(delta.token_ids)
         if previous is not None and tokens:
             self._histogram.observe((now - previous) / tokens, count=tokens)
+
+
+def _over(what: str, limit: tuple[int, str, str], param: str, advice: str) -> BadRequest:
+    """``what`` ("the prompt has N characters") is past ``limit`` (value, source,
+    error code)."""
+    return BadRequest(
+        f"{what}, more than the {limit[0]} this server accepts ({limit[1]}); {advice}",
+        param=param,
+        code=limit[2],
+    )

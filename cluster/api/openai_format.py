@@ -11,7 +11,7 @@ from typing import Protocol
 
 from pydantic import BaseModel
 
-from cluster.openai_protocol import (
+from cluster.api.openai_protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -53,12 +53,23 @@ class ChoiceOutput:
 
 
 def usage(prompt_tokens: int, choices: Sequence[ChoiceOutput]) -> Usage:
+    return _usage(prompt_tokens, choices, reuse(choices).reused_tokens)
+
+
+def usage_so_far(prompt_tokens: int, choices: Sequence[ChoiceOutput]) -> Usage:
+    """``usage`` mid-stream: no cached tokens until the first choice says how it was
+    served (``usage`` would raise)."""
+    served = choices[0].reuse is not None
+    return _usage(prompt_tokens, choices, reuse(choices).reused_tokens if served else 0)
+
+
+def _usage(prompt_tokens: int, choices: Sequence[ChoiceOutput], cached: int) -> Usage:
     completion = sum(c.num_tokens for c in choices)
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion,
         total_tokens=prompt_tokens + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=reuse(choices).reused_tokens),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
 
@@ -83,10 +94,13 @@ class ResponseFormat(Protocol):
         self, choices: Sequence[ChoiceOutput], usage: Usage, reuse: Reuse
     ) -> BaseModel: ...
 
-    def opening_chunks(self, n: int) -> list[BaseModel]: ...
+    def opening_chunks(self, n: int, usage: Usage | None = None) -> list[BaseModel]: ...
 
-    def chunk(self, delta: WorkerDelta, reuse: Reuse | None = None) -> BaseModel:
-        """``reuse``: only on the stream's last chunk (see ``Reuse``)."""
+    def chunk(
+        self, delta: WorkerDelta, reuse: Reuse | None = None, usage: Usage | None = None
+    ) -> BaseModel:
+        """``reuse``: only on the stream's last chunk (see ``Reuse``); ``usage``: on
+        every chunk with ``stream_options.continuous_usage_stats``."""
         ...
 
     def usage_chunk(self, usage: Usage, reuse: Reuse) -> BaseModel: ...
@@ -129,20 +143,24 @@ class ChatFormat:
             reuse=reuse,
         )
 
-    def opening_chunks(self, n: int) -> list[ChatCompletionChunk]:
+    def opening_chunks(self, n: int, usage: Usage | None = None) -> list[ChatCompletionChunk]:
         return [
-            self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+            self._chunk(
+                [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))], usage
+            )
             for i in range(n)
         ]
 
-    def chunk(self, delta: WorkerDelta, reuse: Reuse | None = None) -> ChatCompletionChunk:
+    def chunk(
+        self, delta: WorkerDelta, reuse: Reuse | None = None, usage: Usage | None = None
+    ) -> ChatCompletionChunk:
         choice = ChatChunkChoice(
             index=delta.index,
             delta=ChatDelta(content=delta.text),
             finish_reason=delta.finish_reason,
             logprobs=self._logprobs(delta.logprobs),
         )
-        return self._chunk([choice], reuse=reuse)
+        return self._chunk([choice], usage, reuse)
 
     def usage_chunk(self, usage: Usage, reuse: Reuse) -> ChatCompletionChunk:
         return self._chunk([], usage, reuse)
@@ -193,17 +211,19 @@ class CompletionFormat:
             reuse,
         )
 
-    def opening_chunks(self, n: int) -> list[Completion]:
+    def opening_chunks(self, n: int, usage: Usage | None = None) -> list[Completion]:
         return []
 
-    def chunk(self, delta: WorkerDelta, reuse: Reuse | None = None) -> Completion:
+    def chunk(
+        self, delta: WorkerDelta, reuse: Reuse | None = None, usage: Usage | None = None
+    ) -> Completion:
         choice = CompletionChoice(
             index=delta.index,
             text=delta.text,
             finish_reason=delta.finish_reason,
             logprobs=self._logprobs(delta.logprobs),
         )
-        return self._completion([choice], reuse=reuse)
+        return self._completion([choice], usage, reuse)
 
     def usage_chunk(self, usage: Usage, reuse: Reuse) -> Completion:
         return self._completion([], usage, reuse)

@@ -29,6 +29,7 @@ from workers.engine.reuse_info import (
     DEFAULT_FIRST_TOKENS,
     ReuseRequest,
 )
+from workers.engine.structured import ResponseFormat, check_response_format
 
 MAX_N = 16
 MAX_STOP = 4
@@ -44,9 +45,14 @@ def parse_request(body_type: type[BaseModel], raw: bytes | str):
         if problems[0]["type"] == "json_invalid":
             raise BadRequest(f"the request body is not valid JSON: {problems[0]['msg']}") from None
         problems = _deepest_branches(problems)
-        first = _dotted(problems[0]["loc"]) or None
-        text = "; ".join(f"{_dotted(e['loc']) or 'body'}: {_message(e)}" for e in problems[:3])
+        first = _param(problems[0]) or None
+        text = "; ".join(f"{_param(e) or 'body'}: {_message(e)}" for e in problems[:3])
         raise BadRequest(text, param=first) from None
+
+
+def _param(error: dict) -> str:
+    """The offending field's dotted path (a model-level ``refusal`` names its own)."""
+    return _dotted(error["loc"]) or (error.get("ctx") or {}).get("param", "")
 
 
 def _deepest_branches(problems: list[dict]) -> list[dict]:
@@ -69,7 +75,7 @@ def _deepest_branches(problems: list[dict]) -> list[dict]:
 def _message(error: dict) -> str:
     if error["type"] == "extra_forbidden":
         return "not supported by this server (remove it, or send null)"
-    return error["msg"]
+    return error["msg"].removeprefix("Value error, ")
 
 
 def _dotted(loc: tuple) -> str:
@@ -80,15 +86,40 @@ _TYPE_STEP = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|tagged-unio
 
 
 def _public_loc(loc: tuple) -> tuple:
-    """``loc`` without pydantic's union-branch steps (``str``, ``list[...]``, ...)."""
-    return tuple(part for part in loc if not _TYPE_STEP.match(str(part)))
+    """``loc`` without pydantic's union-branch steps (``str``, ``list[...]``, ...) and
+    without a discriminated union's tag (``content.0.text.text`` is ``content.0.text``)."""
+    public, tag_after = [], None  # steps until the tag: 0 next, 1 after a list index
+    for index, part in enumerate(loc):
+        step = str(part)
+        if tag_after == 0:
+            tag_after = None
+            continue
+        if index and loc[index - 1] in _TAGGED_FIELDS and isinstance(part, str):
+            continue  # an optional tagged union's tag, which pydantic gives no type step
+        if tag_after == 1 and isinstance(part, int):
+            tag_after = 0
+        if "tagged-union[" in step:
+            tag_after = 1 if step.startswith("list[") else 0
+        if not _TYPE_STEP.match(step):
+            public.append(part)
+    return tuple(public)
+
+
+# fields holding an optional discriminated union (their tag follows them in ``loc``)
+_TAGGED_FIELDS = frozenset({"response_format"})
+
+
+def refusal(param: str, message: str) -> PydanticCustomError:
+    """A model validator's refusal that names the field it is about (pydantic gives a
+    model-level error no location: ``parse_request`` reads ``param`` from here)."""
+    return PydanticCustomError("refused", "{message}", {"message": message, "param": param})
 
 
 class _Request(BaseModel):
     """Request bodies refuse what they do not implement: an unknown field with a value
     is a 400 naming it (a field sent as null asks for nothing and is dropped)."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -104,6 +135,9 @@ class _Response(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = Field(False, description="send a last chunk carrying usage")
+    continuous_usage_stats: bool = Field(
+        False, description="vLLM's: every chunk carries the usage so far"
+    )
 
 
 ReuseMode = Literal["exact", "approximate"]
@@ -116,7 +150,7 @@ REUSE_SHAPE = (
 class ReuseOptions(BaseModel):
     """The ``reuse`` request field as an object: a mode with its repair settings."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
     mode: ReuseMode = Field(
         description="exact: KV reused only after identical preceding tokens (output equals "
@@ -136,6 +170,16 @@ class ReuseOptions(BaseModel):
         "deviates most in this context, recomputed as well",
     )
 
+    @model_validator(mode="after")
+    def _check_settings(self) -> ReuseOptions:
+        repair = {"first_tokens", "deviation_ratio"} & self.model_fields_set
+        if self.mode == "exact" and repair:
+            raise ValueError(
+                f"{' and '.join(sorted(repair))} set the repair of approximate reuse: exact "
+                "reuse repairs nothing (remove them, or ask for mode approximate)"
+            )
+        return self
+
     def request(self) -> ReuseRequest:
         return ReuseRequest(self.mode, self.first_tokens, self.deviation_ratio)
 
@@ -144,13 +188,46 @@ def _reuse_error(value: object, error: ValidationError) -> PydanticCustomError:
     """One message naming every allowed value, plus what is wrong inside an object."""
     detail = ""
     if isinstance(value, dict):
-        inner = [e for e in error.errors() if e["loc"][:1] == ("ReuseOptions",)]
+        inner = [e for e in error.errors() if "ReuseOptions" in str(e["loc"][:1])]
         detail = "; ".join(f"{_dotted(e['loc'][1:]) or 'object'}: {e['msg']}" for e in inner[:2])
     got = json.dumps(value) if isinstance(value, str | int | float | bool | None) else None
     suffix = f" ({detail})" if detail else (f", got {got:.60}" if got else "")
     return PydanticCustomError("reuse", "must be {shape}{suffix}", {
         "shape": REUSE_SHAPE, "suffix": suffix,
     })  # fmt: skip
+
+
+class JSONSchemaSpec(_Request):
+    name: str = Field(description="the schema's name (OpenAI requires one; unused)")
+    schema_: dict = Field(alias="schema", description="the JSON schema the output follows")
+    description: str | None = Field(None, description="what the schema is for (unused)")
+    strict: bool | None = Field(
+        None, description="accepted; the output always follows the schema exactly"
+    )
+
+    @field_validator("schema_")
+    @classmethod
+    def _check_schema(cls, schema: dict) -> dict:
+        check_response_format(ResponseFormat("json_schema", json.dumps(schema)))
+        return schema
+
+
+class TextFormat(_Request):
+    type: Literal["text"] = Field(description="plain text: no constraint")
+
+
+class JSONObjectFormat(_Request):
+    type: Literal["json_object"] = Field(description="a JSON object")
+
+
+class JSONSchemaFormat(_Request):
+    type: Literal["json_schema"] = Field(description="JSON following json_schema.schema")
+    json_schema: JSONSchemaSpec = Field(description="the schema")
+
+
+OutputFormat = Annotated[
+    TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")
+]
 
 
 class _SamplingRequest(_Request):
@@ -172,6 +249,20 @@ class _SamplingRequest(_Request):
     presence_penalty: float = Field(0.0, description="not supported: must be 0")
     frequency_penalty: float = Field(0.0, description="not supported: must be 0")
     user: str | None = Field(None, description="end-user id (accepted, unused)")
+    response_format: OutputFormat | None = Field(
+        None,
+        description="json_object or json_schema: decoding is constrained so the output "
+        "is compact JSON of that format and ends with it (workers.engine.structured)",
+    )
+    ignore_eos: bool = Field(
+        False, description="vLLM's: generate past end-of-text tokens (to max_tokens)"
+    )
+    min_tokens: int = Field(
+        0,
+        ge=0,
+        description="vLLM's: no end-of-text or stop token among the first min_tokens, and "
+        "no stop string ends the output before it has that many",
+    )
     reuse: ReuseMode | ReuseOptions | None = Field(
         None,
         description="chunkserve: how cached KV may serve the prompt, "
@@ -200,11 +291,19 @@ class _SamplingRequest(_Request):
 
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingRequest:
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported")
+        for penalty in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, penalty):
+                raise refusal(penalty, f"{penalty} is not supported (send 0 or leave it out)")
         stops = self.stop_list
         if len(stops) > MAX_STOP or any(not s for s in stops):
-            raise ValueError(f"stop takes at most {MAX_STOP} non-empty strings")
+            raise refusal("stop", f"stop takes at most {MAX_STOP} non-empty strings")
+        if self.stream_options is not None and not self.stream:
+            raise refusal("stream_options", "stream_options needs stream: true")
+        limit = self.token_limit
+        if limit is not None and self.min_tokens > limit:
+            raise refusal(
+                "min_tokens", f"min_tokens ({self.min_tokens}) exceeds max_tokens ({limit})"
+            )
         return self
 
     @property
@@ -216,6 +315,20 @@ class _SamplingRequest(_Request):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def output_format(self) -> ResponseFormat | None:
+        """The engine's form of ``response_format`` (None: text)."""
+        fmt = self.response_format
+        if isinstance(fmt, JSONObjectFormat):
+            return ResponseFormat("json_object")
+        if isinstance(fmt, JSONSchemaFormat):
+            return ResponseFormat("json_schema", json.dumps(fmt.json_schema.schema_))
+        return None
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class TextPart(_Request):
@@ -253,7 +366,7 @@ class ChatMessage(_Request):
         return [part.chunk_id for part in self.content if isinstance(part, ChunkPart)]
 
     def as_chunking_message(self) -> dict[str, str | list[dict[str, str]]]:
-        """Only for messages without chunk parts (``cluster.chunk_service`` expands those)."""
+        """Only for messages without chunk parts (``cluster.http.chunk_service`` expands those)."""
         if isinstance(self.content, str):
             return {"role": self.role, "content": self.content}
         if self.chunk_ids:
@@ -283,14 +396,18 @@ class ChatCompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise refusal("top_logprobs", "top_logprobs needs logprobs: true")
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError(
+            raise refusal(
+                "continue_final_message",
                 "continue_final_message needs add_generation_prompt: false (a prompt either "
-                "continues the last message or opens a new turn)"
+                "continues the last message or opens a new turn)",
             )
         if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise ValueError("continue_final_message needs the last message to be the assistant's")
+            raise refusal(
+                "continue_final_message",
+                "continue_final_message needs the last message to be the assistant's",
+            )
         return self
 
     @property
@@ -318,9 +435,9 @@ class CompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
         if self.echo:
-            raise ValueError("echo is not supported")
+            raise refusal("echo", "echo is not supported")
         if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must not be empty")
+            raise refusal("prompt", "prompt must not be empty")
         return self
 
     @property

@@ -3,7 +3,7 @@
 Runs in the driver (``chunkserve batch``, locally or under ``ray job submit``): it
 starts the job's own workers (owned by the driver, so they die with it), routes
 through the same router and completion service as the HTTP app, and writes one
-record per input line in input order (see ``cluster.batch_io``).
+record per input line in input order (see ``cluster.batch.lines``).
 
 Invariants:
 - At most ``batch.concurrency`` requests are in flight; a record is written as soon
@@ -19,7 +19,7 @@ import logging
 import sys
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,24 +27,25 @@ from typing import TextIO
 
 from tqdm import tqdm
 
-from cluster.actors import ensure_cluster, kill_cluster, wait_ready
+from cluster.api.completions import CompletionService
+from cluster.api.openai_protocol import ChatCompletionRequest
 from cluster.assembly import build_service
-from cluster.batch_io import (
+from cluster.batch.lines import (
+    Answered,
     BatchItem,
     BatchRecord,
     RecordWriter,
-    completed_ids,
+    answered_records,
     error_record,
     ok_record,
     read_items,
 )
-from cluster.completions import CompletionService
 from cluster.config import ClusterConfig
 from cluster.errors import APIError, BadRequest, NoHealthyWorker, Overloaded
 from cluster.metrics import Metrics
-from cluster.model_store import ensure_model
-from cluster.openai_protocol import ChatCompletionRequest
-from cluster.ray_session import connect_ray
+from cluster.ops.actors import ensure_cluster, kill_cluster, wait_ready
+from cluster.ops.model_store import ensure_model
+from cluster.ops.ray_session import connect_ray
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class _Counts:
 class BatchSummary:
     requests: int  # records written by this run
     errors: int
-    skipped: int  # ids already in the output (earlier runs)
+    skipped: int  # lines whose record was already in the output (earlier runs)
     prompt_tokens: int
     cached_tokens: int
     elapsed_s: float
@@ -96,7 +97,12 @@ def run_batch(
     if not input_path.is_file():
         raise ValueError(f"input file {str(input_path)!r} does not exist")
     started = time.monotonic()
-    done = completed_ids(output_path, retry_errors)
+    answered = answered_records(output_path, retry_errors)
+    lines = _count_lines(input_path)
+    # a first pass to count what is left (the progress bar's total); lines parse twice
+    total = sum(1 for _ in _pending(read_items(input_path, cfg.model.name), answered))
+    if total == 0:  # every line has its record: no cluster to start
+        return BatchSummary(0, 0, lines, 0, 0, elapsed_s=time.monotonic() - started)
     connect_ray(cfg.ray)
     model_dir = ensure_model(cfg.model)
     job = cfg.model_copy(update={"name": f"{cfg.name}-batch-{uuid.uuid4().hex[:8]}"})
@@ -104,8 +110,7 @@ def run_batch(
     try:
         wait_ready(actors, cfg.workers.startup_timeout_s)
         service = build_service(job, model_dir, actors, Metrics())
-        pending = _pending(read_items(input_path, cfg.model.name), done)
-        total = _count_lines(input_path) - len(done)
+        pending = _pending(read_items(input_path, cfg.model.name), answered)
         with output_path.open("a") as out:
             counts = asyncio.run(_run(service, pending, out, cfg.batch.concurrency, total))
     finally:
@@ -113,26 +118,29 @@ def run_batch(
     return BatchSummary(
         requests=counts.requests,
         errors=counts.errors,
-        skipped=len(done),
+        skipped=lines - total,
         prompt_tokens=counts.prompt_tokens,
         cached_tokens=counts.cached_tokens,
         elapsed_s=time.monotonic() - started,
     )
 
 
-def _pending(items: Iterator[BatchItem], done: set[str]) -> Iterator[BatchItem]:
-    """Items whose id is not answered yet; a repeated id becomes an error."""
-    seen = set(done)
+def _pending(items: Iterator[BatchItem], answered: Answered) -> Iterator[BatchItem]:
+    """The items whose record is not in the output yet; a line repeating an earlier
+    line's id becomes an error (its own record)."""
+    occurrences: dict[bool, Counter[str]] = {True: Counter(), False: Counter()}
     for item in items:
-        if item.custom_id in done:
+        seen = occurrences[item.keyed]
+        occurrence = seen[item.custom_id]
+        seen[item.custom_id] += 1
+        if answered.holds(item, occurrence):
             continue
-        if item.custom_id in seen:
+        if item.keyed and occurrence > 0:
             duplicate = BadRequest(
                 f"custom_id {item.custom_id!r} repeats an earlier line", code="duplicate_custom_id"
             )
             yield BatchItem(item.line_number, item.custom_id, None, duplicate)
             continue
-        seen.add(item.custom_id)
         yield item
 
 
@@ -146,7 +154,7 @@ async def _run(
     writer = RecordWriter(out)
     counts = _Counts()
     window: deque[asyncio.Task[BatchRecord]] = deque()
-    with tqdm(total=max(total, 0), file=sys.stderr, unit="req", desc="batch") as progress:
+    with tqdm(total=total, file=sys.stderr, unit="req", desc="batch") as progress:
 
         async def write_oldest() -> None:
             record = await window.popleft()

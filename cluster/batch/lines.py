@@ -2,32 +2,36 @@
 
 Input lines are either OpenAI Batch API lines
 ``{"custom_id", "method", "url", "body": {...}}`` or bare request bodies carrying
-a ``custom_id`` (or ``id``). A line without an id gets ``line-<number>``; a missing
-``model`` is the served one. Output lines follow the OpenAI Batch API:
+a ``custom_id`` (or ``id``); a missing ``model`` is the served one. Output lines
+follow the OpenAI Batch API:
 ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``.
 
 Invariants:
 - Every input line yields exactly one output record (empty lines none), written in
-  input order; a line that cannot be parsed or validated yields an error record.
+  input order; a line that cannot be parsed or validated yields an error record, and
+  so does each later line repeating an id (``duplicate_custom_id``).
+- A line with no usable id (not JSON, not an object, no ``custom_id``) is filed under
+  ``line-<number>`` with one of the ``UNKEYED_CODES``: a namespace of its own, so a
+  line whose real id reads ``line-4`` is never mistaken for it.
 - A record is one ``write`` of a whole line followed by a flush, so a killed job
   leaves complete records plus at most one torn last line, which the rerun cuts off
-  before appending; a rerun skips every id already in the output.
+  before appending; a rerun (``Answered``) skips every line whose record is there.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import TextIO
 
 from pydantic import BaseModel, Field
 
-from cluster.errors import APIError, BadRequest
-from cluster.openai_protocol import (
+from cluster.api.openai_protocol import (
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -36,11 +40,16 @@ from cluster.openai_protocol import (
     ErrorDetail,
     parse_request,
 )
+from cluster.errors import APIError, BadRequest
 
 
 class Endpoint(StrEnum):
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"
+
+
+# the error codes of lines without a usable id, filed under "line-<number>"
+UNKEYED_CODES = frozenset({"invalid_json", "invalid_line", "missing_custom_id"})
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,7 @@ class BatchItem:
     custom_id: str
     request: ChatCompletionRequest | CompletionRequest | None
     error: APIError | None  # why the line could not become a request
+    keyed: bool = True  # ``custom_id`` is the line's own (False: its "line-<number>")
 
 
 class BatchResponse(BaseModel):
@@ -82,9 +92,10 @@ def parse_line(number: int, line: str, model_name: str) -> BatchItem:
         data = json.loads(line)
     except json.JSONDecodeError as error:
         problem = BadRequest(f"line {number} is not valid JSON: {error.msg}", code="invalid_json")
-        return BatchItem(number, fallback_id, None, problem)
+        return BatchItem(number, fallback_id, None, problem, keyed=False)
     if not isinstance(data, dict):
-        return BatchItem(number, fallback_id, None, BadRequest(f"line {number} is not an object"))
+        problem = BadRequest(f"line {number} is not an object", code="invalid_line")
+        return BatchItem(number, fallback_id, None, problem, keyed=False)
     raw_id = data.get("custom_id", data.get("id"))
     if not isinstance(raw_id, str | int) or raw_id == "" or isinstance(raw_id, bool):
         missing = BadRequest(
@@ -93,7 +104,7 @@ def parse_line(number: int, line: str, model_name: str) -> BatchItem:
             param="custom_id",
             code="missing_custom_id",
         )
-        return BatchItem(number, fallback_id, None, missing)
+        return BatchItem(number, fallback_id, None, missing, keyed=False)
     custom_id = str(raw_id)
     try:
         return BatchItem(number, custom_id, _request(data, model_name), None)
@@ -152,18 +163,37 @@ def _record_id() -> str:
     return f"batch_req_{uuid.uuid4().hex}"
 
 
-def completed_ids(path: Path, retry_errors: bool = False) -> set[str]:
-    """Ids already answered in ``path``; cuts off a torn last line first.
+@dataclass
+class Answered:
+    """The records already in an output file, counted per id: of lines with an id of
+    their own (``keyed``), and of lines without one (``unkeyed``, by line-<number>)."""
+
+    keyed: Counter[str] = field(default_factory=Counter)
+    unkeyed: Counter[str] = field(default_factory=Counter)
+
+    def holds(self, item: BatchItem, occurrence: int) -> bool:
+        """Whether the ``occurrence``-th line (0: the first) with ``item``'s id has its
+        record: records are written in input order, so an id's first n lines do."""
+        counts = self.keyed if item.keyed else self.unkeyed
+        return occurrence < counts[item.custom_id]
+
+    def __len__(self) -> int:
+        return self.keyed.total() + self.unkeyed.total()
+
+
+def answered_records(path: Path, retry_errors: bool = False) -> Answered:
+    """The records already in ``path``; cuts off a torn last line first.
     ``retry_errors``: error records are removed from ``path`` (rewritten atomically), so
-    their ids run again and each id still has one record."""
+    their lines run again and each line still has one record."""
+    answered = Answered()
     if not path.exists():
-        return set()
+        return answered
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1
     if end < len(data):
         with path.open("r+b") as f:
             f.truncate(end)
-    ids, kept = set(), []
+    kept = []
     for line in data[:end].splitlines():
         try:
             record = json.loads(line)
@@ -171,15 +201,17 @@ def completed_ids(path: Path, retry_errors: bool = False) -> set[str]:
             continue
         if not isinstance(record, dict) or not isinstance(record.get("custom_id"), str):
             continue
-        if retry_errors and record.get("error") is not None:
+        error = record.get("error")
+        if retry_errors and error is not None:
             continue
-        ids.add(record["custom_id"])
+        unkeyed = isinstance(error, dict) and error.get("code") in UNKEYED_CODES
+        (answered.unkeyed if unkeyed else answered.keyed)[record["custom_id"]] += 1
         kept.append(line)
     if retry_errors and len(kept) < len(data[:end].splitlines()):
         temporary = path.with_name(path.name + ".retry")
         temporary.write_bytes(b"".join(line + b"\n" for line in kept))
         temporary.replace(path)
-    return ids
+    return answered
 
 
 class RecordWriter:

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.openai_protocol import ChatMessage
+from cluster.api.openai_protocol import ChatMessage
 
 
 class _Strict(BaseModel):

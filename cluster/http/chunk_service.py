@@ -23,11 +23,11 @@ from ray import ObjectRef
 from ray.actor import ActorHandle
 from ray.exceptions import RayError, TaskCancelledError
 
-from chunkstore.chunking import Message
-from cluster.chunk_protocol import Chunk, DeletedChunk, RegisterChunkRequest
+from chunkstore.chunking import Message, message_chars
+from cluster.api.openai_protocol import ChatMessage, ChunkPart
 from cluster.errors import BadRequest, NoHealthyWorker, NotFound
-from cluster.openai_protocol import ChatMessage, ChunkPart
-from cluster.worker_pool import WorkerPool
+from cluster.http.chunk_protocol import Chunk, DeletedChunk, RegisterChunkRequest
+from cluster.routing.worker_pool import WorkerPool
 from workers.engine.chunk_registry import ChunkInfo
 from workers.runtime.worker_chunks import ChunkFailure, Registered
 
@@ -37,15 +37,25 @@ _FAILED = object()  # a worker that did not answer
 
 
 class ChunkService:
-    def __init__(self, pool: WorkerPool, timeout_s: float) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        timeout_s: float,
+        check_size: Callable[[int, int, str], Awaitable[None]],
+    ) -> None:
+        """``check_size(chars, messages, param)``: refuses (``BadRequest``) content
+        larger than a prompt may be, before a worker renders or tokenizes any of it."""
         self._pool = pool
         self._timeout_s = timeout_s
+        self._check_size = check_size
         self._undoing: set[asyncio.Task] = set()  # roll-backs under way (held: not GC'd)
 
     async def register(self, body: RegisterChunkRequest, tenant: str) -> Chunk:
         await self._pool.start()
-        chosen = await self._choose(body, tenant)
         content = body.content_for_registry()
+        messages = [{"content": content}] if isinstance(content, str) else content
+        await self._check_size(message_chars(messages), len(messages), "content")
+        chosen = await self._choose(body, tenant)
         calls = {
             w: self._pool.handle(w).register_chunk.remote(
                 tenant, content, body.role, body.ttl_s, body.after, body.mode

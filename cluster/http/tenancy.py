@@ -42,3 +42,29 @@ class Authenticator:
         if not any(matched):
             raise Unauthorized("incorrect API key")
         return tenant_salt(key)
+
+
+class ScrapeGuard:
+    """Who may read ``/metrics``, which counts every tenant's requests: anyone on a
+    server without API keys and without ``server.metrics_token``; else only a caller
+    sending that token (a server with keys and no token serves /metrics to nobody, and
+    says which setting opens it)."""
+
+    def __init__(self, metrics_token: str | None, api_keys: Sequence[str]) -> None:
+        self._token = metrics_token
+        self._closed = metrics_token is None and bool(api_keys)
+
+    def check(self, authorization: str | None) -> None:
+        """Raises ``Unauthorized`` unless the caller may scrape."""
+        if self._closed:
+            raise Unauthorized(
+                "this server has API keys, and /metrics counts every tenant's requests: "
+                "set server.metrics_token and scrape with 'Authorization: Bearer <token>'"
+            )
+        if self._token is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self._token.encode()
+        ):
+            raise Unauthorized("/metrics needs 'Authorization: Bearer <server.metrics_token>'")

@@ -30,10 +30,10 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
+from chunkstore.ray_access import DirectoryHostActor, DirectoryKind, DirectorySpec
 from cluster.config import ClusterConfig
 from workers.engine.config import EngineConfig
 from workers.runtime.actor import WorkerActor
-from workers.runtime.directory_client import DirectoryHostActor, DirectoryKind, DirectorySpec
 from workers.runtime.worker_types import WorkerInfo, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ _WORKER_CONCURRENCY = 4096
 # about again for this long before it is refused.
 _PLACEMENT_WAIT_S = 5.0
 _PLACEMENT_POLL_S = 0.5
+_NODE_WAIT_LOG_S = 30.0  # while waiting for nodes, what is missing is logged this often
 _EPSILON = 1e-6  # below Ray's resource granularity (1e-4)
 
 
@@ -92,7 +93,7 @@ def engine_config(cfg: ClusterConfig, model_dir: Path) -> EngineConfig:
 
 def worker_resources(cfg: ClusterConfig) -> dict[str, float]:
     """What one worker actor asks Ray for (Ray's resource names)."""
-    return {"CPU": cfg.workers.num_cpus, "GPU": cfg.workers.num_gpus}
+    return {"CPU": cfg.workers.num_cpus, "GPU": cfg.workers.num_gpus, **cfg.workers.resources}
 
 
 def engine_in_process(cfg: ClusterConfig) -> bool:
@@ -104,7 +105,7 @@ def engine_in_process(cfg: ClusterConfig) -> bool:
 
 
 def replica_resources(cfg: ClusterConfig) -> dict[str, float]:
-    """What one router replica asks Ray for (``cluster.app.build_app``'s options)."""
+    """What one router replica asks Ray for (``cluster.http.app.build_app``'s options)."""
     return {"CPU": cfg.server.replica_num_cpus}
 
 
@@ -128,13 +129,17 @@ def worker_demand(cfg: ClusterConfig) -> Demand:
         cfg.workers.count - running,
         worker_resources(cfg),
         "workers.count",
-        {"CPU": "workers.num_cpus", "GPU": "workers.num_gpus"},
+        {
+            "CPU": "workers.num_cpus",
+            "GPU": "workers.num_gpus",
+            **{name: "workers.resources" for name in cfg.workers.resources},
+        },
     )
 
 
 def replica_demand(cfg: ClusterConfig, *, running: bool) -> Demand:
     """``running``: the app's replicas exist already (a redeploy keeps them)."""
-    count = cfg.server.num_replicas
+    count = cfg.router_replicas
     return Demand(
         "router replica",
         count,
@@ -183,17 +188,36 @@ def placement_problem(
 def check_placement(cfg: ClusterConfig, demands: Callable[[], Sequence[Demand]]) -> None:
     """Refuse (``ValueError``) unless the connected Ray cluster can place ``demands()``.
 
-    What the cluster can never hold is refused at once; a want of free resources
-    only after it lasted ``_PLACEMENT_WAIT_S`` (Ray's view of them lags actors that
-    just ended). A cluster with an autoscaler is checked against the most it can
-    grow to, and its free resources are not checked.
+    What the cluster's nodes can never hold is refused once ``workers.node_wait_s``
+    passed without a node joining that changes it (at once by default), logging what
+    it waits for meanwhile; a want of free resources only after it lasted
+    ``_PLACEMENT_WAIT_S`` (Ray's view of them lags actors that just ended). A cluster
+    with an autoscaler is checked against the most it can grow to, and its free
+    resources are not checked.
     """
-    deadline = time.monotonic() + _PLACEMENT_WAIT_S
+    started = time.monotonic()
+    deadline = started + _PLACEMENT_WAIT_S
+    nodes_deadline = started + cfg.workers.node_wait_s
+    next_log = started
     while True:
         ceiling = _autoscaler_ceiling()
         nodes = [ceiling] if ceiling is not None else _alive_nodes()
         wanted = demands()
         problem = placement_problem(wanted, nodes, None)
+        now = time.monotonic()
+        if problem is not None and now < nodes_deadline:
+            if now >= next_log:
+                logger.warning(
+                    "cluster %r waits up to %.0f s more for Ray nodes (workers.node_wait_s): %s",
+                    cfg.name, nodes_deadline - now, problem,
+                )  # fmt: skip
+                next_log = now + _NODE_WAIT_LOG_S
+            time.sleep(_PLACEMENT_POLL_S)
+            continue
+        if problem is not None and cfg.workers.node_wait_s > 0:
+            problem += (
+                f" (after waiting {cfg.workers.node_wait_s:g} s for nodes: workers.node_wait_s)"
+            )
         if problem is None and ceiling is None:
             problem = placement_problem(wanted, nodes, ray.available_resources())
             if problem is not None and time.monotonic() < deadline:
@@ -340,6 +364,7 @@ class WorkerPlacement:
     num_cpus: float
     num_gpus: float
     max_restarts: int  # in-place restarts by Ray before the keeper takes over
+    resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources (workers.resources)
 
 
 def worker_placement(cfg: ClusterConfig, *, detached: bool) -> WorkerPlacement:
@@ -350,6 +375,7 @@ def worker_placement(cfg: ClusterConfig, *, detached: bool) -> WorkerPlacement:
         num_cpus=resources["CPU"],
         num_gpus=resources["GPU"],
         max_restarts=cfg.workers.max_restarts,
+        resources=tuple(sorted(cfg.workers.resources.items())),
     )
 
 
@@ -377,6 +403,7 @@ def start_worker(spec: WorkerSpec, placement: WorkerPlacement) -> ActorHandle:
         get_if_exists=True,
         num_cpus=placement.num_cpus,
         num_gpus=placement.num_gpus,
+        resources=dict(placement.resources),
         max_restarts=placement.max_restarts,
         max_task_retries=0,  # the router decides what may be retried
         max_concurrency=_WORKER_CONCURRENCY,

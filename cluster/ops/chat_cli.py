@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.chat_backends import Backend, Message, Turn
+from cluster.ops.chat_backends import Backend, Message, Turn
 
 HELP = (
     "commands: /system TEXT, /register, /register-file PATH, /chunks, "

@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return _fail(args, _INTERRUPTED.get(args.command, "interrupted"), EXIT_INTERRUPTED)
     except ConnectionError as error:
-        from cluster.ray_session import RayUnreachable
+        from cluster.ops.ray_session import RayUnreachable
 
         if not isinstance(error, RayUnreachable):
             raise
@@ -270,7 +270,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from cluster.serve import serve_until_stopped
+    from cluster.ops.serve import serve_until_stopped
 
     serve_until_stopped(_load_config(args), log=lambda line: print(line, flush=True))
     return EXIT_OK
@@ -298,7 +298,7 @@ def _add_batch(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_batch(args: argparse.Namespace) -> int:
-    from cluster.batch import run_batch
+    from cluster.batch.job import run_batch
 
     summary = run_batch(_load_config(args), args.input, args.output, args.retry_errors)
     print(summary.describe(args.output), flush=True)
@@ -320,7 +320,7 @@ def _add_status(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    from cluster.status import cluster_status, format_status
+    from cluster.ops.status import cluster_status, format_status
 
     cfg = _load_config(args)
     print(format_status(cfg, cluster_status(cfg)), flush=True)
@@ -353,8 +353,8 @@ def _add_chat(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_chat(args: argparse.Namespace) -> int:
-    from cluster.chat_backends import LocalBackend, RemoteBackend
-    from cluster.chat_cli import run_chat
+    from cluster.ops.chat_backends import LocalBackend, RemoteBackend
+    from cluster.ops.chat_cli import run_chat
 
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")

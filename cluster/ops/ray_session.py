@@ -7,8 +7,11 @@ itself waits minutes on an address where nothing listens).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import ray
 
@@ -42,16 +45,36 @@ def connect_ray(section: RaySection, *, must_exist: bool = False) -> None:
         _init(address, kwargs)
         return
     try:
-        ray.init(address=address, num_cpus=section.num_cpus, **kwargs)
+        with quiet(_TOKEN_NOTES):
+            ray.init(address=address, num_cpus=section.num_cpus, **kwargs)
     except ValueError as error:  # joining a running cluster: its size is not ours to set
         if _JOINING_ERROR not in str(error):
             raise
         _init(address, kwargs)
 
 
+@contextmanager
+def quiet(*loggers: str, level: int = logging.ERROR) -> Iterator[None]:
+    """Raise ``loggers``' levels to ``level`` meanwhile: Ray's notes on routine steps
+    that a chunkserve user has nothing to do about (the CLI says what happens)."""
+    previous = {name: logging.getLogger(name).level for name in loggers}
+    for name in loggers:
+        logging.getLogger(name).setLevel(level)
+    try:
+        yield
+    finally:
+        for name, old in previous.items():
+            logging.getLogger(name).setLevel(old)
+
+
+# on every start of a local cluster: token authentication is on, a token was saved
+_TOKEN_NOTES = "ray._private.authentication.authentication_token_setup"
+
+
 def _init(address: str | None, kwargs: dict) -> None:
     try:
-        ray.init(address=address, **kwargs)
+        with quiet(_TOKEN_NOTES):
+            ray.init(address=address, **kwargs)
     except ConnectionError:  # "auto" found no cluster
         tried = os.environ.get("RAY_ADDRESS") or "this machine (ray.address null, no RAY_ADDRESS)"
         raise RayUnreachable(f"no running Ray cluster found on {tried}; {_HOW_TO_POINT}") from None

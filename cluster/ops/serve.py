@@ -3,13 +3,14 @@
 Invariants:
 - Nothing starts that the Ray cluster cannot place: the workers and router replicas
   are checked against its resources first, and a shortfall is a ``ValueError``
-  (``cluster.actors.check_placement``), before any actor exists.
+  (``cluster.ops.actors.check_placement``), before any actor exists.
 - ``serve_until_stopped`` removes the app and its actors however it ends: a stop
   signal, Ctrl-C (even during start) or an error.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -18,7 +19,9 @@ from pathlib import Path
 
 from ray import serve
 
-from cluster.actors import (
+from cluster.config import ClusterConfig
+from cluster.http.app import build_app
+from cluster.ops.actors import (
     check_placement,
     ensure_cluster,
     kill_cluster,
@@ -26,10 +29,8 @@ from cluster.actors import (
     wait_ready,
     worker_demand,
 )
-from cluster.app import build_app
-from cluster.config import ClusterConfig
-from cluster.model_store import ensure_model
-from cluster.ray_session import connect_ray
+from cluster.ops.model_store import ensure_model
+from cluster.ops.ray_session import connect_ray, quiet
 
 # Signals that stop serving as a request (exit 0); SIGINT (Ctrl-C) interrupts (130).
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -47,7 +48,8 @@ def api_url(cfg: ClusterConfig) -> str:
 def start_serving(cfg: ClusterConfig, log: Callable[[str], None] = print) -> str:
     """Start (or join) everything the config describes; returns the API URL.
 
-    If Serve already runs on the cluster, its HTTP host and port stay as they are.
+    If Serve already runs on the cluster, its proxies, HTTP host and port stay as they
+    are (with ``server.ingress: serve_proxy`` the app is then reached at Serve's port).
     """
     return _launch(cfg, _prepare(cfg, log), log)
 
@@ -92,8 +94,15 @@ def _launch(cfg: ClusterConfig, model_dir: Path, log: Callable[[str], None]) -> 
     actors = ensure_cluster(cfg, model_dir, detached=True)
     log(f"starting {len(actors.workers)} worker(s) ({cfg.directory.kind} directory) ...")
     wait_ready(actors, cfg.workers.startup_timeout_s)
-    serve.start(http_options={"host": cfg.server.host, "port": cfg.server.port})
-    serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.server.route_prefix)
+    # Serve's INFO lines ("Connecting to existing Serve app ... will not be applied",
+    # said by serve.run after the start below; "ready at" Serve's proxy address) would
+    # mislead: the CLI prints where the API is
+    with quiet("ray.serve", level=logging.WARNING):
+        if cfg.server.ingress == "replicas":  # the replicas listen themselves: no proxy
+            serve.start(proxy_location="Disabled")
+        else:
+            serve.start(http_options={"host": cfg.server.host, "port": cfg.server.port})
+        serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.server.route_prefix)
     return api_url(cfg)
 
 

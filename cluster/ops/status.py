@@ -8,6 +8,7 @@ start (``--set``s of the server included); the config's only where no keeper run
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -15,10 +16,11 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError
 
 from chunkstore.directory import DirectoryStats
-from cluster.actors import ClusterRecord, directory_spec, find_keeper, find_workers
+from chunkstore.ray_access import DirectoryKind, DirectorySpec, connect_directory
 from cluster.config import ClusterConfig
-from cluster.ray_session import connect_ray
-from workers.runtime.directory_client import DirectoryKind, DirectorySpec, connect_directory
+from cluster.ops.actors import ClusterRecord, directory_spec, find_keeper, find_workers
+from cluster.ops.ray_session import connect_ray
+from workers.engine.host_tier import TierStats
 from workers.runtime.worker_types import WorkerStatus
 
 _TIMEOUT_S = 5.0
@@ -87,7 +89,7 @@ def _directory_stats(spec: DirectorySpec) -> DirectoryStats | None:
 
 
 def format_status(cfg: ClusterConfig, status: ClusterStatus) -> str:
-    header = f"{'worker':<28} {'state':<14} {'epoch':>14} {'running':>8} {'served':>8} "
+    header = f"{'worker':<28} {'state':<14} {'up':>10} {'running':>8} {'served':>8} "
     header += f"{'prompt tok':>11} {'cached tok':>11} {'hit':>5} {'pages':>7}"
     lines = [
         f"cluster {cfg.name!r} (model {cfg.model.name!r}) on Ray at {status.ray_address}, "
@@ -103,14 +105,34 @@ def format_status(cfg: ClusterConfig, status: ClusterStatus) -> str:
         prompt += load.prompt_tokens_total
         cached += load.cached_tokens_total
         lines.append(
-            f"{row.worker_id:<28} {row.state:<14} {row.status.info.epoch:>14} "
+            f"{row.worker_id:<28} {row.state:<14} {_uptime(row.status.info.epoch):>10} "
             f"{load.requests:>8} {load.requests_total:>8} {load.prompt_tokens_total:>11} "
             f"{load.cached_tokens_total:>11} {_share(load.cached_tokens_total, load.prompt_tokens_total):>5} "
             f"{row.status.cached_pages:>7}"
         )
+        if row.status.host_tier is not None:
+            lines.append(_host_tier_line(row.status.host_tier))
     lines.append(f"cache hit rate (cached / prompt tokens): {_share(cached, prompt)}")
     lines.append(_directory_line(status))
     return "\n".join(lines)
+
+
+def _host_tier_line(tier: TierStats) -> str:
+    used = tier.pages + tier.entry_pages
+    return (
+        f"  host KV tier: {used}/{tier.slots} pages ({tier.pages} prefix, "
+        f"{tier.entry_pages} in entries), {tier.hits} hits, "
+        f"{tier.bytes_written / 2**30:.2f} GiB written, {tier.bytes_loaded / 2**30:.2f} GiB "
+        f"loaded, {tier.load_s_per_page * 1e3:.3f} ms per page loaded"
+    )
+
+
+def _uptime(epoch_ms: int) -> str:
+    """Time since a worker's start (its epoch is its start's Unix time in ms)."""
+    seconds = max(0, int(time.time() - epoch_ms / 1000))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
 
 
 def _directory_line(status: ClusterStatus) -> str:
@@ -119,10 +141,8 @@ def _directory_line(status: ClusterStatus) -> str:
         line = f"directory ({spec.kind}): unreachable"
     else:
         line = f"directory ({spec.kind}): {stats.live_workers} live workers, "
-        line += f"{stats.entries} chunk entries"
-        # the host sees every lookup; a Redis client only its own
-        if spec.kind is DirectoryKind.EMBEDDED:
-            line += f", {stats.lookups} lookups, hit rate {stats.hit_rate:.0%}"
+        line += f"{stats.entries} chunk entries (the routers look up in their own copies: "
+        line += "their lookups are chunkserve_directory_lookups_total in /metrics)"
     whose = "the running cluster's" if status.recorded else "the config's: no keeper runs"
     return f"{line}; {_where(spec)} ({whose})"
 

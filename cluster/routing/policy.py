@@ -48,7 +48,10 @@ whose position-free entry the worker holds, the chunk's tokens minus those repai
 recomputes (``min(first_tokens, n) + round(deviation_ratio * n)`` of an ``n``-token
 chunk), less, with a deviation ratio, the selection layers its other tokens still run
 through (``selection_share`` of a computed token's cost each: the engine's deviation
-layer over the model's layers; ``placed_saving``).
+layer over the model's layers; ``placed_saving``). What the worker holds only in host
+memory saves less: each such token costs its load, as a share of computing it
+(``host_load_shares``: the worker's measured load time per token times its prefill
+rate; ``HostHeld``).
 """
 
 from __future__ import annotations
@@ -70,9 +73,14 @@ class WorkerView:
     prefill_backlog: int = 0  # prompt tokens queued for prefill there, not yet computed
     prefill_tokens_per_s: float = 0.0  # its measured prefill rate; 0: not measured yet
     step_s: float = 0.0  # its measured engine step time; 0: not measured yet
+    host_load_s_per_token: float = 0.0  # its host tier's measured load time; 0: none yet
 
 
 DEFAULT_PREFILL_TOKENS_PER_S = 20_000.0  # assumed until a worker measures its own
+# A token's KV loaded back from host memory, as a share of computing it, until the
+# worker measured its loads: an 8B model's 128 KiB per token over PCIe 5 (about 2.6 us)
+# against a prefill of 20-40K tokens/s on one H200 (25-50 us) is 0.05-0.1.
+DEFAULT_HOST_LOAD_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -175,6 +183,21 @@ def expected_wait_s(
     return (worker.prefill_backlog + max(0, uncached_tokens)) / rate + step_s
 
 
+def host_load_shares(workers: Sequence[WorkerView], weights: RoutingWeights) -> dict[str, float]:
+    """Worker id -> what loading a token's KV back from its host tier costs, as a share
+    of computing the token there (at most 1): its measured load time per token times
+    its prefill rate (the assumed rate where it measured none);
+    ``DEFAULT_HOST_LOAD_SHARE`` before it measured a load."""
+    assumed_rate, _ = _assumed_speed(workers, weights)
+    shares = {}
+    for worker in workers:
+        measured = worker.prefill_tokens_per_s
+        rate = max(measured, MIN_RATE_SHARE * assumed_rate) if measured else assumed_rate
+        load = worker.host_load_s_per_token
+        shares[worker.worker_id] = min(1.0, load * rate) if load > 0 else DEFAULT_HOST_LOAD_SHARE
+    return shares
+
+
 def _assumed_speed(workers: Sequence[WorkerView], weights: RoutingWeights) -> tuple[float, float]:
     """(prefill rate, step time) for workers that measured none: the median of those
     that did (workers of one deployment run alike); the default rate and no step
@@ -258,6 +281,15 @@ def placed_saving(
     return round(placed * (1 - selection_share)) if deviation_ratio > 0 else placed
 
 
+@dataclass(frozen=True)
+class HostHeld:
+    """What a worker holds only in its host-memory tier, and what loading costs there."""
+
+    prefix_tokens: int  # of its exactly held prefix
+    entries: frozenset[int] = frozenset()  # indices into the placeable spans
+    share: float = DEFAULT_HOST_LOAD_SHARE  # a loaded token's cost / a computed one's
+
+
 def prefill_saved(
     exact_tokens: Mapping[str, int],
     entries: Mapping[str, Collection[int]],
@@ -265,22 +297,32 @@ def prefill_saved(
     first_tokens: int,
     deviation_ratio: float,
     selection_share: float = 0.0,
+    host: Mapping[str, HostHeld] | None = None,
 ) -> dict[str, int]:
     """Worker id -> prompt tokens it would not compute (the ``holdings`` of
     ``choose_worker``). ``exact_tokens``: worker -> exactly held prefix tokens;
     ``entries``: worker -> indices into ``spans`` (placeable chunks, sorted) whose
     entries it holds. A held entry counts only where its span starts at or after the
-    worker's exact prefix (the engine places nothing inside that prefix). Workers
-    saving nothing are left out."""
-    saved = dict(exact_tokens)
+    worker's exact prefix (the engine places nothing inside that prefix). ``host``:
+    what of those sits in the worker's host tier; such a hit saves a token less its
+    load's share of a token's compute (neither free nor a miss). Workers saving
+    nothing are left out."""
+    host = host or {}
+    saved = {
+        worker: tokens
+        - (round(host[worker].prefix_tokens * host[worker].share) if worker in host else 0)
+        for worker, tokens in exact_tokens.items()
+    }
     for worker, held in entries.items():
         prefix = exact_tokens.get(worker, 0)
-        placed = sum(
-            placed_saving(end - start, first_tokens, deviation_ratio, selection_share)
-            for start, end in (spans[i] for i in held)
-            if start >= prefix
-        )
-        saved[worker] = prefix + placed
+        offloaded = host.get(worker, HostHeld(0))
+        placed = 0.0
+        for i in held:
+            start, end = spans[i]
+            if start >= prefix:
+                saving = placed_saving(end - start, first_tokens, deviation_ratio, selection_share)
+                placed += saving * (1 - offloaded.share) if i in offloaded.entries else saving
+        saved[worker] = saved.get(worker, 0) + round(placed)
     return {worker: tokens for worker, tokens in saved.items() if tokens > 0}
 
 

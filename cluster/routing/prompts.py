@@ -16,7 +16,7 @@ import itertools
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +53,7 @@ class EncodeCache:
 
     def __init__(self, tokenizer: ChatTokenizer, max_chars: int, min_chars: int = 512) -> None:
         self._tokenizer = tokenizer
+        self._encode = direct_encoder(tokenizer)
         self._store = _KeptTokens(max_chars, min_chars)
 
     @property
@@ -64,6 +65,7 @@ class EncodeCache:
         and finds texts in the same store as this one."""
         other = copy.copy(self)
         other._tokenizer = tokenizer
+        other._encode = direct_encoder(tokenizer)
         return other
 
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
@@ -71,14 +73,54 @@ class EncodeCache:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not self._store.keeps(text):
-            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return self._encode(text, add_special_tokens)
         key = (text, add_special_tokens)
         kept = self._store.get(key)
         if kept is not None:
             return kept
-        tokens = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        tokens = self._encode(text, add_special_tokens)
         self._store.put(key, tokens)
         return tokens
+
+
+# Texts a direct encoder must tokenize as the tokenizer's own ``encode`` does before
+# it is used: spaces, newlines, digits, punctuation, accents, CJK, emoji, and the
+# special tokens of the chat templates (recognized inside text).
+_ENCODER_PROBES = (
+    "Hello, world! It's 3.14 -- isn't it?",
+    "  two leading spaces\n\nand blank lines\t tab",
+    "Crème brûlée à Paris; naïve façade. 東京都の天気は晴れです。 🚀🙂",
+    "<|im_start|>user\nhi<|im_end|>\n<|begin_of_text|><|eot_id|>",
+    "Document 7: x=1; y = [2, 3]; print(f'{x}')",
+)
+
+
+def direct_encoder(tokenizer: Any) -> Callable[[str, bool], list[int]]:
+    """``tokenizer.encode(text, add_special_tokens=...)`` as a function; for a Hugging
+    Face fast tokenizer, its Rust tokenizer called directly (a third of the time for a
+    short text: no Python wrapper), used only if it gives the same ids on every probe
+    text, with and without special tokens."""
+
+    def wrapped(text: str, add_special_tokens: bool) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return wrapped
+
+    def direct(text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch, not encode: it lets go of the GIL while it works, so a huge
+        # prompt tokenizing in its lane never stalls the event loop (encode would hold
+        # it for seconds: tests/cluster/http/test_openai_api.py's huge prompt); as fast for
+        # one short text
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    same = all(
+        direct(text, special) == wrapped(text, special)
+        for text in _ENCODER_PROBES
+        for special in (True, False)
+    )
+    return direct if same else wrapped
 
 
 class _KeptTokens:
@@ -148,28 +190,6 @@ class PromptLanes:
 
 def _one_thread(lane: str) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"prompts-{lane}")
-
-
-def message_chars(messages: Sequence[Message]) -> int:
-    """Characters of the messages' text (contents and text parts), what a prompt size
-    limit counts before anything is tokenized."""
-    total = 0
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(len(p.get("text") or "") for p in content if isinstance(p, Mapping))
-    return total
-
-
-def longest_token_chars(tokenizer: Any) -> int:
-    """The most characters one token can stand for, from the vocabulary's spellings
-    (a byte-level BPE spells each byte as one character, a SentencePiece-style one each
-    character as one, so a spelling is never shorter than its text). A text of more
-    than ``context * this`` characters has more than ``context`` tokens: the bound by
-    which an over-long prompt is refused before it is tokenized."""
-    return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
 
 
 Span = tuple[int, int]

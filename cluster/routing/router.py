@@ -9,12 +9,12 @@ Retries (the one retry layer; ``router.max_attempts`` in the config):
   So a request starts at most ``max_attempts`` generations, never more.
 
 Invariants:
-- A chunk-aware decision is remembered (``routing_policy.RouteMemory``, for
+- A chunk-aware decision is remembered (``policy.RouteMemory``, for
   ``recent_route_lease_s``) as soon as it is made, so the same prefix sent again
   before the directory lists it follows it.
 - At most one directory lookup per request (kept in its ``Attempts``, reused when
   retrying): the prompt's chunk keys and, for an approximate request, its chunks'
-  entry keys, in one call; scored by ``routing_policy.prefill_saved``. None while only
+  entry keys, in one call; scored by ``policy.prefill_saved``. None while only
   one worker is open (the decision's reason is then ``SOLE``): its answer could change
   nothing, and the round trip would delay every request of a one-worker deployment.
 - ``open`` returns only once the chosen worker produced the first delta.
@@ -42,12 +42,14 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import RayActorError
 
-from cluster.directory_access import AsyncDirectory
+from chunkstore.directory import LookupResult
+from chunkstore.ray_access import AsyncDirectory
 from cluster.errors import BadRequest, NoHealthyWorker, Overloaded, WorkerLost
 from cluster.metrics import Metrics
-from cluster.prompts import PreparedPrompt
-from cluster.routing_policy import (
+from cluster.routing.policy import (
+    DEFAULT_HOST_LOAD_SHARE,
     Decision,
+    HostHeld,
     Policy,
     Reason,
     RouteMemory,
@@ -55,10 +57,12 @@ from cluster.routing_policy import (
     Unroutable,
     WorkerView,
     choose_worker,
+    host_load_shares,
     prefill_saved,
     round_robin,
 )
-from cluster.worker_pool import WorkerPool, abandon, settle
+from cluster.routing.prompts import PreparedPrompt
+from cluster.routing.worker_pool import WorkerPool, abandon, settle
 from workers.engine.reuse_info import ReuseRequest
 from workers.runtime.worker_types import (
     EngineLoad,
@@ -98,26 +102,41 @@ class WorkerStream:
         return self.decision.worker_id
 
     async def deltas(self) -> AsyncIterator[WorkerDelta]:
-        """Every delta, the first one included. Raises ``WorkerLost`` if the worker dies."""
+        """Every delta, the first one included. Raises ``WorkerLost`` if the worker dies.
+
+        What the worker sent while this router was busy (its client slow to read, or
+        its loop loaded) comes merged (``merge_deltas``): a slow reader gets fewer,
+        larger events, one that keeps up an event a worker delta."""
         try:
             yield self._first
-            while True:
-                try:
-                    item = await _next_item(self._generator, self._watch)
-                except StopAsyncIteration:
-                    return
-                except (RayActorError, _WorkerGone) as error:
-                    self._on_lost()
-                    raise WorkerLost(
-                        f"worker {self.worker_id} died while streaming this response; retry"
-                    ) from error
-                if isinstance(item, WorkerRefusal):
-                    raise BadRequest(item.message)
-                if item.load is not None:
-                    self._observe(item.load)
-                yield item
+            ended = False
+            while not ended:
+                items = []
+                while not items or self._generator.next_ready():
+                    try:
+                        items.append(await self._next())
+                    except StopAsyncIteration:
+                        ended = True
+                        break
+                if items:
+                    for delta in merge_deltas(items):
+                        yield delta
         finally:
             self.close()
+
+    async def _next(self) -> WorkerDelta:
+        try:
+            item = await _next_item(self._generator, self._watch)
+        except (RayActorError, _WorkerGone) as error:
+            self._on_lost()
+            raise WorkerLost(
+                f"worker {self.worker_id} died while streaming this response; retry"
+            ) from error
+        if isinstance(item, WorkerRefusal):
+            raise BadRequest(item.message)
+        if item.load is not None:
+            self._observe(item.load)
+        return item
 
     def close(self) -> None:
         """Stop the worker's generation if unfinished; uncount the request (idempotent)."""
@@ -127,6 +146,28 @@ class WorkerStream:
         self._on_close()
         if not self._generator.is_finished():
             ray.cancel(self._generator)
+
+
+def merge_deltas(deltas: list[WorkerDelta]) -> list[WorkerDelta]:
+    """One delta per choice from consecutive deltas of one stream, in first-seen order:
+    tokens, text and logprobs joined; the end, reuse and load of the last."""
+    if len(deltas) == 1:
+        return deltas
+    grouped: dict[int, list[WorkerDelta]] = {}
+    for delta in deltas:
+        grouped.setdefault(delta.index, []).append(delta)
+    merged = []
+    for group in grouped.values():
+        last = group[-1]
+        merged.append(
+            dataclasses.replace(
+                last,
+                token_ids=tuple(t for d in group for t in d.token_ids),
+                text="".join(d.text for d in group),
+                logprobs=tuple(entry for d in group for entry in d.logprobs),
+            )
+        )
+    return merged
 
 
 class Attempts:
@@ -171,6 +212,13 @@ class Router:
         self._memory = RouteMemory(settings.recent_route_lease_s)
         self._purges: set[asyncio.Task] = set()
 
+    async def directory_answers(self, timeout_s: float) -> bool:
+        """Whether the chunk directory answers now (its stats, within ``timeout_s``)."""
+        try:
+            return await asyncio.wait_for(self._directory.stats(), timeout_s) is not None
+        except TimeoutError:
+            return False
+
     def attempts(self) -> Attempts:
         """A fresh budget of ``max_attempts`` worker starts for one request."""
         return Attempts(self._settings.max_attempts)
@@ -194,7 +242,7 @@ class Router:
             if self._chunk_aware and not attempts.looked_up and isinstance(decision, Decision):
                 decision = dataclasses.replace(decision, reason=Reason.SOLE)
             if decision is Unroutable.OVERLOADED:
-                raise Overloaded("every worker is at its request limit; retry later")
+                raise Overloaded(self._overloaded_message(views))
             if isinstance(decision, Unroutable):
                 break
             if self._chunk_aware:  # before its first delta: a burst meanwhile follows it
@@ -247,8 +295,6 @@ class Router:
             self._metrics.lookup_failures.inc()
             return None
         exact = {h.worker_id: h.tokens for h in result.holdings}
-        if not prompt.entry_keys:
-            return exact
         return prefill_saved(
             exact,
             {e.worker_id: e.entries for e in result.entries},
@@ -256,7 +302,24 @@ class Router:
             reuse.first_tokens,
             reuse.deviation_ratio,
             self._settings.selection_share,
+            self._host_held(result),
         )
+
+    def _host_held(self, result: LookupResult) -> dict[str, HostHeld]:
+        """What the answer says workers hold only in host memory, with their load costs."""
+        prefix = {h.worker_id: h.host_tokens for h in result.holdings if h.host_tokens}
+        entries = {e.worker_id: e.host_entries for e in result.entries if e.host_entries}
+        if not prefix and not entries:
+            return {}
+        shares = host_load_shares(self.pool.views(), self._settings.weights)
+        return {
+            worker: HostHeld(
+                prefix.get(worker, 0),
+                frozenset(entries.get(worker, ())),
+                shares.get(worker, DEFAULT_HOST_LOAD_SHARE),
+            )
+            for worker in {*prefix, *entries}
+        }
 
     async def _start(self, decision: Decision, request: WorkerRequest) -> WorkerStream | None:
         """The stream once its first delta arrived; None if the worker cannot take it."""
@@ -303,6 +366,15 @@ class Router:
         task = asyncio.get_running_loop().create_task(self._directory.remove_worker(worker_id))
         self._purges.add(task)
         task.add_done_callback(self._purges.discard)
+
+    def _overloaded_message(self, views: list[WorkerView]) -> str:
+        limit = self._settings.weights.max_requests_per_worker
+        ordered = sorted(views, key=lambda view: view.worker_id)
+        loads = ", ".join(f"{view.worker_id}: {view.requests}" for view in ordered)
+        return (
+            f"every worker is at its limit of {limit} requests (router.max_requests_per_worker;"
+            f" in flight: {loads}); retry later"
+        )
 
     def _no_worker_message(self, tried: set[str]) -> str:
         if tried:

@@ -12,11 +12,15 @@ Invariants:
 - A worker's load is its own newest report (``EngineLoad``, carried by every poll
   answer and every output delta, newest by ``version``), corrected by what this
   router did since: requests and tokens are this router's in-flight work on it
-  (exact, updated on every request) plus the others' share of the report (its count
-  less what this router had in flight when the report was asked for or arrived);
-  the prefill backlog is the report's plus the uncached tokens this router sent
-  since. So router replicas see each other's load as fresh as the latest delta
-  any of their requests received, at most one poll interval late.
+  (exact, updated on every request) plus the others' share of the report: its count
+  less the most of this router's work it can hold (for a delta, what was in flight
+  when it arrived; for a poll, what was in flight when it was asked for plus what
+  began while it was on its way, since the worker may have taken that too before it
+  answered). So the others' share is never overcounted: a slow poll answer can't make
+  an idle worker look full (a spurious 429) until the next report. The prefill
+  backlog is the report's plus the uncached tokens this router sent since. So router
+  replicas see each other's load as fresh as the latest delta any of their requests
+  received, at most one poll interval late.
 - A worker's ``incarnation`` changes whenever it is found gone (the router saw a
   call to it fail, a poll found the actor dead, or a poll answers with another
   epoch: it restarted): work started on an earlier incarnation will never finish,
@@ -40,7 +44,7 @@ from enum import StrEnum
 from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
 
-from cluster.routing_policy import WorkerView
+from cluster.routing.policy import WorkerView
 from workers.engine.config import DEFAULT_ENTRY_SYSTEM_PROMPT
 from workers.runtime.worker_types import EngineLoad, WorkerInfo, WorkerStatus
 
@@ -129,13 +133,31 @@ class _Tracked:
     requests: int = 0  # this router's choices in flight on the worker
     tokens: int = 0
     unreported_prefill: int = 0  # uncached prompt tokens this router sent since ``load``
-    requests_at_load: int = 0  # ``requests`` when ``load`` was asked for (or arrived)
+    requests_at_load: int = 0  # the most of ``requests`` that ``load`` can include
     tokens_at_load: int = 0
+    begun: int = 0  # choices this router ever sent it (``begin``)
+    begun_tokens: int = 0
     draining: bool = False  # refusing new work (from its last poll or refusal)
     refusal: str | None = None  # why it is REFUSED (``disagreement``)
     incarnation: int = 0  # bumped whenever the worker is found gone (module invariants)
     down_because: str | None = None  # why it is DOWN, as its last failed poll said
     dead: bool = False  # Ray gave up restarting ``handle``: look the name up again
+
+
+@dataclass(frozen=True, slots=True)
+class _Sent:
+    """A router's work on a worker when a report of its load was asked for."""
+
+    requests: int
+    tokens: int
+    unreported_prefill: int
+    begun: int
+    begun_tokens: int
+
+    @staticmethod
+    def now(tracked: _Tracked) -> _Sent:
+        t = tracked
+        return _Sent(t.requests, t.tokens, t.unreported_prefill, t.begun, t.begun_tokens)
 
 
 class WorkerPool:
@@ -218,14 +240,15 @@ class WorkerPool:
         tracked = self._workers[worker_id]
         tracked.requests += choices
         tracked.tokens += tokens
+        tracked.begun += choices
+        tracked.begun_tokens += tokens
         tracked.unreported_prefill += uncached
 
     def observe(self, worker_id: str, load: EngineLoad) -> None:
         """Take the load a worker reported with an output delta (if newer)."""
         tracked = self._workers[worker_id]
         if tracked.load is None or load.version > tracked.load.version:
-            sent = (tracked.requests, tracked.tokens, tracked.unreported_prefill)
-            self._take_report(tracked, load, sent)  # all sent so far: in the report
+            self._take_report(tracked, load, _Sent.now(tracked))  # all sent so far
 
     def end(self, worker_id: str, choices: int, tokens: int) -> None:
         tracked = self._workers[worker_id]
@@ -263,7 +286,7 @@ class WorkerPool:
             if handle is None:
                 return
             tracked.handle, tracked.dead = handle, False
-        sent = (tracked.requests, tracked.tokens, tracked.unreported_prefill)
+        sent = _Sent.now(tracked)
         call = asyncio.ensure_future(tracked.handle.status.remote())
         try:
             if not await settle(call, self._timeout_s):
@@ -300,12 +323,14 @@ class WorkerPool:
         tracked.health = Health.HEALTHY
 
     @staticmethod
-    def _take_report(tracked: _Tracked, load: EngineLoad, sent: tuple[int, int, int]) -> None:
-        """``sent``: this router's requests, tokens and unreported prefill when the
-        report was asked for; what it sent since is not in the report."""
+    def _take_report(tracked: _Tracked, load: EngineLoad, sent: _Sent) -> None:
+        """``sent``: this router's work on the worker when the report was asked for
+        (a delta's: when it arrived, which is now)."""
         tracked.load = load
-        tracked.requests_at_load, tracked.tokens_at_load, unreported_then = sent
-        tracked.unreported_prefill = max(0, tracked.unreported_prefill - unreported_then)
+        # in the report at most: what was in flight then, and what began since
+        tracked.requests_at_load = sent.requests + tracked.begun - sent.begun
+        tracked.tokens_at_load = sent.tokens + tracked.begun_tokens - sent.begun_tokens
+        tracked.unreported_prefill = max(0, tracked.unreported_prefill - sent.unreported_prefill)
 
     def _view(self, worker_id: str, tracked: _Tracked) -> WorkerView:
         load = tracked.load
@@ -322,6 +347,7 @@ class WorkerPool:
             load.prefill_backlog_tokens + tracked.unreported_prefill,
             load.prefill_tokens_per_s,
             load.step_s,
+            load.host_load_s_per_token,
         )
 
 

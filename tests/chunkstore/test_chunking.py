@@ -116,3 +116,47 @@ def test_continuing_the_final_assistant_message_ends_the_prompt_inside_it(tokeni
         chunk_conversation(tokenizer, messages, True, continue_final_message=True)
     with pytest.raises(ValueError, match="the assistant's"):
         chunk_conversation(tokenizer, messages[:1], False, continue_final_message=True)
+
+
+class CountingRenders:
+    """The real tokenizer, counting the messages its chat template renders."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.messages_rendered = 0
+
+    def apply_chat_template(self, conversation, **kwargs):
+        self.messages_rendered += len(conversation)
+        return self.tokenizer.apply_chat_template(conversation, **kwargs)
+
+    def encode(self, text, add_special_tokens=True):
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def test_chunking_renders_a_number_of_messages_linear_in_the_conversation(tokenizer):
+    """Thousands of empty messages (a few KB of JSON) must not cost quadratic work:
+    ten times the messages render about ten times as many, not a hundred."""
+    rendered = {}
+    for n in (200, 2000):
+        counting = CountingRenders(tokenizer)
+        roles = ("system", "user", "assistant")
+        messages = [{"role": roles[min(k, 1 + k % 2)], "content": ""} for k in range(n)]
+        chunks = chunk_conversation(counting, messages)
+        assert tokenizer.decode(_flat(chunks)) == tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        rendered[n] = counting.messages_rendered
+    assert rendered[2000] <= 12 * rendered[200], rendered
+
+
+def test_more_distinct_roles_than_chunking_renders_make_one_exact_chunk(tokenizer):
+    from chunkstore.chunking import MAX_ROLES
+
+    messages = [{"role": f"role{k}", "content": f"text {k}"} for k in range(MAX_ROLES + 1)]
+    chunks = chunk_conversation(tokenizer, messages)
+    assert [c.role for c in chunks] == ["conversation"]
+    assert tokenizer.decode(_flat(chunks)) == tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    fewer = chunk_conversation(tokenizer, messages[:MAX_ROLES])
+    assert [c.role for c in fewer][:-1] == [m["role"] for m in messages[:MAX_ROLES]]

@@ -72,6 +72,34 @@ def test_one_lookup_answers_chain_keys_and_entry_keys(make_directory):
     assert directory.lookup(chain, ENDS[:4]).entries == ()
 
 
+def test_lookups_say_which_held_keys_sit_only_in_host_memory(make_directory):
+    """``offloaded`` keys stay held and count as host-only, in the chain run (their
+    tokens) and among entries; ``reloaded`` / ``stored`` bring them back to device
+    memory, ``removed`` drops them, ``cleared`` and a snapshot forget the tiers."""
+    directory = make_directory()
+    chain, entry = KEYS[:4], make_keys(3, "entry")
+    offloaded = lambda *keys: CacheEvent(EventKind.OFFLOADED, keys)  # noqa: E731
+    reloaded = lambda *keys: CacheEvent(EventKind.RELOADED, keys)  # noqa: E731
+    directory.publish("w1", 1, 0, [stored(*chain), entry_stored(*entry)])
+    directory.publish("w1", 1, 1, [offloaded(chain[1], chain[3], entry[2])])
+    directory.publish("w2", 1, 0, [stored(chain[0]), offloaded(chain[0])])
+    result = directory.lookup(chain, ENDS[:4], entry)
+    assert result.holdings == (
+        d.WorkerHolding("w1", 4, 64, host_tokens=32),
+        d.WorkerHolding("w2", 1, 16, host_tokens=16),
+    )
+    assert result.entries == (d.EntryHolding("w1", (0, 1, 2), host_entries=(2,)),)
+    assert directory.lookup(chain[:2], ENDS[:2]).holding("w1").host_tokens == 16  # in the run
+    directory.publish("w1", 1, 2, [reloaded(chain[1]), stored(chain[3]), removed(entry[2])])
+    result = directory.lookup(chain, ENDS[:4], entry)
+    assert result.holding("w1") == d.WorkerHolding("w1", 4, 64)
+    assert result.entries == (d.EntryHolding("w1", (0, 1)),)
+    directory.publish("w1", 1, 3, [offloaded(chain[0]), CLEARED, stored(chain[0])])
+    assert directory.lookup(chain, ENDS[:4]).holding("w1") == d.WorkerHolding("w1", 1, 16)
+    directory.publish_snapshot("w2", 1, 5, chain[:2])
+    assert directory.lookup(chain, ENDS[:4]).holding("w2") == d.WorkerHolding("w2", 2, 32)
+
+
 def test_entry_lookup_counts_live_workers_only(make_directory):
     directory = make_directory(lease_ttl_s=1.0)  # a stall up to 1 s between the two calls
     entry = make_keys(1, "entry")

@@ -49,8 +49,13 @@ def random_step(directory, rng: random.Random, epochs: dict, seqs: dict, clock: 
     worker = rng.choice(["w0", "w1", "w2"])
     roll = rng.random()
     if roll < 0.5:  # a batch of events, sometimes with a gap
-        kind = rng.choice([EventKind.STORED, EventKind.REMOVED, EventKind.ENTRY_STORED])
+        kind = rng.choice(
+            [EventKind.STORED, EventKind.REMOVED, EventKind.ENTRY_STORED, EventKind.OFFLOADED]
+            + [EventKind.RELOADED]
+        )  # keys moving between a worker's tiers too: lookups say which are host-only
         pool = ENTRY_KEYS if kind is EventKind.ENTRY_STORED else KEYS
+        if kind in (EventKind.OFFLOADED, EventKind.RELOADED) and rng.random() < 0.5:
+            pool = ENTRY_KEYS
         events = [CacheEvent(kind, tuple(rng.sample(pool, 3)))]
         if rng.random() < 0.05:
             events.append(CacheEvent(EventKind.CLEARED))

@@ -30,10 +30,10 @@ import ray
 import yaml
 from ray import serve
 
-from cluster.actors import ensure_cluster, kill_cluster, wait_ready
-from cluster.app import build_app
 from cluster.config import load_config
-from cluster.model_store import ensure_model
+from cluster.http.app import build_app
+from cluster.ops.actors import ensure_cluster, kill_cluster, wait_ready
+from cluster.ops.model_store import ensure_model
 from tests.chunkstore.testkit import RedisProcess, free_port, free_ports
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,6 +57,10 @@ class ServedApp:
 
     def url(self, path: str) -> str:
         return self.base_url.removesuffix("/v1") + path
+
+    def worker(self, index: int = 0):
+        """The handle of the app's worker actor ``index`` (``cluster_config``'s namespace)."""
+        return ray.get_actor(f"{self.name}-worker-{index}", namespace="chunkserve-tests")
 
 
 @pytest.fixture(scope="session")
@@ -160,14 +164,19 @@ def start_app(serve_port, tmp_path_factory) -> Iterator[Callable[[dict], ServedA
     started: list[ServedApp] = []
 
     def start(config: dict) -> ServedApp:
-        config = {**config, "server": {**config.get("server", {}), "port": serve_port}}
+        server = config.get("server", {})
+        # replicas listening themselves need a port of their app's own (one app a
+        # port); through Serve's proxy every app shares the session's
+        proxied = server.get("ingress") == "serve_proxy"
+        port = serve_port if proxied else free_port()
+        config = {**config, "server": {**server, "port": port}}
         config["server"]["route_prefix"] = f"/{config['name']}"
         path = write_config(tmp_path_factory.mktemp("configs"), config)
         cfg = load_config(path)
         actors = ensure_cluster(cfg, ensure_model(cfg.model), detached=True)
         wait_ready(actors, 120)
         serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.server.route_prefix)
-        app = ServedApp(path, f"http://127.0.0.1:{serve_port}/{cfg.name}/v1", cfg.name)
+        app = ServedApp(path, f"http://127.0.0.1:{port}/{cfg.name}/v1", cfg.name)
         started.append(app)
         wait_healthy(app, cfg.workers.count)
         return app
@@ -196,6 +205,13 @@ def wait_healthy(app: ServedApp, workers: int, timeout_s: float = 60) -> None:
             pass
         time.sleep(0.2)
     raise AssertionError(f"{app.name}: {workers} worker(s) not healthy within {timeout_s} s")
+
+
+def default_sigint() -> None:
+    """In the child before it starts: Ctrl-C's default action, so the child handles
+    SIGINT even under a test runner that ignores it (an ignored signal is inherited,
+    and Python then installs no KeyboardInterrupt handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def unique_name(prefix: str) -> str:

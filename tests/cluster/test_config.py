@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import main
+from cluster.api.openai_protocol import ChatCompletionRequest
 from cluster.config import ClusterConfig, load_config
-from cluster.openai_protocol import ChatCompletionRequest
+from cluster.ops.cli import main
 from workers.engine.reuse_info import ReuseRequest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,7 +109,46 @@ def test_cli_reports_a_bad_config_in_one_line(tmp_path, capsys):
 def test_serve_app_builder_takes_a_config_file():
     from ray.serve import Application
 
-    from cluster.app import AppArgs, app_builder
+    from cluster.http.app import AppArgs, app_builder
 
     app = app_builder(AppArgs(config=str(REPO / "configs" / "redis.yaml"), overrides=["name=x"]))
     assert isinstance(app, Application)
+
+
+def test_serve_refuses_an_unknown_app_argument_naming_it():
+    """What ``serve deploy`` does with a Serve config's ``args``: a misspelled key is
+    refused, named, instead of silently dropped."""
+    from pydantic import ValidationError
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    from cluster.http.app import app_builder
+
+    args = {"config": str(REPO / "configs" / "redis.yaml"), "overides": ["name=x"]}
+    with pytest.raises(ValidationError, match="overides"):
+        call_user_app_builder_with_args_if_necessary(app_builder, args)
+
+
+def test_router_replicas_default_to_one_per_worker():
+    model = {"name": "m", "path": "/m"}
+    auto = ClusterConfig.model_validate({"model": model, "workers": {"count": 3}})
+    assert auto.server.num_replicas == "auto" and auto.router_replicas == 3
+    fixed = {"model": model, "workers": {"count": 3}, "server": {"num_replicas": 2}}
+    assert ClusterConfig.model_validate(fixed).router_replicas == 2
+    with pytest.raises(ValueError):
+        ClusterConfig.model_validate({"model": model, "server": {"num_replicas": 0}})
+    with pytest.raises(ValueError):
+        ClusterConfig.model_validate({"model": model, "server": {"ingress": "proxy"}})
+
+
+def test_metrics_need_a_token_on_a_server_with_api_keys_and_none_without():
+    from cluster.errors import Unauthorized
+    from cluster.http.tenancy import ScrapeGuard
+
+    ScrapeGuard(None, []).check(None)  # no keys, no token: open
+    with pytest.raises(Unauthorized, match="server.metrics_token"):
+        ScrapeGuard(None, ["sk-a"]).check("Bearer sk-a")  # a tenant's key does not open it
+    guard = ScrapeGuard("scrape", ["sk-a"])
+    guard.check("Bearer scrape")
+    for wrong in (None, "Bearer sk-a", "Basic scrape"):
+        with pytest.raises(Unauthorized):
+            guard.check(wrong)

@@ -15,15 +15,16 @@ import ray
 
 from chunkstore import directory as d
 from chunkstore.events import CacheEvent, EventKind
-from cluster.directory_access import MirroredHostAccess, open_directory
-from tests.chunkstore.testkit import make_keys
-from tests.cluster.conftest import unique_name
-from workers.runtime.directory_client import (
+from chunkstore.ray_access import (
     ActorDirectory,
     DirectoryHostActor,
     DirectoryKind,
     DirectorySpec,
+    MirroredHostAccess,
+    open_directory,
 )
+from tests.chunkstore.testkit import make_keys
+from tests.cluster.conftest import unique_name
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 

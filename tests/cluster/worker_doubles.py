@@ -16,7 +16,7 @@ from ray import cloudpickle
 
 from chunkstore import directory as d
 from chunkstore.hashing import PageKey
-from cluster.worker_pool import Agreement
+from cluster.routing.worker_pool import Agreement
 from workers.engine.reuse_info import ReuseInfo
 from workers.runtime.worker_types import (
     EngineLoad,

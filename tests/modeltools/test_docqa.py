@@ -177,7 +177,7 @@ def test_curriculum_schedule_and_floor():
 
 
 def test_make_model_docqa_writes_a_loadable_checkpoint(tmp_path, capsys):
-    from cluster.cli import main
+    from cluster.ops.cli import main
     from workers import LLM, SamplingParams
 
     out = tmp_path / "docqa"

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from chunkstore.chunking import chunk_conversation
+from chunkstore.chunking import chunk_conversation, longest_token_chars
 from chunkstore.events import EventKind
 from chunkstore.hashing import page_keys
 from workers import LLM, SamplingParams
@@ -193,6 +193,22 @@ def test_bad_registrations_pin_nothing(make_llm, kwargs, match):
     llm = make_llm()
     with pytest.raises(ValueError, match=match):
         llm.register_chunk(**kwargs)
+    assert llm.list_chunks() == [] and llm.engine.pool.num_pinned == 0
+
+
+def test_content_the_context_could_not_hold_is_refused_before_it_is_rendered(make_llm):
+    """More messages than the context has tokens, or more characters than its tokens
+    could spell: refused by counting alone (a chunk of 3,000 messages once took 24 s
+    to render on the worker, delaying every other tenant's request)."""
+    llm = make_llm()  # a context of 256 tokens
+    spelled = 256 * longest_token_chars(llm.tokenizer)
+    cases = [
+        ([{"role": "user", "content": ""}] * 257, "the chunk has 257 messages"),
+        ("x" * (spelled + 1), f"the chunk has {spelled + 1} characters"),
+    ]
+    for content, says in cases:
+        with pytest.raises(ValueError, match=says):
+            llm.register_chunk(content)
     assert llm.list_chunks() == [] and llm.engine.pool.num_pinned == 0
 
 

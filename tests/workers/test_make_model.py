@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cluster.cli import main
+from cluster.ops.cli import main
 from modeltools.make_model import check_names_against_transformers, make_model, parameter_specs
 from modeltools.model_config import PRESETS, build_config
 from modeltools.tokenizer_builder import build_tokenizer

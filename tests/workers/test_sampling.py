@@ -60,6 +60,38 @@ def test_max_tokens_and_stop_token_ids(llm):
     assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: first + 1]
 
 
+def test_min_tokens_masks_stop_tokens_and_stop_strings_until_reached(llm):
+    """vLLM's min_tokens: the first tokens are never a stop (or EOS) token, and a stop
+    string made before them ends nothing."""
+    base = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    stop_at = base.token_ids[0]  # greedy's first token: stopping at it ends at once
+    stopped = llm.generate(
+        [PROMPT], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop_at,))
+    )[0]
+    assert list(stopped.token_ids) == [stop_at] and stopped.finish_reason == "stop"
+    held = llm.generate(
+        [PROMPT],
+        SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop_at,), min_tokens=5),
+    )[0]
+    assert len(held.token_ids) >= 5 and stop_at not in held.token_ids[:5]
+    eos = llm.engine._eos_token_ids  # never among the first min_tokens, even if greedy
+    forced = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, min_tokens=12))[0]
+    assert len(forced.token_ids) == 12 and not eos & set(forced.token_ids)
+    # a stop string in the first tokens' text ends nothing; a later one still stops
+    stop = base.text[:2]
+    out = llm.generate(
+        [PROMPT], SamplingParams(max_tokens=12, temperature=0, stop=(stop,), ignore_eos=True)
+    )[0]
+    assert out.text == "" and out.finish_reason == "stop"
+    out = llm.generate(
+        [PROMPT],
+        SamplingParams(max_tokens=12, temperature=0, stop=(stop,), ignore_eos=True, min_tokens=6),
+    )[0]
+    assert len(out.token_ids) >= 6
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
 def test_stop_strings_cut_text(llm):
     base = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
     assert len(base.text) > 6

@@ -28,10 +28,18 @@ import json
 import math
 import struct
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
-from chunkstore.chunking import Message, chunk_conversation, validate_messages
+from chunkstore.chunking import (
+    Message,
+    chunk_conversation,
+    longest_token_chars,
+    message_chars,
+    validate_messages,
+)
 from chunkstore.hashing import pack_tokens, position_free_key
 from workers.engine.engine import Engine
 from workers.engine.kv_pool import ChunkEntry
@@ -91,6 +99,23 @@ class ChunkRegistry:
         pool = self._engine.pool
         return max(0, pool.num_pages - math.ceil(self._engine.max_model_len / pool.page_size))
 
+    def _check_size(self, messages: Sequence[Message]) -> None:
+        """Refuse, before rendering or tokenizing, content that could not fit the
+        context: more messages than its tokens (each message takes at least one), or
+        more characters than its tokens could spell."""
+        context = self._engine.max_model_len
+        if len(messages) > context:
+            raise ValueError(
+                f"the chunk has {len(messages)} messages; a context of {context} tokens "
+                "holds fewer (each message takes at least one token)"
+            )
+        chars, limit = message_chars(messages), context * _token_chars(self._engine.tokenizer)
+        if chars > limit:
+            raise ValueError(
+                f"the chunk has {chars} characters, more than the {limit} a context of "
+                f"{context} tokens could hold"
+            )
+
     # -- API -----------------------------------------------------------------
     def register(
         self,
@@ -104,6 +129,7 @@ class ChunkRegistry:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
         messages = _messages(content, role)
+        self._check_size(messages)
         _check_ttl(ttl_s)
         if mode == "approximate" and (after or role != "context" or len(messages) != 1):
             raise ValueError(
@@ -211,7 +237,7 @@ class ChunkRegistry:
         pool = self._engine.pool
         pages = -(-len(tokens) // self._page_size)
         key = position_free_key(self._engine.namespace(self._tenant_salt), tokens)
-        held = pool.entry(key)
+        held = pool.find_entry(key)  # here, or loaded back from the host tier
         if held is None or held.pins == 0:
             self._check_pins(pages)
         self._engine.fill_entry(tokens, self._tenant_salt)
@@ -327,3 +353,14 @@ def _check_ttl(ttl_s: float | None) -> None:
     number = isinstance(ttl_s, int | float) and not isinstance(ttl_s, bool)
     if ttl_s is not None and not (number and 0 < ttl_s < math.inf):
         raise ValueError(f"ttl_s must be a positive number of seconds or None, got {ttl_s!r}")
+
+
+_TOKEN_CHARS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def _token_chars(tokenizer: Any) -> int:
+    """``longest_token_chars``, once per tokenizer (it reads the whole vocabulary)."""
+    chars = _TOKEN_CHARS.get(tokenizer)
+    if chars is None:
+        chars = _TOKEN_CHARS[tokenizer] = longest_token_chars(tokenizer)
+    return chars

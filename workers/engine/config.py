@@ -65,6 +65,13 @@ class EngineConfig:
         0.85, "share of GPU memory for weights and KV cache", gt=0, le=1
     )
     cpu_kv_cache_bytes: int = setting(256 * 2**20, "KV cache size on CPU workers, in bytes", gt=0)
+    host_kv_gib: float = setting(
+        0.0,
+        "GiB of host memory (pinned on cuda) for a second KV tier: pages and chunk "
+        "entries the pool evicts for room are kept there and loaded back instead of "
+        "computed again; 0: off. A size above the host's available memory is refused",
+        ge=0,
+    )
     max_num_seqs: int = setting(256, "sequences running at once per worker", gt=0)
     max_num_batched_tokens: int = setting(
         8192, "tokens computed per engine step (prefill chunking)", gt=0
@@ -161,6 +168,8 @@ class EngineConfig:
                 f"deviation_layer must be >= 1 (layer 0's KV depends on the token and its "
                 f"position alone), got {self.deviation_layer}"
             )
+        if not 0 <= self.host_kv_gib < float("inf"):
+            raise ValueError(f"host_kv_gib must be a number of GiB >= 0, got {self.host_kv_gib}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 

@@ -36,26 +36,26 @@ import torch
 from chunkstore.chunking import entry_context
 from chunkstore.hashing import Namespace, PageKey, pack_tokens, position_free_key
 from workers.engine.approximate.chunk_reuse import ChunkReuse
+from workers.engine.approximate.entry_fills import EntryFills
 from workers.engine.approximate.placement import (
-    place_chunk,
     rope_supports_placement,
-    sequence_slots,
 )
 from workers.engine.attention import make_backend
 from workers.engine.attention.base import AttentionShape
 from workers.engine.checkpoint import checkpoint_fingerprint, load_tokenizer
 from workers.engine.config import EngineConfig, resolve_deviation_layer
-from workers.engine.detokenizer import detokenize_step
+from workers.engine.host_tier import HostTier, PageCopier, host_slots
 from workers.engine.kv_pool import KVPool
 from workers.engine.model_runner import CarriedTokens, ModelRunner
 from workers.engine.models.config import ModelConfig
 from workers.engine.models.loader import load_model
-from workers.engine.request import PromptRequest, Sequence
+from workers.engine.request import ApproximateState, PromptRequest, Sequence
 from workers.engine.reuse import NoReuse, Reuse
 from workers.engine.reuse_info import ReuseInfo
 from workers.engine.sampler import sample_on_device, top_logprobs
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
+from workers.engine.structured import Grammars
 from workers.engine.workload_tally import WorkloadTally
 
 
@@ -98,6 +98,8 @@ class _Launched:
     started: torch.cuda.Event | None
     launch_s: float
     behind_aside: bool = False  # admission queued work aside just before it (Engine.step)
+    # some row's next mask needs this step's token: never overlapped with the next
+    constrained: bool = False
     held: bool = False  # placeholders stand for the tokens in the sampling sequences
 
 
@@ -135,7 +137,7 @@ def default_reuse(engine: Engine) -> Reuse:
     return ChunkReuse(
         engine.pool,
         engine.runner,
-        engine._queue_fill,
+        lambda key, tokens, namespace: engine.entry_fills.queue(key, tokens, namespace),
         engine.config.min_entry_tokens,
         engine.deviation_layer,
         engine.tally,
@@ -197,6 +199,10 @@ class Engine:
             config.enable_cuda_graphs,
             config.skinny_matmul,
         )
+        if config.host_kv_gib > 0:
+            page_bytes = ModelRunner.bytes_per_page(mc, config.page_size, self.dtype)
+            slots = host_slots(config.host_kv_gib, page_bytes)
+            self.pool.attach_host(HostTier(PageCopier(self.runner.kv_stack, slots)))
         if self.runner.device.type == "cuda":
             # The fused sampling kernel compiles on first use: here, not inside the first
             # request's step, whose time the worker's load reports as its prefill rate.
@@ -217,9 +223,9 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self._eos_token_ids = frozenset(eos)
+        self._grammars = Grammars(self.tokenizer, mc.vocab_size)
         self._sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
-        self._filling: set[PageKey] = set()  # keys of entry fills queued or running
         # what every position-free entry is computed after (config.entry_system_prompt)
         self.entry_context: tuple[int, ...] = ()
         try:
@@ -229,6 +235,15 @@ class Engine:
                 f"the chat template cannot render the entry context ({e}); set "
                 "engine.entry_system_prompt to null to compute entries alone"
             )
+        self.entry_fills = EntryFills(
+            self.pool,
+            self.runner,
+            self.scheduler,
+            self.entry_context,
+            self.max_model_len,
+            self._tally,
+            lambda: next(self._arrivals),
+        )
         # what the last ``step()`` computed: prompt positions (scattered ones included;
         # entry fills' tokens count as prompt) and sequences scheduled (0: it did nothing)
         self.last_step_prompt_tokens = 0
@@ -276,13 +291,14 @@ class Engine:
             params=params,
             namespace=self.namespace(prompt.tenant_salt),
             packed_prompt=packed,
-            placeable=tuple(prompt.placeable),
-            reuse_request=prompt.reuse,
+            approx=ApproximateState(tuple(prompt.placeable), prompt.reuse),
             expected_cached_tokens=prompt.expected_cached_tokens,
             held_elsewhere=prompt.held_elsewhere,
         )
         if params.seed is not None and not params.greedy:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if params.response_format is not None:
+            seq.matcher = self._grammars.matcher(params.response_format)
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
 
@@ -342,7 +358,10 @@ class Engine:
             # request's selection forward) is read back now: held, its plan's copy to
             # the device could still be queued when the next step plans its wrapper
             # again, and would copy that plan (FlashInfer plans from a pinned buffer).
-            if self.overlap and not launched.yields_first_token and not launched.behind_aside:
+            # A step with constrained rows is read back now too: their next token's
+            # mask needs this one accepted by their grammar first.
+            held = not (launched.yields_first_token or launched.behind_aside)
+            if self.overlap and held and not launched.constrained:
                 self._hold(launched)
                 self._in_flight = launched
             else:
@@ -393,6 +412,7 @@ class Engine:
         if self.on_logits is not None:
             self.on_logits([item.seq for item in sampling], logits)
         params = [item.seq.params for item in sampling]
+        logits, constrained = self._mask_logits(sampling, logits)
         tokens = sample_on_device(logits, params, [item.seq.generator for item in sampling])
         copied = None
         if tokens.is_cuda:
@@ -441,6 +461,7 @@ class Engine:
             started,
             launch_s,
             behind_aside=aside is not None,
+            constrained=constrained,
         )
 
     @staticmethod
@@ -456,8 +477,8 @@ class Engine:
             if run:
                 pieces.append(logits[row : row + run])
                 row, run = row + run, 0
-            pieces.append(item.seq.ready_logits)
-            item.seq.ready_logits = None
+            pieces.append(item.seq.approx.ready_logits)
+            item.seq.approx.ready_logits = None
         if run:
             pieces.append(logits[row : row + run])
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
@@ -491,8 +512,8 @@ class Engine:
                 continue
             if ready > first:
                 self.reuse.publish(seq, first, ready)
-            if seq.fill_key is not None and item.end == len(seq.token_ids):
-                self._store_fill(seq)
+            if seq.approx.fill_key is not None and item.end == len(seq.token_ids):
+                self.entry_fills.store(seq)
         params = [item.seq.params for item in launched.sampling]
         if launched.logits is not None:
             logprobs = top_logprobs(launched.logits, tokens, params)
@@ -529,7 +550,7 @@ class Engine:
             )
         namespace = self.namespace(tenant_salt)
         key = position_free_key(namespace, tokens)
-        self._queue_fill(key, list(tokens), namespace)
+        self.entry_fills.queue(key, list(tokens), namespace)
         return key
 
     def _check_placement(self) -> None:
@@ -537,53 +558,6 @@ class Engine:
             raise ValueError(
                 f"approximate reuse is not available for this model: {self.placement_problem}"
             )
-
-    def _queue_fill(self, key: PageKey, tokens: list[int], namespace: Namespace) -> None:
-        """Queue the computation of a position-free entry (``tokens`` after the entry
-        context, ``chunking.entry_context``) behind the requests already waiting; one
-        fill per key at a time."""
-        if key in self._filling or self.pool.entry(key) is not None:
-            return
-        if len(self.entry_context) + len(tokens) >= self.max_model_len:
-            return  # too long to compute after the context: the chunk stays computed
-        self._filling.add(key)
-        self._tally.fills_queued += 1
-        fill = Sequence(
-            request_id=f"entry-fill-{key.hex()[:16]}",
-            arrival=next(self._arrivals),
-            prompt_token_ids=[*self.entry_context, *tokens],
-            params=SamplingParams(max_tokens=1),
-            namespace=namespace,
-            fill_key=key,
-            fill_context=len(self.entry_context),
-        )
-        self.scheduler.add(fill)
-
-    def _store_fill(self, fill: Sequence) -> None:
-        """A fill computed its chunk: its pages become the entry (or are released if
-        an entry with that key appeared meanwhile). The chunk's rows move to the start
-        of the fill's pages, keys rotated back by the context's length, so an entry
-        always starts at position 0; the pages left over are released."""
-        self._filling.discard(fill.fill_key)
-        context, page_size = fill.fill_context, self.pool.page_size
-        length = len(fill.token_ids) - context
-        if not self.pool.is_private(fill.page_ids):  # moving rows would corrupt a sharer
-            raise RuntimeError("an entry fill's pages must be its own (unkeyed, used once)")
-        if context:
-            place_chunk(
-                self.runner.kv_stack,
-                sequence_slots(fill.page_ids, context, context + length, page_size),
-                sequence_slots(fill.page_ids, 0, length, page_size),
-                -context,
-                self.runner.model.rope_cache,
-                page_size,
-            )
-            keep = -(-length // page_size)
-            self.pool.release(fill.page_ids[keep:])
-            fill.page_ids = fill.page_ids[:keep]
-        stored = self.pool.store_entry(fill.fill_key, fill.page_ids, length)
-        self._tally.fills_stored += stored
-        self.scheduler.finish(fill, "entry", release=not stored)
 
     def _emit_token(
         self, seq: Sequence, token: int, logprobs: tuple[tuple[int, float], ...] | None
@@ -593,19 +567,23 @@ class Engine:
         params = seq.params
         incremental = self.stream_text or bool(params.stop)
         reason = self._token_finish_reason(seq, token)
+        if seq.matcher is not None and reason is None and self._grammar_ends(seq, token):
+            reason = "stop"
+        output = seq.output
         if incremental:
             # the last step flushes text held back for an incomplete character
-            seq.text += detokenize_step(self.tokenizer, seq, final=reason is not None)
-        if params.stop and self._cut_at_stop_string(seq):
+            output.add_step(self.tokenizer, seq.token_ids, final=reason is not None)
+        if len(seq.output_token_ids) < params.min_tokens:
+            output.stop_search_from = len(output.text)
+        elif params.stop and output.cut_at_stop_string(params.stop):
             reason = "stop"
         if reason is not None:
             if not incremental:  # decode once at the end: cheaper than per step
-                seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+                output.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             self.scheduler.finish(seq, reason)
             del self._sequences[seq.request_id]
         holdback = 0 if reason else max((len(s) - 1 for s in params.stop), default=0)
-        new_text = seq.text[seq.emitted_chars : max(seq.emitted_chars, len(seq.text) - holdback)]
-        seq.emitted_chars += len(new_text)
+        new_text = output.take_new(holdback)
         return StepOutput(
             request_id=seq.request_id,
             new_token_ids=(token,),
@@ -618,9 +596,41 @@ class Engine:
             logprobs=logprobs,
         )
 
+    @staticmethod
+    def _grammar_ends(seq: Sequence, token: int) -> bool:
+        """Feed ``token`` to ``seq``'s grammar; True once the output is complete (or,
+        never expected of a masked draw, the grammar refused the token)."""
+        if not seq.matcher.accept_token(token):
+            return True
+        return seq.matcher.is_terminated()
+
+    def _mask_logits(self, sampling: list, logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """``logits`` with, in one pass over the rows, the EOS and stop tokens masked
+        in the rows still short of their ``min_tokens`` (the token sampled now is their
+        output's next) and each constrained row masked to what its grammar allows (the
+        same tensor where no row is either); and whether some row is constrained."""
+        rows, columns, constrained, matchers = [], [], [], []
+        for row, item in enumerate(sampling):
+            seq = item.seq
+            if len(seq.output_token_ids) < seq.params.min_tokens:
+                banned = self._eos_token_ids.union(seq.params.stop_token_ids)
+                rows += [row] * len(banned)
+                columns += banned
+            if seq.matcher is not None:
+                constrained.append(row)
+                matchers.append(seq.matcher)
+        if rows:
+            index = torch.tensor([rows, columns], dtype=torch.long).to(logits.device)
+            logits = logits.index_put(
+                (index[0], index[1]), torch.tensor(float("-inf"), device=logits.device)
+            )
+        return self._grammars.constrain(logits, constrained, matchers), bool(constrained)
+
     def _token_finish_reason(self, seq: Sequence, token: int) -> str | None:
         """Why generation ends at this token, stop strings aside (they need text)."""
         params = seq.params
+        if len(seq.output_token_ids) < params.min_tokens:
+            return "length" if seq.reached_length(self.max_model_len) else None
         if token in params.stop_token_ids:
             return "stop"
         if not params.ignore_eos and token in self._eos_token_ids:
@@ -628,15 +638,6 @@ class Engine:
         if seq.reached_length(self.max_model_len):
             return "length"
         return None
-
-    @staticmethod
-    def _cut_at_stop_string(seq: Sequence) -> bool:
-        """Cut ``seq.text`` before the first stop string in it; True if one was found."""
-        positions = [p for s in seq.params.stop if (p := seq.text.find(s)) >= 0]
-        if not positions:
-            return False
-        seq.text = seq.text[: min(positions)]
-        return True
 
     # -- helpers ---------------------------------------------------------------
     def _validate(self, request_id: str, prompt: list[int]) -> bytes:

@@ -34,6 +34,14 @@ lowest priority is evicted (least recently used among equals) and the clock rise
 its priority. An entry placed often outlives many entries placed once; one not placed
 for long enough is overtaken by the clock and goes.
 
+With a host tier (``attach_host``, ``host_tier.HostTier``), what this pool evicts for
+room (``allocate``) is written there instead of dropped: a cached page's key then
+reports ``offloaded`` (the worker still holds it, in host memory), and only a key
+neither tier holds reports ``removed``. ``load_chain`` and ``load_entry`` bring pages
+and entries back into fresh pages (``reloaded``), under the same keys. An explicit
+``evict`` or ``evict_entry`` writes nothing (the key stays offloaded only where the
+tier held it already). Pinned pages and entries are never evicted, so never leave.
+
 *Proven* entries (placed at least once) may be spared: while ``sparing_entries`` is on
 (the scheduler admits a request while others run, so the request can wait for their
 pages), ``allocate`` leaves up to ``entry_reserve_pages`` pages of evictable proven
@@ -49,6 +57,7 @@ from dataclasses import dataclass
 
 from chunkstore.events import CacheEvent, EventKind, EventRuns
 from chunkstore.hashing import PageKey
+from workers.engine.host_tier import Dropped, HostTier
 
 
 @dataclass
@@ -102,6 +111,11 @@ class KVPool:
         self._proven_entry_pages = 0  # ... of those with hits > 0
         self._pinned_entry_pages = 0  # pages of the entries with pins > 0
         self.entry_evictions = 0  # entries dropped since the pool was made
+        self.host: HostTier | None = None  # see attach_host
+
+    def attach_host(self, host: HostTier) -> None:
+        """Evict into ``host`` from now on, and load back from it."""
+        self.host = host
 
     # -- queries -------------------------------------------------------------
     @property
@@ -174,9 +188,14 @@ class KVPool:
         return [self._pages[p].key for p in page_ids]
 
     def cached_keys(self) -> list[PageKey]:
-        """Every key this pool holds, page keys and entry keys (a snapshot for the
-        directory)."""
-        return [*self._by_key, *self._entries]
+        """Every key this pool holds, page keys and entry keys, in either tier (a
+        snapshot for the directory)."""
+        keys = [*self._by_key, *self._entries]
+        if self.host is not None:
+            keys.extend(
+                k for k in self.host.keys() if k not in self._by_key and k not in self._entries
+            )
+        return keys
 
     # -- mutations -----------------------------------------------------------
     def acquire(self, page_ids: Sequence[int]) -> None:
@@ -192,21 +211,49 @@ class KVPool:
         if count > self.num_available:
             return None
         taken: list[int] = []
-        evicted: list[PageKey] = []
+        evicted: list[tuple[int, PageKey, PageKey, bytes]] = []
         for _ in range(count):
             if not self._free and not self._lru:
-                self._evict_entry(self._entry_to_evict())
+                self._evict_entry(self._entry_to_evict(), offload=True)
             if self._free:
                 page_id = self._free.popleft()
             else:
                 page_id, _ = self._lru.popitem(last=False)
-                evicted.append(self._unkey(page_id))
+                page = self._pages[page_id]
+                evicted.append((page_id, page.key, page.parent, page.tokens))
+                self._unkey(page_id)
             page = self._pages[page_id]
             page.ref_count, page.exact = 1, True
             taken.append(page_id)
         if evicted:
-            self._events.append(EventKind.REMOVED, evicted)
+            # written before any caller can write the pages (the copier's ordering)
+            if self.host is not None:
+                self._note_dropped(self.host.put_pages(evicted))
+            self._report_gone([key for _, key, _, _ in evicted])
         return taken
+
+    def _report_gone(self, keys: Sequence[PageKey], entries: bool = False) -> None:
+        """Keys this device pool no longer holds: offloaded where the host tier holds
+        them, else removed."""
+        offloaded, removed = [], list(keys)
+        if self.host is not None:
+            has = self.host.has_entry if entries else self.host.has_page
+            offloaded = [key for key in keys if has(key)]
+            removed = [key for key in keys if not has(key)]
+        if offloaded:
+            self._events.append(EventKind.OFFLOADED, offloaded)
+        if removed:
+            kind = EventKind.ENTRY_REMOVED if entries else EventKind.REMOVED
+            self._events.append(kind, removed)
+
+    def _note_dropped(self, dropped: Dropped) -> None:
+        """The host tier let go of these keys: removed where this pool holds none."""
+        pages = [key for key in dropped.pages if key not in self._by_key]
+        entries = [key for key in dropped.entries if key not in self._entries]
+        if pages:
+            self._events.append(EventKind.REMOVED, pages)
+        if entries:
+            self._events.append(EventKind.ENTRY_REMOVED, entries)
 
     def release(self, page_ids: Sequence[int], cold_from: int | None = None) -> None:
         """Drop one reference from each page. Released pages are freed in reverse so
@@ -237,7 +284,14 @@ class KVPool:
         self._lru[page_id] = None
         return True
 
-    def publish(self, page_id: int, key: PageKey, tokens: bytes, parent: PageKey) -> bool:
+    def publish(
+        self,
+        page_id: int,
+        key: PageKey,
+        tokens: bytes,
+        parent: PageKey,
+        event: EventKind = EventKind.STORED,
+    ) -> bool:
         """Record that in-use ``page_id`` now holds the full page named ``key``: the
         page of ``tokens`` (its token ids as ``pack_tokens`` packs them) after the page
         keyed ``parent`` (``key`` is their chain key, ``chunkstore.hashing``).
@@ -257,7 +311,7 @@ class KVPool:
         page.key, page.parent, page.tokens = key, parent, tokens
         self._by_key[key] = page_id
         self._by_chain[(parent, page.tokens)] = page_id
-        self._events.append(EventKind.STORED, (key,))
+        self._events.append(event, (key,))
         return True
 
     def mark_inexact(self, page_ids: Sequence[int]) -> None:
@@ -309,14 +363,68 @@ class KVPool:
                 evicted.append(self._unkey(page_id))
                 self._free.append(page_id)
         if evicted:
-            self._events.append(EventKind.REMOVED, evicted)
+            self._report_gone(evicted)
         return evicted
 
+    # -- the host tier ---------------------------------------------------------
+    def load_chain(self, parent: PageKey, packed: bytes, max_pages: int) -> list[int]:
+        """Continue a chain from the host tier: fresh pages (ref count 1 each, keyed
+        again) holding the longest run of the first ``max_pages`` full pages of
+        ``packed`` that the tier holds after the page keyed ``parent`` (as
+        ``match_chain``, which the caller ran first). Fewer where the pool has no room
+        for all; the run stops at a key this pool holds already (``match_chain``
+        finds it). The pages' KV is queued on the copier's stream (``host_tier``)."""
+        if self.host is None or max_pages < 1:
+            return []
+        found = self.host.chain(parent, packed, self.page_size, max_pages)
+        for i, page in enumerate(found):
+            if page.key in self._by_key:
+                found = found[:i]
+                break
+        if not found:
+            return []
+        with self.host.holding([page.slot for page in found]):
+            pages = self.allocate(min(len(found), self.num_available))
+        if not pages:
+            return []
+        found = found[: len(pages)]
+        self.host.load_pages(found, pages)
+        for page_id, page in zip(pages, found, strict=True):
+            self.publish(page_id, page.key, page.tokens, page.parent, EventKind.RELOADED)
+        return pages
+
+    def load_entry(self, key: PageKey) -> ChunkEntry | None:
+        """The entry ``key`` brought back from the host tier into fresh pages (unheld,
+        with its uses), or None where the tier has none or this pool no room."""
+        held = self.host.entry(key) if self.host is not None else None
+        if held is None:
+            return None
+        with self.host.holding(held.slots):
+            pages = self.allocate(len(held.slots))
+        if pages is None:
+            return None
+        self.host.load_entry(held, pages)
+        self.store_entry(key, pages, held.num_tokens, held.hits, EventKind.RELOADED)
+        return self._entries[key]
+
+    def find_entry(self, key: PageKey) -> ChunkEntry | None:
+        """The entry ``key`` held here, else loaded back from the host tier (takes no
+        hold: hold the entries found before finding more, or a load may evict them)."""
+        return self._entries.get(key) or self.load_entry(key)
+
     # -- position-free entries ------------------------------------------------
-    def store_entry(self, key: PageKey, page_ids: Sequence[int], num_tokens: int) -> bool:
+    def store_entry(
+        self,
+        key: PageKey,
+        page_ids: Sequence[int],
+        num_tokens: int,
+        hits: int = 0,
+        event: EventKind = EventKind.ENTRY_STORED,
+    ) -> bool:
         """Make in-use ``page_ids`` (one reference each, which the entry takes over)
-        the entry ``key``; it starts unheld. False (nothing changes, the caller keeps
-        its references) when an entry with that key exists already."""
+        the entry ``key``; it starts unheld, with ``hits`` uses (one reloaded keeps
+        its own). False (nothing changes, the caller keeps its references) when an
+        entry with that key exists already."""
         if key in self._entries:
             return False
         if -(-num_tokens // self.page_size) != len(page_ids) or num_tokens < 1:
@@ -325,9 +433,11 @@ class KVPool:
             page = self._pages[page_id]
             if page.ref_count != 1 or page.key is not None:
                 raise ValueError(f"page {page_id} must be in use once and unkeyed")
-        self._entries[key] = ChunkEntry(key, tuple(page_ids), num_tokens, priority=self._clock + 1)
-        self._make_evictable(self._entries[key])
-        self._events.append(EventKind.ENTRY_STORED, (key,))
+        priority = self._clock + 1 + hits
+        entry = ChunkEntry(key, tuple(page_ids), num_tokens, hits=hits, priority=priority)
+        self._entries[key] = entry
+        self._make_evictable(entry)
+        self._events.append(event, (key,))
         return True
 
     def hold_entry(self, entry: ChunkEntry, pin: bool = False) -> None:
@@ -388,7 +498,8 @@ class KVPool:
         if entry.hits:
             self._proven_entry_pages += len(entry.pages)
 
-    def _evict_entry(self, key: PageKey) -> None:
+    def _evict_entry(self, key: PageKey, offload: bool = False) -> None:
+        """``offload``: write it to the host tier first (an eviction for room)."""
         self.entry_evictions += 1
         entry = self._entries.pop(key)
         del self._entry_lru[key]
@@ -397,8 +508,10 @@ class KVPool:
             self._proven_entry_pages -= len(entry.pages)
         self._clock = max(self._clock, entry.priority)
         entry.listed = False
+        if offload and self.host is not None:
+            self._note_dropped(self.host.put_entry(key, entry.pages, entry.num_tokens, entry.hits))
         self.release(entry.pages)
-        self._events.append(EventKind.ENTRY_REMOVED, (key,))
+        self._report_gone((key,), entries=True)
 
     def clear(self) -> None:
         """Forget every key and entry. Pages in use stay allocated but become
@@ -414,6 +527,8 @@ class KVPool:
         self._lru.clear()
         for page_id in list(self._by_key.values()):
             self._unkey(page_id)
+        if self.host is not None:
+            self.host.clear()
         self._events.append(EventKind.CLEARED)
 
     def drain_events(self) -> list[CacheEvent]:

@@ -6,11 +6,13 @@ import enum
 import sys
 from array import array
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from chunkstore.hashing import Namespace, PageKey, chain_page_keys, pack_tokens, root_key
+from workers.engine.detokenizer import OutputText
 from workers.engine.reuse_info import ReuseInfo, ReuseRequest
 from workers.engine.sampling_params import SamplingParams
 
@@ -52,6 +54,36 @@ class PromptRequest:
             )
 
 
+@dataclass
+class ApproximateState:
+    """What approximate reuse keeps on a sequence (``approximate.chunk_reuse``,
+    ``approximate.entry_fills``); the scheduler and the engine read the admission's
+    ``admission_tokens`` and ``ready_logits``."""
+
+    # (start, end) prompt spans that a placing reuse mode may take from position-free
+    # entries (the chunks of documents); sorted, disjoint
+    placeable: tuple[tuple[int, int], ...] = ()
+    request: ReuseRequest = ReuseRequest()
+    # missed chunks (start, end, position-free key) whose KV this sequence computes in
+    # context and which become entries once computed (``ChunkReuse.publish``); set at
+    # each admission
+    harvests: list[tuple[int, int, PageKey]] = field(default_factory=list)
+    # positions the forward queued at admission computed through every layer from the
+    # selection layer on (approximate repair; 0: none), charged once to the token
+    # budget of the step that admits the sequence
+    admission_tokens: int = 0
+    # float32 logits [1, vocab] of the last token, on the device, when that forward
+    # computed every position: the step that admits the sequence only samples from
+    # them (set only with ``num_computed == len(token_ids)``; that step takes them)
+    ready_logits: torch.Tensor | None = None
+    # set on the engine's internal sequences that compute a position-free entry: no
+    # token is sampled; the pages become the entry under this key when done
+    fill_key: PageKey | None = None
+    # an entry fill's prompt is the engine's entry context, then the chunk: this many
+    # leading tokens are context, computed but not part of the entry
+    fill_context: int = 0
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -77,21 +109,10 @@ class Sequence:
     # int32 array: build_inputs copies page tables with memcpy, not per element
     page_ids: array = field(default_factory=lambda: array("i"))
     num_computed: int = 0
-    # positions the forward queued at admission computed through every layer from the
-    # selection layer on (approximate repair; 0: none), charged once to the token
-    # budget of the step that admits the sequence
-    admission_tokens: int = 0
-    # float32 logits [1, vocab] of the last token, on the device, when that forward
-    # computed every position: the step that admits the sequence only samples from
-    # them (set only with ``num_computed == len(token_ids)``; that step takes them)
-    ready_logits: torch.Tensor | None = None
     pending: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     exact_until: int = ALL_EXACT
     reuse: ReuseInfo | None = None  # how the prompt was served; set on first admission
-    # (start, end) prompt spans that a placing reuse mode may take from position-free
-    # entries (the chunks of documents); sorted, disjoint
-    placeable: tuple[tuple[int, int], ...] = ()
-    reuse_request: ReuseRequest = ReuseRequest()
+    approx: ApproximateState = field(default_factory=ApproximateState)
     # the router's estimate of prompt tokens this engine holds: used only to estimate
     # the prefill backlog of the sequence while it waits (``Engine.load_shape``); it
     # never changes what is computed (admission finds the real cache hits)
@@ -103,32 +124,19 @@ class Sequence:
     # leading pages of ``page_ids`` its latest admission found cached (its exact
     # prefix; ``reuse.start_from``): the rest it computed or placed itself
     cached_pages: int = 0
-    # set on the engine's internal sequences that compute a position-free entry: no
-    # token is sampled; the pages become the entry under this key when done
-    fill_key: PageKey | None = None
-    # an entry fill's prompt is the engine's entry context, then the chunk: this many
-    # leading tokens are context, computed but not part of the entry
-    fill_context: int = 0
-    # approximate reuse: missed chunks (start, end, position-free key) whose KV this
-    # sequence computes in context and which become entries once computed
-    # (``ChunkReuse.publish``); set at each admission
-    harvests: list[tuple[int, int, PageKey]] = field(default_factory=list)
     page_keys: list[PageKey] = field(default_factory=list)
     # the prompt's token ids packed as keys hash them (``pack_tokens``), when the caller
     # packed them already (validating them); else packed on first use
     packed_prompt: bytes | None = None
     finish_reason: str | None = None
     generator: torch.Generator | None = None
-    text: str = ""
-    emitted_chars: int = 0  # prefix of ``text`` already returned to the caller
-    # incremental detokenization window
-    prefix_offset: int = 0
-    read_offset: int = 0
+    matcher: Any = None  # its grammar's matcher (``params.response_format``), or None
+    output: OutputText = field(init=False)  # its output text, made and returned
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        self.prefix_offset = self.read_offset = len(self.prompt_token_ids)
+        self.output = OutputText.after(len(self.prompt_token_ids))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,8 +5,9 @@ engine after every step; nothing else in the engine knows which mode runs.
 Implementations:
 - ``NoReuse`` (mode ``off``): every prompt is computed; nothing is published.
 - ``ExactPrefixReuse`` (mode ``exact``): the longest run of cached full pages whose
-  chain keys equal the sequence's own (same tokens after the same tokens), and every
-  full *exact* page computed is published under its chain key.
+  chain keys equal the sequence's own (same tokens after the same tokens), continued
+  from the host tier where it holds more (``KVPool.load_chain``), and every full
+  *exact* page computed is published under its chain key.
 - ``approximate.chunk_reuse.ChunkReuse``: exact for every request, plus position-free entries
   placed and repaired for requests that ask for approximate reuse (the default of
   an engine with reuse on).
@@ -46,7 +47,7 @@ class Reuse(Protocol):
         ``num_computed``, ``pending``, ``exact_until`` set). False when the pool has
         no room for what this mode must write; the sequence is then left as it was.
         ``budget``: prompt tokens the admitting step may still compute. A mode that
-        computes some at admission says how many in ``Sequence.admission_tokens`` (the
+        computes some at admission says how many in ``ApproximateState.admission_tokens`` (the
         scheduler charges them to the step). ``place=False``: place no position-free
         entry that could be evicted for room (the request's chunks are computed in
         context; pinned entries, registered chunks, are still placed): what the
@@ -99,10 +100,16 @@ class ExactPrefixReuse:
         # Matched through the pool's chain index (no hashing); the matched pages'
         # keys are this sequence's own chain keys, so later pages hash from them.
         packed = seq.packed_tokens(usable_pages * page_size)
-        matched = self.pool.match_chain(root_key(seq.namespace), packed, usable_pages)
+        root = root_key(seq.namespace)
+        matched = self.pool.match_chain(root, packed, usable_pages)
+        self.pool.acquire(matched)
+        # then what the host tier holds after it, loaded into fresh pages
+        parent = self.pool.keys_of(matched[-1:])[0] if matched else root
+        matched += self.pool.load_chain(
+            parent, packed[len(matched) * 4 * page_size :], usable_pages - len(matched)
+        )
         if len(seq.page_keys) < len(matched):
             seq.page_keys = self.pool.keys_of(matched)
-        self.pool.acquire(matched)
         start_from(seq, self.mode, matched, len(matched) * page_size)
         return True
 

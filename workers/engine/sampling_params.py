@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workers.engine.structured import ResponseFormat
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -14,7 +16,12 @@ class SamplingParams:
 
     Generation stops at the first of: ``max_tokens`` new tokens, an EOS token (unless
     ``ignore_eos``), a token in ``stop_token_ids``, a string in ``stop`` (the text is
-    cut before it), or the model's context length.
+    cut before it), or the model's context length. ``min_tokens`` (vLLM's meaning): the
+    first ``min_tokens`` tokens are never an EOS or stop token (their logits are
+    masked), and no stop string ends the output before it has that many tokens.
+    ``response_format``: every output token keeps the text a prefix of JSON of that
+    format, and the output ends ("stop") once the JSON is complete
+    (``workers.engine.structured``).
     """
 
     max_tokens: int = 16
@@ -25,7 +32,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
     logprobs: int = 0  # return this many top log-probabilities per generated token
+    response_format: ResponseFormat | None = None  # output constrained to it (JSON)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,6 +46,11 @@ class SamplingParams:
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

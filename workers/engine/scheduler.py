@@ -55,12 +55,12 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """This step reaches the sequence's last token, so it yields a new token
-        (never for an entry fill); or admission computed it (``Sequence.ready_logits``)
+        (never for an entry fill); or admission computed it (``ApproximateState.ready_logits``)
         and this step only samples."""
         seq = self.seq
         if self.num_tokens == 0:
-            return seq.ready_logits is not None and self.scattered is None
-        return self.end == len(seq.token_ids) and seq.fill_key is None
+            return seq.approx.ready_logits is not None and self.scattered is None
+        return self.end == len(seq.token_ids) and seq.approx.fill_key is None
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,8 @@ class Scheduler:
             self.waiting.popleft()
             # what admission's forward computed counts here too: the step's work may
             # then pass the budget by one forward, after which nothing more is admitted
-            budget -= item.num_computed_tokens + seq.admission_tokens
-            seq.admission_tokens = 0
+            budget -= item.num_computed_tokens + seq.approx.admission_tokens
+            seq.approx.admission_tokens = 0
             if item.num_computed_tokens or item.samples:  # else its forward was all
                 batch.append(item)
         return batch
@@ -155,7 +155,7 @@ class Scheduler:
         if not admitted:
             return None
         # the budget left beside the forward admission queued (if any)
-        item = self._take(seq, max(0, budget - seq.admission_tokens))
+        item = self._take(seq, max(0, budget - seq.approx.admission_tokens))
         if not self._allocate(seq, item.num_tokens):
             self.pool.release(seq.page_ids)
             seq.page_ids, seq.num_computed = array("i"), 0

@@ -40,10 +40,10 @@ import torch
 
 from chunkstore.chunking import Message
 from chunkstore.publisher import EventPublisher
+from chunkstore.ray_access import connect_directory
 from workers.engine.chunk_registry import ChunkInfo
 from workers.engine.engine import StepOutput
 from workers.runtime.cache_mirror import CacheMirror
-from workers.runtime.directory_client import connect_directory
 from workers.runtime.engine_host import SWITCH_INTERVAL_S, ChildEngine, LocalEngine
 from workers.runtime.engine_loop import Rejected
 from workers.runtime.worker_chunks import ChunkFailure, Registered
@@ -216,17 +216,18 @@ class Worker:
 
     async def status(self) -> WorkerStatus:
         publisher = await asyncio.to_thread(self._publisher.stats)  # may wait on a flush
-        kv_total, kv_in_use = self._engine.kv_pages()
+        kv = self._engine.kv_pages()
         return WorkerStatus(
             info=self._info,
             load=self._engine.load(),
             cached_pages=self._mirror.size(),
-            kv_pages_total=kv_total,
-            kv_pages_in_use=kv_in_use,
+            kv_pages_total=kv.total,
+            kv_pages_in_use=kv.in_use,
             draining=self._draining,
             directory_in_sync=publisher.in_sync,
             directory_superseded=publisher.superseded,
             step_tally=self._engine.step_tally(),
+            host_tier=kv.host,
         )
 
     async def health(self) -> bool:

@@ -54,7 +54,7 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.workload_tally import StepTally
 from workers.runtime.engine_loop import EngineLoop, Rejected, Sink
 from workers.runtime.worker_chunks import WorkerChunks
-from workers.runtime.worker_types import EngineLoad
+from workers.runtime.worker_types import EngineLoad, KVPages
 
 if TYPE_CHECKING:  # the actor of a ChildEngine never builds an engine itself
     from chunkstore.events import CacheEvent
@@ -106,7 +106,7 @@ class LocalEngine:
     def load(self) -> EngineLoad:
         return self._loop.load()
 
-    def kv_pages(self) -> tuple[int, int]:
+    def kv_pages(self) -> KVPages:
         return self._loop.kv_pages()
 
     def step_tally(self) -> StepTally:
@@ -201,7 +201,7 @@ class ChildEngine:
         with self._lock:
             return len(self._sinks)
 
-    def kv_pages(self) -> tuple[int, int]:
+    def kv_pages(self) -> KVPages:
         return self._snapshot[1]
 
     def step_tally(self) -> StepTally:

@@ -56,10 +56,11 @@ from dataclasses import dataclass, field
 
 from chunkstore.events import CacheEvent
 from workers.engine.engine import Engine, StepOutput
+from workers.engine.host_tier import TierStats
 from workers.engine.request import PromptRequest
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.workload_tally import StepTally
-from workers.runtime.worker_types import EngineLoad
+from workers.runtime.worker_types import EngineLoad, KVPages
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ class _Counters:
     prefill_backlog_tokens: int = 0
     decode_seqs: int = 0
     speed: MeasuredSpeed = field(default_factory=MeasuredSpeed)
+    host_tier: TierStats | None = None  # as of the last step
     version: int = 0
     tally: StepTally = field(default_factory=StepTally)
 
@@ -245,6 +247,11 @@ class EngineLoop:
                 decode_seqs=c.decode_seqs,
                 prefill_tokens_per_s=c.speed.prefill_tokens_per_s,
                 step_s=c.speed.step_s,
+                host_load_s_per_token=(
+                    c.host_tier.load_s_per_page / self._engine.pool.page_size
+                    if c.host_tier is not None
+                    else 0.0
+                ),
                 version=c.version,
             )
 
@@ -254,11 +261,13 @@ class EngineLoop:
             tally = self._counters.tally
             return StepTally(dict(tally.steps_by_kind), tally.busy_s)
 
-    def kv_pages(self) -> tuple[int, int]:
-        """(pool size, pages in use). Read from another thread without stopping the
-        loop: a snapshot that may be one step old, never torn within a count."""
+    def kv_pages(self) -> KVPages:
+        """Read from another thread without stopping the loop: a snapshot that may be
+        one step old, never torn within a count."""
         pool = self._engine.pool
-        return pool.num_pages, pool.num_pages - pool.num_available
+        with self._lock:
+            host = self._counters.host_tier
+        return KVPages(pool.num_pages, pool.num_pages - pool.num_available, host)
 
     # -- loop thread -------------------------------------------------------------
     def _run(self) -> None:
@@ -303,6 +312,7 @@ class EngineLoop:
         timed = step_s is not None and step_s > 0 and engine.last_step_seqs > 0
         # the steps this call read back are what its wall time waited for
         prompt_tokens = engine.last_read_back_prompt_tokens if timed else 0
+        host = engine.pool.host.stats() if engine.pool.host is not None else None
         with self._lock:
             c = self._counters
             if timed:
@@ -311,6 +321,7 @@ class EngineLoop:
                 c.tally.add(step_s, engine.last_resolved_steps)
             c.prefill_backlog_tokens = shape.prefill_backlog_tokens
             c.decode_seqs = shape.decode_seqs
+            c.host_tier = host
             c.version += 1
 
     def _call(self, command: _Call) -> None:

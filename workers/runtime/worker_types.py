@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from chunkstore.ray_access import DirectoryKind, DirectorySpec
 from workers.engine.config import DEFAULT_ENTRY_SYSTEM_PROMPT, EngineConfig
+from workers.engine.host_tier import TierStats
 from workers.engine.request import PromptRequest
 from workers.engine.reuse_info import ReuseInfo
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.workload_tally import StepTally
-from workers.runtime.directory_client import DirectoryKind, DirectorySpec
 
 # Per generated token: (chosen token, logprob), then the top alternatives.
 TokenLogprobs = tuple[tuple[int, float], ...]
@@ -153,16 +155,27 @@ class EngineLoad:
     # step's wall time (steps that also decode count as they are); 0.0: not measured
     prefill_tokens_per_s: float = 0.0
     step_s: float = 0.0  # EWMA of the engine step's wall time (steps that ran); 0.0: none yet
+    # measured seconds to load one token's KV back from the host tier (0.0: no tier,
+    # or nothing loaded yet): what the router charges a host-memory hit
+    host_load_s_per_token: float = 0.0
     # grows with every change of this snapshot's counters: of two snapshots of one
     # worker incarnation (same epoch), the larger version is the newer
     version: int = 0
+
+
+class KVPages(NamedTuple):
+    """A worker's KV memory: its device pool and its host tier's counters (None: off)."""
+
+    total: int  # the device pool's pages
+    in_use: int  # pages no allocation can take: running sequences' and pinned ones
+    host: TierStats | None = None
 
 
 @dataclass(frozen=True)
 class WorkerStatus:
     info: WorkerInfo
     load: EngineLoad
-    cached_pages: int  # page keys the pool holds
+    cached_pages: int  # page and entry keys the worker holds, in either tier
     kv_pages_total: int  # the KV pool's size
     kv_pages_in_use: int  # pages no allocation can take: running sequences' and pinned ones
     draining: bool
@@ -171,3 +184,4 @@ class WorkerStatus:
     # since the worker started: steps by kind ("decode graph", "prefill eager", ...)
     # with their time on the device, and the engine loop's wall time inside its steps
     step_tally: StepTally = field(default_factory=StepTally)
+    host_tier: TierStats | None = None  # the host-memory KV tier's counters; None: off

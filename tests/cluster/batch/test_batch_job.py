@@ -81,7 +81,7 @@ def test_job_stopped_half_way_and_resubmitted_writes_each_id_once(
     ids = make_input(tmp_path / "in.jsonl")
     out = tmp_path / "out.jsonl"
     command = (
-        f"cd {REPO} && {sys.executable} -m cluster.cli batch --config configs/local.yaml "
+        f"cd {REPO} && {sys.executable} -m cluster.ops.cli batch --config configs/local.yaml "
         f"--input {tmp_path / 'in.jsonl'} --output {out} "
         f"--set model.path={model_factory('qwen3')} --set workers.num_cpus=0.5 "
         "--set batch.concurrency=2"

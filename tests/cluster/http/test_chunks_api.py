@@ -20,9 +20,9 @@ import ray
 from chunkstore.hashing import Namespace
 from cluster.assembly import namespace_model
 from cluster.config import load_config
-from cluster.model_store import ensure_model
-from cluster.prompts import prepare_chat
-from cluster.tenancy import tenant_salt
+from cluster.http.tenancy import tenant_salt
+from cluster.ops.model_store import ensure_model
+from cluster.routing.prompts import prepare_chat
 from tests.cluster.conftest import cluster_config, stop_app, unique_name
 from workers.engine.checkpoint import load_tokenizer
 
@@ -44,7 +44,10 @@ def app(start_app, tiny_qwen3):
         unique_name("chunks"),
         engine={"page_size": PAGE, "num_pages": 40, "max_model_len": 256},
         workers={"count": 2},
-        server={"api_keys": [KEY_A, KEY_B]},
+        # one router, whose rotation shares requests among equal holders; replicas
+        # each rotate on their own, so requests that alternate between replicas can
+        # land on one worker every time
+        server={"api_keys": [KEY_A, KEY_B], "num_replicas": 1},
     )
     app = start_app(config)
     yield app
@@ -244,6 +247,8 @@ BIG = "Every page of this appendix repeats the same long clause about tides. " *
         ({"content": "x", "tll_s": 5}, 400, "tll_s"),
         ({"content": "x", "after": ["no-such-chunk"]}, 404, "no-such-chunk"),
         ({"content": BIG}, 400, f"at most {MAX_PINNED_TOKENS} tokens"),
+        # refused by the router by counting, before a worker renders any of it
+        ({"content": [{"role": "user", "content": ""}] * 257}, 400, "257 messages"),
     ],
 )
 def test_bad_registrations_pin_nothing(app, http_a, body, status, says):
@@ -266,7 +271,7 @@ def test_chat_command_against_the_server(app, http_a, tmp_path):
     doc.write_text(DOC)
     child = pexpect.spawn(
         sys.executable,
-        ["-m", "cluster.cli", "chat", "--url", app.base_url, "--api-key", KEY_A]
+        ["-m", "cluster.ops.cli", "chat", "--url", app.base_url, "--api-key", KEY_A]
         + ["--max-tokens", "6"],
         timeout=120,
     )

@@ -38,12 +38,8 @@ def app(start_app, tiny_qwen3):
     stop_app(app)
 
 
-def _worker(app):
-    return ray.get_actor(f"{app.name}-worker-0", namespace="chunkserve-tests")
-
-
 def _status(app):
-    return ray.get(_worker(app).status.remote(), timeout=30)
+    return ray.get(app.worker().status.remote(), timeout=30)
 
 
 def _log_sizes(log_dir: Path) -> dict[Path, int]:

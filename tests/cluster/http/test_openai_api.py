@@ -6,6 +6,10 @@ nobody."""
 
 from __future__ import annotations
 
+import json
+import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,9 +19,9 @@ import pytest
 import ray
 
 from chunkstore.chunking import chunk_conversation
-from cluster.chat_backends import RemoteBackend
-from cluster.chat_cli import reuse_line
-from cluster.openai_format import ChatFormat, ChoiceOutput, CompletionFormat, reuse, usage
+from cluster.api.openai_format import ChatFormat, ChoiceOutput, CompletionFormat, reuse, usage
+from cluster.ops.chat_backends import RemoteBackend
+from cluster.ops.chat_cli import reuse_line
 from tests.cluster.conftest import cluster_config, stop_app, unique_name, wait_healthy
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
@@ -27,6 +31,7 @@ from workers.runtime.actor import coalesce
 pytestmark = pytest.mark.ray
 
 KEY_A, KEY_B = "sk-test-a", "sk-test-b"
+SCRAPE = {"Authorization": "Bearer scrape-token"}  # server.metrics_token's
 MAX_REQUEST_BYTES = 8 * 2**20
 MAX_PROMPT_CHARS = 6_000_000
 SYSTEM = "You are a careful assistant for the Harbor Analytics documentation. " * 4
@@ -47,8 +52,10 @@ def app(start_app, tiny_qwen3):
         unique_name("api"),
         server={
             "api_keys": [KEY_A, KEY_B],
+            "metrics_token": SCRAPE["Authorization"].split()[1],
             "max_request_bytes": MAX_REQUEST_BYTES,
             "max_prompt_chars": MAX_PROMPT_CHARS,  # above what the context fits: it is tokenized
+            "stream_interval_s": 0,  # each token as it is made
         },
         router={"max_requests_per_worker": 2},  # so that one n=2 stream fills the worker
     )
@@ -89,8 +96,22 @@ def exact(cached_tokens: int) -> dict:
 
 def test_models_and_health(app, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-17")
+    assert missing.value.body["code"] == "model_not_found" and "'tiny'" in missing.value.message
     health = httpx.get(app.url("/health")).json()
     assert health == {"status": "ok", "healthy_workers": 1, "workers": 1}
+    for path in ("/health", "/metrics"):  # what probes and scrapers send
+        assert httpx.head(app.url(path), headers=SCRAPE, timeout=30).status_code == 200
+
+
+def test_metrics_of_a_server_with_api_keys_need_the_scrape_token(app):
+    """/metrics counts every tenant's requests: a tenant's key does not open it."""
+    for headers in ({}, {"Authorization": f"Bearer {KEY_A}"}):
+        refused = httpx.get(app.url("/metrics"), headers=headers, timeout=30)
+        assert refused.status_code == 401 and "metrics_token" in refused.json()["error"]["message"]
+    assert httpx.get(app.url("/metrics"), headers=SCRAPE, timeout=30).status_code == 200
 
 
 def test_chat_streaming_and_not_agree(client):
@@ -348,6 +369,77 @@ def test_bad_reuse_values_get_400_listing_the_allowed_values(app, path):
             ):
                 failures.append((name, stream, response.status_code, message))
     assert not failures
+    # first_tokens beyond the context (1,024 tokens) cannot be meant: refused by the router
+    beyond = {"mode": "approximate", "first_tokens": 10**9}
+    response = httpx.post(app.url(path), json={**body, "reuse": beyond}, headers=headers)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "reuse.first_tokens"
+    assert "1000000000" in error["message"] and "1024" in error["message"]
+
+
+def test_the_fields_benchmark_tools_send(client):
+    """guidellm and aiperf force output lengths with vLLM's ignore_eos and min_tokens,
+    and read continuous_usage_stats: every chunk carries the usage so far."""
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "count"}],
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True, "min_tokens": 24},
+    )
+    chunks = list(stream)
+    content = [c for c in chunks if c.choices]
+    assert all(c.usage is not None for c in content)
+    counts = [c.usage.completion_tokens for c in content]
+    assert counts == sorted(counts) and counts[-1] == 24
+    assert content[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 24  # the include_usage chunk
+    # each token as it is made (this app's server.stream_interval_s is 0), so their
+    # inter-token latency is real: most chunks carry one token (a few merge where the
+    # router lags)
+    tokens_per_chunk = [b - a for a, b in zip(counts, counts[1:], strict=False) if b > a]
+    assert tokens_per_chunk.count(1) >= len(tokens_per_chunk) // 2, tokens_per_chunk
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=2,
+            extra_body={"min_tokens": 3},
+        )
+    assert caught.value.body["param"] == "min_tokens"
+
+
+def test_structured_output_through_http_streamed_or_not(client):
+    schema = {
+        "type": "object",
+        "properties": {"plan": {"enum": ["starter", "team"]}, "seats": {"type": "integer",
+                       "minimum": 1, "maximum": 99}},
+        "required": ["plan", "seats"],
+        "additionalProperties": False,
+    }  # fmt: skip
+    ask = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "Which plan, and how many seats? JSON."}],
+        max_tokens=64,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "plan", "schema": schema}},
+    )
+    reply = client.chat.completions.create(**ask)
+    answer = json.loads(reply.choices[0].message.content)
+    assert answer["plan"] in ("starter", "team") and 1 <= answer["seats"] <= 99
+    assert reply.choices[0].finish_reason == "stop"
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in client.chat.completions.create(**ask, stream=True)
+        if c.choices
+    )  # fmt: skip
+    assert json.loads(streamed) == answer
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**{**ask, "response_format": bad})
+    assert caught.value.body["param"] == "response_format.json_schema.schema"
+    assert "objekt" in caught.value.message
 
 
 def test_an_assistant_prefill_is_continued_not_closed(client):
@@ -465,6 +557,16 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(app, client
         headers={"Authorization": f"Bearer {KEY_A}"},
     ).json()["error"]
     assert "1023" in over_long["message"] and "1024" in over_long["message"]
+    # more messages than the context has tokens: refused by counting, before rendering
+    too_many = httpx.post(
+        app.url("/v1/chat/completions"),
+        json=_chat(messages=[{"role": "user", "content": ""}] * 1025),
+        headers={"Authorization": f"Bearer {KEY_A}"},
+    )
+    assert too_many.status_code == 400
+    error = too_many.json()["error"]
+    assert error["param"] == "messages" and error["code"] == "context_length_exceeded"
+    assert "1025 messages" in error["message"] and "server.max_messages" in error["message"]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.AuthenticationError):
@@ -472,7 +574,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(app, client
         bad.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
     for unsupported in (
         {"tools": [{"type": "function", "function": {"name": "lookup"}}]},
-        {"response_format": {"type": "json_object"}},
+        {"logit_bias": {"42": 5}},
     ):  # through the official client: a 400 naming the field, never plain text
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(
@@ -484,10 +586,6 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(app, client
         model="tiny", messages=[{"role": "user", "content": "ok"}]
     )
     assert reply.choices[0].finish_reason in ("stop", "length")
-
-
-def _worker(app):
-    return ray.get_actor(f"{app.name}-worker-0", namespace="chunkserve-tests")
 
 
 def _wait_idle(worker, timeout_s: float = 10) -> bool:
@@ -514,12 +612,13 @@ def test_full_worker_answers_429(app, client):
     with pytest.raises(openai.RateLimitError) as refused:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
     assert refused.value.response.headers["retry-after"] == "1"
+    assert "limit of 2 requests" in refused.value.message
     stream.close()
-    assert _wait_idle(_worker(app))
+    assert _wait_idle(app.worker())
 
 
 def test_draining_worker_refuses_then_resumes(app, client):
-    worker = _worker(app)
+    worker = app.worker()
     before = ray.get(worker.status.remote()).load
     try:
         drained = ray.get(worker.drain.remote(5.0))
@@ -545,7 +644,7 @@ def test_draining_worker_refuses_then_resumes(app, client):
 
 def test_metrics(app, client):
     client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "m"}])
-    text = httpx.get(app.url("/metrics")).text
+    text = httpx.get(app.url("/metrics"), headers=SCRAPE).text
     for name in (
         'chunkserve_requests_total{endpoint="chat",status="200"}',
         'chunkserve_requests_total{endpoint="chat",status="400"}',
@@ -566,7 +665,7 @@ def test_metrics(app, client):
 
 def _series(app, series: str) -> float | None:
     """One series' value in a /metrics scrape (None: absent)."""
-    for line in httpx.get(app.url("/metrics"), timeout=30).text.splitlines():
+    for line in httpx.get(app.url("/metrics"), headers=SCRAPE, timeout=30).text.splitlines():
         if line.split(" ")[0] == series:
             return float(line.split(" ")[1])
     return None
@@ -614,6 +713,71 @@ def test_a_huge_prompt_being_tokenized_holds_up_neither_small_requests_nor_healt
     assert huge_response.status_code == 400, figures
     error = huge_response.json()["error"]
     assert error["code"] == "context_length_exceeded" and "2000002 tokens" in error["message"]
+
+
+# Posts one body over and over until its stop file appears, from a process of its own
+# (so the test's clients share no interpreter with it); prints each answer's status
+# line, the first answer's body last.
+FLOOD = """
+import sys, pathlib, httpx
+url, body, key, stop = sys.argv[1], pathlib.Path(sys.argv[2]).read_bytes(), sys.argv[3], sys.argv[4]
+headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+first = None
+while not pathlib.Path(stop).exists():
+    answer = httpx.post(url, content=body, headers=headers, timeout=120)
+    print(answer.status_code, flush=True)
+    first = first or answer.text
+print(first)
+"""
+
+
+def test_huge_message_lists_get_a_clear_400_and_hold_up_no_one(app, client, tmp_path):
+    """A chat of 100,000 empty messages (3.3 MB) and a chunk of 3,000 messages, each
+    sent over and over by another process: each is refused (more messages than the
+    1,024-token context could hold) by counting, not by rendering or tokenizing, and a
+    small request sent meanwhile takes at most 5x its time alone (medians, measured in
+    this test). Parsing each flood body would hold the replica's interpreter about
+    0.57 s, over 20x a small request's time; counted, the flood costs the small
+    request 1.4-2.3x (two cores shared with the flood's own client)."""
+
+    def small() -> float:
+        started = time.monotonic()
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "A small one"}], max_tokens=8
+        )
+        return time.monotonic() - started
+
+    chat = {
+        "model": "tiny",
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": ""}] * 100_000,
+    }
+    chunk = {"content": [{"role": "user", "content": "x"}] * 3_000}  # fmt: skip
+    for path, body, count in (
+        ("/v1/chat/completions", chat, 100_000),
+        ("/v1/chunks", chunk, 3_000),
+    ):
+        baseline = statistics.median(small() for _ in range(9))
+        encoded, stop = tmp_path / "body.json", tmp_path / "stop"
+        encoded.write_text(json.dumps(body))
+        stop.unlink(missing_ok=True)
+        flood = subprocess.Popen(
+            [sys.executable, "-c", FLOOD, app.url(path), str(encoded), KEY_A, str(stop)],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            time.sleep(1.0)  # the flood is under way
+            meanwhile = statistics.median(small() for _ in range(9))
+        finally:
+            stop.touch()
+            out, _ = flood.communicate(timeout=120)
+        *statuses, first = out.strip().splitlines()
+        assert statuses and set(statuses) == {"400"}, out[-500:]
+        error = json.loads(first)["error"]
+        assert (
+            f"{count} messages" in error["message"] and error["code"] == "context_length_exceeded"
+        )
+        assert meanwhile <= 5 * baseline, (path, meanwhile, baseline, len(statuses))
 
 
 def test_a_body_over_the_limit_gets_413_naming_the_limit(app):

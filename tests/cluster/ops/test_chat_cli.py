@@ -20,7 +20,7 @@ def test_chat_shows_reuse_after_each_turn(tiny_qwen3, tmp_path):
     doc.write_text(DOC)
     child = pexpect.spawn(
         sys.executable,
-        ["-m", "cluster.cli", "chat", "--model", str(tiny_qwen3), "--device", "cpu"]
+        ["-m", "cluster.ops.cli", "chat", "--model", str(tiny_qwen3), "--device", "cpu"]
         + ["--max-tokens", "6"],
         timeout=120,
     )

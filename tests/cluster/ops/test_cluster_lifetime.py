@@ -6,6 +6,7 @@ and the config keys), and a serving cluster's workers end with its Serve app
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,8 +18,11 @@ import yaml
 from ray import serve
 from ray.util.state import list_actors
 
-from cluster.actors import (
+from cluster.config import parse_config
+from cluster.http.app import AppArgs, app_builder, build_app
+from cluster.ops.actors import (
     Demand,
+    check_placement,
     ensure_cluster,
     find_keeper,
     find_workers,
@@ -28,10 +32,15 @@ from cluster.actors import (
     worker_demand,
     worker_ids,
 )
-from cluster.app import AppArgs, app_builder, build_app
-from cluster.config import parse_config
-from tests.chunkstore.testkit import wait_until
-from tests.cluster.conftest import NUM_CPUS, REPO, cluster_config, unique_name, write_config
+from tests.chunkstore.testkit import free_ports, wait_until
+from tests.cluster.conftest import (
+    NUM_CPUS,
+    REPO,
+    cluster_config,
+    default_sigint,
+    unique_name,
+    write_config,
+)
 
 GONE_TIMEOUT_S = 60  # the keeper polls every second; Serve's deletion takes its time
 
@@ -104,6 +113,20 @@ def test_actors_not_yet_running_need_free_resources():
     assert placement_problem(demands, [{"CPU": 4}], None) is None  # autoscaled: not checked
 
 
+@pytest.mark.ray
+def test_custom_worker_resources_are_asked_for_and_checked(ray_cluster, tiny_qwen3):
+    """``workers.resources`` goes into each worker's demand: a cluster without them is
+    refused naming the key; CPU and GPU are refused there (they have keys of their own)."""
+    cfg = parse_config(cluster_config(tiny_qwen3, "custom", workers={"resources": {"slot": 1}}))
+    demand = worker_demand(cfg)
+    assert demand.resources == {"CPU": 0.5, "GPU": 0, "slot": 1}
+    problem = placement_problem([demand], [{"CPU": 4}], None)
+    assert problem is not None and "workers.resources" in problem, problem
+    assert placement_problem([demand], [{"CPU": 4, "slot": 1}], None) is None
+    with pytest.raises(ValueError, match="workers.num_gpus"):
+        parse_config(cluster_config(tiny_qwen3, "custom", workers={"resources": {"GPU": 1}}))
+
+
 def test_replica_demand_is_what_the_app_asks_serve_for(tiny_qwen3):
     cfg = parse_config(
         cluster_config(tiny_qwen3, "fit", server={"num_replicas": 3, "replica_num_cpus": 0.3})
@@ -128,13 +151,48 @@ def test_ensure_cluster_refuses_what_ray_cannot_place_and_starts_nothing(ray_clu
 
 
 @pytest.mark.ray
+def test_placement_waits_for_nodes_that_join_then_places(ray_cluster, tiny_qwen3, tmp_path):
+    """As KubeRay submits the app before its GPU pods join: with ``workers.node_wait_s``
+    a worker asking for a GPU no node has is refused only after the wait, naming it,
+    and placed as soon as a node with a GPU joins within it."""
+    config = cluster_config(
+        tiny_qwen3, unique_name("nodes"), workers={"num_gpus": 1, "node_wait_s": 1}
+    )
+    cfg = parse_config(config)
+    with pytest.raises(ValueError, match=r"after waiting 1 s for nodes: workers.node_wait_s"):
+        check_placement(cfg, lambda: [worker_demand(cfg)])
+    config["workers"]["node_wait_s"] = 120
+    cfg = parse_config(config)
+    (agent,) = free_ports(1)
+    node = subprocess.Popen(
+        [
+            sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
+            f"--address={ray_cluster.gcs_address}", "--num-cpus=1", "--num-gpus=1",
+            f"--dashboard-agent-listen-port={agent}", "--disable-usage-stats",
+        ],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+    )  # fmt: skip
+    try:
+        check_placement(cfg, lambda: [worker_demand(cfg)])  # returns once the node joined
+        assert ray.cluster_resources().get("GPU") == 1
+    finally:
+        node.terminate()  # `ray start --block` stops the node it started
+        try:
+            node.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(node.pid, signal.SIGKILL)
+    assert wait_until(lambda: not ray.cluster_resources().get("GPU"), timeout_s=60)
+
+
+@pytest.mark.ray
 def test_serve_command_refuses_more_cpus_than_the_cluster_has(ray_cluster, tiny_qwen3, tmp_path):
     name = unique_name("toobig")
     per_worker = NUM_CPUS / 2 + 0.5  # 2 of them: one CPU more than the cluster has
     config = cluster_config(tiny_qwen3, name, workers={"count": 2, "num_cpus": per_worker})
     path = write_config(tmp_path, config)
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "serve", "--config", str(path),
+        [sys.executable, "-m", "cluster.ops.cli", "serve", "--config", str(path),
          "--set", f"ray.address={ray_cluster.gcs_address}"],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
@@ -217,10 +275,11 @@ def test_ctrl_c_in_batch_exits_130_without_a_traceback(ray_cluster, tiny_qwen3, 
     requests, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "batch", "--config", str(path),
+        [sys.executable, "-m", "cluster.ops.cli", "batch", "--config", str(path),
          "--input", str(requests), "--output", str(out),
          "--set", f"ray.address={ray_cluster.gcs_address}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        preexec_fn=default_sigint,
     )  # fmt: skip
     try:
         assert wait_until(lambda: out.exists() and out.read_text().count("\n") >= 1, 180, 0.05)
@@ -254,7 +313,9 @@ def alive(cfg) -> list[str]:
 
 
 def alive_named(prefix: str) -> list[str]:
-    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
+    # this session's cluster by its address: another Ray may run on the machine
+    address = ray.get_runtime_context().gcs_address
+    actors = list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=10_000)
     return [a.name for a in actors if (a.name or "").startswith(prefix)]
 
 

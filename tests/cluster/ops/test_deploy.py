@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
 import re
 import subprocess
 import tomllib
@@ -16,10 +17,10 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.cli import build_parser
 from cluster.config import ClusterConfig, load_config
+from cluster.ops.cli import build_parser
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DEPLOY = REPO / "deploy"
 # Where both GPU clusters keep the repository (synced by `ray up`, copied by the Dockerfile).
 CLUSTER_REPO = "/home/ray/chunkserve"
@@ -77,7 +78,7 @@ def test_serve_config_passes_rays_schema(name):
 def test_serve_apps_build_from_their_args(name, monkeypatch):
     # Built as outside any Ray cluster: the app_builder's placement check would judge
     # the GPU configs against whatever test cluster this process joined earlier.
-    monkeypatch.setattr("cluster.app.ray.is_initialized", lambda: False)
+    monkeypatch.setattr("cluster.http.app.ray.is_initialized", lambda: False)
     try:  # Ray's own builder call: signature check, args -> the builder's pydantic model
         from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
     except ImportError:
@@ -157,6 +158,19 @@ def test_rayservice_fields():
     assert all(g["groupName"] for g in cluster["workerGroupSpecs"])
 
 
+def test_rayservice_pods_run_the_image_given_as_its_one_parameter():
+    """Every container but Redis runs ``${CHUNKSERVE_IMAGE}`` (an image with a registry,
+    filled in by ``envsubst '$CHUNKSERVE_IMAGE'``); nothing else is a parameter."""
+    text = (DEPLOY / "rayservice.yaml").read_text()
+    body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    assert set(re.findall(r"\$\{?(\w+)", body)) == {"CHUNKSERVE_IMAGE"}
+    cluster = manifests()["RayService"]["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    images = {c["image"] for g in groups for c in g["template"]["spec"]["containers"]}
+    assert images == {"${CHUNKSERVE_IMAGE}"}
+    assert "envsubst '$CHUNKSERVE_IMAGE' < deploy/rayservice.yaml | kubectl apply" in text
+
+
 def test_images_carry_one_ray_version_and_the_repository_path():
     ray_version = manifests()["RayService"]["spec"]["rayClusterConfig"]["rayVersion"]
     dockerfile = (DEPLOY / "Dockerfile").read_text()
@@ -171,7 +185,7 @@ def test_submit_batch_script():
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text()
     assert "ray job submit --working-dir . --" in text
-    defaults = dict(re.findall(r"^(\w+)=\$\{\d:-(\S+)\}$", text, re.MULTILINE))
+    defaults = dict(re.findall(r"^(\w+)=\$\{positional\[\d\]:-(\S+)\}$", text, re.MULTILINE))
     assert set(defaults) == {"config", "input", "output"}
     load_config(REPO / defaults["config"])
     assert (REPO / defaults["input"]).is_file()
@@ -180,6 +194,37 @@ def test_submit_batch_script():
     assert build_parser().parse_args([*args, "--output", defaults["output"]]).handler
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert callable(resolve(scripts["chunkserve"]))
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ([], ["configs/local.yaml", "configs/examples/rag_requests.jsonl",
+              "/tmp/chunkserve-batch-output.jsonl"]),
+        (["--set", "a.b=1", "c.yaml", "--set=d=2", "in.jsonl", "/o.jsonl", "--retry-errors"],
+         ["c.yaml", "in.jsonl", "/o.jsonl", "--set", "a.b=1", "--set=d=2", "--retry-errors"]),
+        (["c.yaml", "--set", "x=a b"], ["c.yaml", "configs/examples/rag_requests.jsonl",
+                                        "/tmp/chunkserve-batch-output.jsonl", "--set", "x=a b"]),
+    ],
+)  # fmt: skip
+def test_submit_batch_takes_options_anywhere(tmp_path, args, expected):
+    """A stub ``ray`` on PATH records what the script submits: --set given before,
+    between or after the positional arguments reaches ``chunkserve batch`` whole."""
+    stub = tmp_path / "ray"
+    stub.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$RECORD"\n')
+    stub.chmod(0o755)
+    record = tmp_path / "argv"
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "RECORD": str(record)}
+    subprocess.run(["bash", str(DEPLOY / "submit_batch.sh"), *args], env=env, check=True)
+    argv = record.read_text().splitlines()
+    head = ["job", "submit", "--working-dir", ".", "--", "chunkserve", "batch"]
+    config, input_, output, *rest = expected
+    assert argv == [*head, "--config", config, "--input", input_, "--output", output, *rest]
+    for bad in (["--input", "x"], ["a", "b", "c", "d"], ["--set"]):
+        refused = subprocess.run(
+            ["bash", str(DEPLOY / "submit_batch.sh"), *bad], env=env, capture_output=True, text=True
+        )
+        assert refused.returncode == 2 and "submit_batch.sh:" in refused.stderr
 
 
 RAY_GCS_DEFAULT_PORT = 6379  # `ray start --head` without --port

@@ -18,7 +18,14 @@ import pytest
 import ray
 
 from tests.chunkstore.testkit import free_port
-from tests.cluster.conftest import REPO, cluster_config, stop_app, unique_name, write_config
+from tests.cluster.conftest import (
+    REPO,
+    cluster_config,
+    default_sigint,
+    stop_app,
+    unique_name,
+    write_config,
+)
 
 EXIT_INTERRUPTED = 130
 EXIT_UNREACHABLE = 1
@@ -28,9 +35,9 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its log lines (and resets at
 def spawn_serve(config_path, gcs_address: str) -> tuple[pexpect.spawn, io.StringIO]:
     child = pexpect.spawn(
         sys.executable,
-        ["-m", "cluster.cli", "serve", "--config", str(config_path),
+        ["-m", "cluster.ops.cli", "serve", "--config", str(config_path),
          "--set", f"ray.address={gcs_address}"],
-        cwd=str(REPO), timeout=180, encoding="utf-8",
+        cwd=str(REPO), timeout=180, encoding="utf-8", preexec_fn=default_sigint,
     )  # fmt: skip
     child.logfile_read = transcript = io.StringIO()
     return child, transcript
@@ -69,13 +76,16 @@ def assert_interrupted_cleanly(child: pexpect.spawn, transcript: io.StringIO, na
 def test_serve_prints_the_url_serves_and_stops_on_ctrl_c(
     ray_cluster, serve_port, tiny_qwen3, tmp_path
 ):
+    """The default ingress: the router replicas listen on the configured port themselves
+    (the session's Serve proxy holds another)."""
     config = cluster_config(tiny_qwen3, unique_name("cli"))
-    config["server"].update({"port": serve_port, "route_prefix": "/cli"})
+    port = free_port()
+    config["server"].update({"port": port, "route_prefix": "/cli"})
     child, transcript = spawn_serve(write_config(tmp_path, config), ray_cluster.gcs_address)
     try:
         child.expect(r"serving 'tiny' at (http://\S+/v1)")
         url = child.match.group(1)
-        assert url == f"http://127.0.0.1:{serve_port}/cli/v1"
+        assert url == f"http://127.0.0.1:{port}/cli/v1"
         models = httpx.get(f"{url}/models", timeout=30).json()
         assert [m["id"] for m in models["data"]] == ["tiny"]
         reply = httpx.post(
@@ -114,7 +124,7 @@ def test_ctrl_c_while_starting_removes_what_was_started(
 
 def run_status(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "status", *args],
+        [sys.executable, "-m", "cluster.ops.cli", "status", *args],
         capture_output=True, text=True, timeout=120, cwd=REPO, env=env,
     )  # fmt: skip
 

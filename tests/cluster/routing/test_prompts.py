@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from pathlib import Path
 
 from chunkstore.chunking import chunk_conversation, placeable_spans
 from chunkstore.events import EventKind
 from chunkstore.hashing import Namespace
 from cluster.assembly import namespace_model
 from cluster.config import parse_config
-from cluster.prompts import EncodeCache, PromptLanes, prepare_chat, prepare_text
+from cluster.routing.prompts import (
+    EncodeCache,
+    PromptLanes,
+    direct_encoder,
+    prepare_chat,
+    prepare_text,
+)
 from workers.engine.checkpoint import load_tokenizer
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.reuse_info import ReuseRequest
 from workers.engine.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parents[3]
 
 SYSTEM = "You answer from the documents. " * 8
 DOC = "Document: the harbor opens at six and closes at nine. " * 6
@@ -130,3 +139,23 @@ def test_prompt_lanes_prepare_small_and_large_prompts_alike(tiny_qwen3):
     small, large = asyncio.run(both())
     assert small == prepare_text(tokenizer, DOC, namespace, 16)
     assert large == prepare_text(tokenizer, DOC + DOC, namespace, 16)
+
+
+def test_direct_encoder_gives_the_tokenizers_ids(tiny_qwen3, tiny_llama):
+    """The Rust tokenizer called directly, where the probes find it equal: the same ids
+    as the tokenizer's ``encode`` over the shipped corpus, with and without special
+    tokens; a tokenizer without one is called as it is."""
+    corpus = (REPO / "modeltools/data/corpus.txt").read_text().splitlines()[:200]
+    for model in (tiny_qwen3, tiny_llama):
+        tokenizer = load_tokenizer(model)
+        encode = direct_encoder(tokenizer)
+        assert encode.__name__ == "direct"
+        for text in corpus + ["".join(corpus[:20]), " <|im_start|> x", ""]:
+            for special in (True, False):
+                assert encode(text, special) == tokenizer.encode(text, add_special_tokens=special)
+
+    class Plain:  # no backend_tokenizer: its own encode
+        def encode(self, text, add_special_tokens=True):
+            return [len(text), int(add_special_tokens)]
+
+    assert direct_encoder(Plain())("abc", False) == [3, 0]

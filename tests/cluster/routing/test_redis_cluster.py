@@ -4,6 +4,7 @@ Redis outage, a worker killed mid-load, and ``chunkserve status``."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from chunkstore.hashing import Namespace
 from chunkstore.redis_directory import RedisChunkDirectory
 from cluster.assembly import namespace_model
 from cluster.config import load_config
-from cluster.prompts import prepare_chat
+from cluster.routing.prompts import prepare_chat
 from tests.chunkstore.testkit import wait_until
 from tests.cluster.conftest import REPO, cluster_config, stop_app, unique_name, wait_healthy
 from workers.engine.checkpoint import load_tokenizer
@@ -198,8 +199,14 @@ def test_redis_stopped_mid_load_then_affinity_returns(app, probe, redis_server):
         replies = [f.result() for f in futures]  # every request succeeds
         replies += list(pool.map(ask, range(8, 14)))  # and keeps succeeding while down
     assert len(replies) == 14
+    down = httpx.get(app.url("/health"), timeout=30)  # serving, but hitting no cache
+    assert down.status_code == 200 and down.json()["status"] == "degraded", down.text
+    assert "chunk directory does not answer" in down.json()["detail"]
     redis_server.start()  # same port, empty: workers re-publish snapshots
     assert wait_until(lambda: probe.directory.stats().live_workers == 2, timeout_s=10)
+    assert wait_until(
+        lambda: httpx.get(app.url("/health"), timeout=30).json()["status"] == "ok", timeout_s=30
+    )
     system = "You are the after-outage assistant. " * 6
     home = post(app, rag(system, "Q: first?")).worker
     assert probe.wait_held(rag(system, "Q: again?"), home)
@@ -230,7 +237,7 @@ def test_worker_killed_mid_load(app, probe):
             )
             # the stream starts (its first chunks sent) once the worker's first delta
             # arrived, whose text may be empty (a partial character): from then on it
-            # is bound to that worker (cluster/completions.py)
+            # is bound to that worker (cluster/api/completions.py)
             for chunk in stream:
                 got_output = got_output or bool(chunk.choices)
         except Exception as error:  # noqa: BLE001 - recorded and checked below
@@ -265,20 +272,27 @@ def test_worker_killed_mid_load(app, probe):
     assert served_by_victim
 
 
-def test_status_command(app, ray_cluster):
+def status_output(app, ray_cluster) -> str:
+    """What ``chunkserve status`` prints for ``app``'s cluster (it must succeed)."""
     result = subprocess.run(
         [
-            sys.executable, "-m", "cluster.cli", "status", "--config", str(app.config_path),
+            sys.executable, "-m", "cluster.ops.cli", "status", "--config", str(app.config_path),
             "--set", f"ray.address={ray_cluster.gcs_address}",
         ],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
-    out = result.stdout
+    return result.stdout
+
+
+def test_status_command(app, ray_cluster):
+    out = status_output(app, ray_cluster)
     assert f"{app.name}-worker-0" in out and f"{app.name}-worker-1" in out
     assert out.count("healthy") >= 2
     assert "directory (redis): 2 live workers" in out
     assert "cache hit rate" in out
+    assert " up " in out.splitlines()[1]  # each worker's uptime, not its raw epoch
+    assert re.search(rf"{app.name}-worker-0 +healthy +\d+m\d\ds ", out), out
 
 
 def test_health_endpoint_reports_both_workers(app):

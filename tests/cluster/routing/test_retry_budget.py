@@ -9,13 +9,13 @@ import asyncio
 import pytest
 import ray
 
-from cluster.completions import CompletionService, ServiceSettings
+from cluster.api.completions import CompletionService, ServiceSettings
+from cluster.api.openai_protocol import CompletionRequest
 from cluster.errors import NoHealthyWorker, WorkerLost
 from cluster.metrics import Metrics
-from cluster.openai_protocol import CompletionRequest
-from cluster.router import Router, RouterSettings
-from cluster.routing_policy import RoutingWeights
-from cluster.worker_pool import WorkerPool
+from cluster.routing.policy import RoutingWeights
+from cluster.routing.router import Router, RouterSettings
+from cluster.routing.worker_pool import WorkerPool
 from tests.cluster.worker_doubles import (
     AGREEMENT,
     DIE_AFTER_FIRST_DELTA,

@@ -12,10 +12,10 @@ import ray
 
 from chunkstore import directory as d
 from cluster.metrics import Metrics
-from cluster.prompts import PreparedPrompt
-from cluster.router import Router, RouterSettings
-from cluster.routing_policy import Reason, RoutingWeights
-from cluster.worker_pool import WorkerPool
+from cluster.routing.policy import Reason, RoutingWeights
+from cluster.routing.prompts import PreparedPrompt
+from cluster.routing.router import Router, RouterSettings
+from cluster.routing.worker_pool import WorkerPool
 from tests.cluster.worker_doubles import (
     AGREEMENT,
     HANG_AFTER_FIRST_DELTA,

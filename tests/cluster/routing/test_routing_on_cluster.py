@@ -3,7 +3,7 @@ so an identical prompt sent again at once, before the worker's next publish reac
 the directory, lands on the same worker and hits its cache (publishing slowed so
 the directory cannot know yet); and a restarted worker, holding nothing, gets
 requests of a hot prompt again as soon as it is faster than the busy holder: once
-the prefill queued at the holder outweighs what its cache saves (routing_policy,
+the prefill queued at the holder outweighs what its cache saves (cluster.routing.policy,
 expected wait: a spill)."""
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ def app(start_app, tiny_qwen3):
         workers={"count": 2, "publish_interval_s": PUBLISH_INTERVAL_S},
         directory={"kind": "embedded", "lease_ttl_s": 4 * PUBLISH_INTERVAL_S},
         router={"recent_route_lease_s": 60.0},
-        server={"default_max_tokens": 4},
+        # one router: its memory is its own (replicas share only the directory, which
+        # publishing slowed here), and a client's new connection may reach any replica
+        server={"default_max_tokens": 4, "num_replicas": 1},
     )
     app = start_app(config)
     yield app

@@ -10,9 +10,11 @@ from collections import Counter
 
 import pytest
 
-from cluster.routing_policy import (
+from cluster.routing.policy import (
+    DEFAULT_HOST_LOAD_SHARE,
     MIN_RATE_SHARE,
     Decision,
+    HostHeld,
     Reason,
     RouteMemory,
     RoutingWeights,
@@ -20,6 +22,7 @@ from cluster.routing_policy import (
     WorkerView,
     choose_worker,
     expected_wait_s,
+    host_load_shares,
     placed_saving,
     prefill_saved,
     round_robin,
@@ -234,6 +237,29 @@ def test_prefill_saved_adds_held_entries_after_the_exact_prefix():
     assert prefill_saved({}, {"w0": [0]}, [(10, 12)], 4, 0.0) == {}  # saves nothing
 
 
+def test_a_host_memory_hit_saves_less_than_a_device_hit_and_more_than_a_miss():
+    """Tokens held only in a worker's host tier save a token's compute less their load
+    (a share of it, measured per worker), exact prefix and entries alike."""
+    workers = [  # rates as expected_wait_s takes them: at least half the median measured
+        WorkerView("w0", 0, 0, 0, 2000.0, host_load_s_per_token=5e-5),  # share 0.1
+        WorkerView("w1", 0, 0, 0, 0.0, host_load_s_per_token=1e-4),  # median rate: 4000
+        WorkerView("w2", 0, 0, 0, 4000.0, host_load_s_per_token=1e-3),  # loads cost all
+        WorkerView("w3", 0, 0, 0, 4000.0),  # measured no load yet
+    ]
+    shares = host_load_shares(workers, WEIGHTS)
+    assert shares == pytest.approx({"w0": 0.1, "w1": 0.4, "w2": 1.0, "w3": DEFAULT_HOST_LOAD_SHARE})
+    host = {"w0": HostHeld(64, frozenset({2}), 0.1), "w1": HostHeld(0, frozenset({0}), 0.5)}
+    saved = prefill_saved(
+        {"w0": 96, "w1": 16, "w2": 96}, {"w0": [2], "w1": [0]}, SPANS, 4, 0.0, host=host
+    )
+    # w0: 32 device + 64 host (less 6.4) + chunk 2 from host (60 less 6); w1: half of 60
+    assert saved == {"w0": 96 - 6 + 54, "w1": 16 + 30, "w2": 96}
+    decision = choose_worker(idle(3), saved, WEIGHTS, 400)
+    assert decision.worker_id == "w0" and decision.expected_cached_tokens == 144
+    everything_in_host = {"w2": HostHeld(96, frozenset(), 1.0)}
+    assert prefill_saved({"w2": 96}, {}, SPANS, 4, 0.0, host=everything_in_host) == {}
+
+
 def test_an_approximate_holder_beats_a_short_exact_prefix():
     """A worker holding the documents' entries (after another system prompt) wins over
     one holding just the system prompt exactly, and loses once its queue costs more."""
@@ -332,3 +358,29 @@ def test_a_spilled_prefix_attracts_its_repeats_to_the_new_holder():
         recent = memory.recall(KEYS, ENDS, 0.1)
         again = choose_worker(workers, {"w1": 64}, WEIGHTS, 64, rotation, recent)
         assert again == Decision("w0", Reason.RECENT, 64, pytest.approx(0.1))
+
+
+def test_merged_deltas_join_each_choice_in_first_seen_order():
+    from cluster.routing.router import merge_deltas
+    from workers.engine.reuse_info import ReuseInfo
+    from workers.runtime.worker_types import WorkerDelta
+
+    reuse = ReuseInfo("exact", 4, 0)
+
+    def delta(index, tokens, text, finished=False):
+        return WorkerDelta(index, tokens, text, finished, "length" if finished else None, 9, reuse)
+
+    merged = merge_deltas(
+        [
+            delta(1, (5,), "a"),
+            delta(0, (6,), "b"),
+            delta(1, (7, 8), "cd", True),
+            delta(0, (9,), "e"),
+        ]
+    )
+    assert [(d.index, d.token_ids, d.text, d.finished) for d in merged] == [
+        (1, (5, 7, 8), "acd", True),
+        (0, (6, 9), "be", False),
+    ]
+    single = [delta(0, (1,), "x")]
+    assert merge_deltas(single) == single

@@ -12,10 +12,10 @@ import ray
 
 from cluster.errors import NoHealthyWorker
 from cluster.metrics import Metrics
-from cluster.prompts import PreparedPrompt
-from cluster.router import Router, RouterSettings
-from cluster.routing_policy import RoutingWeights
-from cluster.worker_pool import Health, WorkerPool, disagreement
+from cluster.routing.policy import RoutingWeights
+from cluster.routing.prompts import PreparedPrompt
+from cluster.routing.router import Router, RouterSettings
+from cluster.routing.worker_pool import Health, WorkerPool, disagreement
 from tests.cluster.worker_doubles import AGREEMENT, FakeWorker, NoDirectory, worker_info
 from workers.engine.request import PromptRequest
 from workers.engine.sampling_params import SamplingParams

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from cluster.worker_pool import Agreement, WorkerPool
+from cluster.routing.worker_pool import Agreement, WorkerPool
 from workers.runtime.worker_types import EngineLoad, WorkerInfo, WorkerStatus
 
 AGREEMENT = Agreement("tiny@0123abcd", 16, "redis prefix 'chunkserve'")
@@ -82,14 +82,51 @@ def test_a_delta_report_replaces_an_older_one_and_an_older_one_is_ignored():
 
 
 def test_a_poll_counts_what_was_sent_while_it_was_in_flight():
+    """A request sent while a poll is on its way may be in the answer or not: the
+    others' share is what the answer holds beyond it (here 3 requests, 1 maybe ours),
+    and the backlog keeps the request's prefill (it may not have arrived)."""
+
     async def test(pool: WorkerPool, handle: Handle) -> None:
-        handle.answer = load(version=3, backlog=100, requests=1, tokens=100)
+        handle.answer = load(version=3, backlog=100, requests=3, tokens=700)
         poll = asyncio.ensure_future(pool._poll("w0"))
         await asyncio.sleep(0)  # asked now ...
         pool.begin("w0", choices=1, tokens=300, uncached=250)  # ... sent before it answers
         await poll
         (view,) = pool.views()
-        assert (view.requests, view.tokens, view.prefill_backlog) == (2, 400, 350)
+        assert (view.requests, view.tokens, view.prefill_backlog) == (3, 700, 350)
+
+    run(test)
+
+
+def test_a_slow_poll_answer_never_makes_an_idle_worker_look_full():
+    """A poll asked for before this router's requests began, answered while they ran
+    on the worker, and taken after they ended: they must not count as the other
+    routers' (the worker would look full, and the router answer 429, until the next
+    report)."""
+
+    async def test(pool: WorkerPool, handle: Handle) -> None:
+        handle.answer = load(version=1)
+        await pool._poll("w0")
+        release = asyncio.Event()
+        answer = handle.remote
+
+        def slow_remote():
+            async def later() -> WorkerStatus:
+                await release.wait()
+                return await answer()
+
+            return later()
+
+        handle.remote = slow_remote
+        poll = asyncio.ensure_future(pool._poll("w0"))
+        await asyncio.sleep(0)  # asked while idle ...
+        pool.begin("w0", choices=2, tokens=1800, uncached=10)
+        handle.answer = load(version=5, requests=2, tokens=1800)  # ... answered mid-run
+        pool.end("w0", choices=2, tokens=1800)  # ... and taken after the requests ended
+        release.set()
+        await poll
+        (view,) = pool.views()
+        assert (view.requests, view.tokens) == (0, 0)
 
     run(test)
 

@@ -4,7 +4,7 @@ appears, then repaired (docs/design.md, "Approximate reuse").
 
 Admission of an approximate request:
 1. The exactly matched prefix is taken as in exact mode.
-2. Each placeable span after it (``Sequence.placeable``: a chunk that does not open
+2. Each placeable span after it (``ApproximateState.placeable``: a chunk that does not open
    the prompt and ends before its last token) is looked up by its position-free key.
    A held entry is *placed*: its rows copied into the request's own pages at the
    span's offset, keys rotated there. A missed chunk is computed in context for this
@@ -32,7 +32,7 @@ Admission of an approximate request:
    system prompt, first tokens, missed chunks) go on through the rest of the model,
    attending by position to scattered KV. The rest of the prompt (the question) goes
    through the same forward, which returns its last token's logits
-   (``Sequence.ready_logits``): the step that admits the request only samples. The
+   (``ApproximateState.ready_logits``): the step that admits the request only samples. The
    forward's rows (those past the selection layer, tail included) count in that
    step's token budget, which may pass the budget by one forward and then admits
    nothing more. (A tail that does not fit beside the rows, or a resumed request's,
@@ -92,37 +92,45 @@ class ChunkReuse:
         runner.use_admission_graphs(deviation_layer)
 
     def admit(self, seq: Sequence, budget: int = sys.maxsize, place: bool = True) -> bool:
-        if seq.fill_key is not None:  # an entry is computed in pages of its own
+        if seq.approx.fill_key is not None:  # an entry is computed in pages of its own
             start_from(seq, "exact", [], 0)
             return True
         first_admission = seq.reuse is None
         if not self._exact.admit(seq):
             return False
-        if seq.reuse_request.mode != "approximate":
+        if seq.approx.request.mode != "approximate":
             return True
         matched = seq.num_computed
         last = len(seq.token_ids) - 1  # its logits give the next token
-        spans = [(s, e) for s, e in seq.placeable if 0 < s and s >= matched and e <= last]
+        spans = [(s, e) for s, e in seq.approx.placeable if 0 < s and s >= matched and e <= last]
         hits: list[tuple[int, int, ChunkEntry]] = []
         harvests: list[tuple[int, int, PageKey]] = []
         packed = seq.packed_tokens(spans[-1][1]) if spans else b""
-        for start, end in spans:
-            key = packed_position_free_key(seq.namespace, packed[4 * start : 4 * end])
-            entry = self.pool.entry(key)
-            if entry is not None and entry.num_tokens == end - start:
-                hits.append((start, end, entry))
-            elif end - start < self.min_entry_tokens:
-                continue
-            elif self.entries_from_context:
-                harvests.append((start, end, key))
-            else:
-                self.fill(key, seq.token_ids[start:end], seq.namespace)
-        if not place and not any(entry.pins for _, _, entry in hits):
-            hits = []  # computed in context: the entries may then be evicted for room
-        seq.harvests = harvests  # the admission forward may compute them (``_place``)
-        recomputed = self._place(seq, hits, budget) if hits else 0
+        found: list[ChunkEntry] = []  # held while looking: a load evicts no entry found
+        try:
+            for start, end in spans:
+                key = packed_position_free_key(seq.namespace, packed[4 * start : 4 * end])
+                entry = self.pool.find_entry(key)  # here, or loaded from the host tier
+                if entry is not None:
+                    self.pool.hold_entry(entry)
+                    found.append(entry)
+                if entry is not None and entry.num_tokens == end - start:
+                    hits.append((start, end, entry))
+                elif end - start < self.min_entry_tokens:
+                    continue
+                elif self.entries_from_context:
+                    harvests.append((start, end, key))
+                else:
+                    self.fill(key, seq.token_ids[start:end], seq.namespace)
+            if not place and not any(entry.pins for _, _, entry in hits):
+                hits = []  # computed in context: the entries may then be evicted for room
+            seq.approx.harvests = harvests  # the admission forward may compute them (``_place``)
+            recomputed = self._place(seq, hits, budget) if hits else 0
+        finally:
+            for entry in found:
+                self.pool.drop_entry(entry)
         if recomputed is None:
-            seq.harvests = []
+            seq.approx.harvests = []
             return False
         if first_admission:
             for _, _, entry in hits:
@@ -134,9 +142,9 @@ class ChunkReuse:
         return True
 
     def publish(self, seq: Sequence, start: int, end: int) -> None:
-        if seq.fill_key is None:  # a fill's pages become its entry, never page keys
+        if seq.approx.fill_key is None:  # a fill's pages become its entry, never page keys
             publish_exact_pages(self.pool, seq, start, end)
-            if seq.harvests and seq.harvests[0][1] <= end:
+            if seq.approx.harvests and seq.approx.harvests[0][1] <= end:
                 self._take_entries(seq, end)
 
     def _take_entries(self, seq: Sequence, end: int) -> None:
@@ -145,8 +153,8 @@ class ChunkReuse:
         fresh pages at position 0, keys rotated back, and store them as entries. A chunk
         whose entry appeared meanwhile is skipped; one the pool has no pages for is
         filled instead (computed again, later), so no entry is lost to a busy pool."""
-        ready = [h for h in seq.harvests if h[1] <= end]
-        seq.harvests = [h for h in seq.harvests if h[1] > end]
+        ready = [h for h in seq.approx.harvests if h[1] <= end]
+        seq.approx.harvests = [h for h in seq.approx.harvests if h[1] > end]
         page_size = self.pool.page_size
         taken: dict[PageKey, tuple[int, int, list[int]]] = {}
         with self.pool.sparing_entries():  # an unproven entry displaces no proven one
@@ -181,11 +189,11 @@ class ChunkReuse:
         placed_end = hits[-1][1]
         kept = np.zeros(placed_end, dtype=bool)  # KV taken from an entry, as placed
         for start, end, _ in hits:
-            kept[start + min(seq.reuse_request.first_tokens, end - start) : end] = True
+            kept[start + min(seq.approx.request.first_tokens, end - start) : end] = True
         placed_total = sum(e - s for s, e, _ in hits)
         num_kept = int(kept.sum())  # the candidates for selection (all after ``matched``)
         recomputed = placed_total - num_kept
-        ratio = seq.reuse_request.deviation_ratio
+        ratio = seq.approx.request.deviation_ratio
         keep = min(int(round(ratio * placed_total)), num_kept) if ratio > 0 else 0
         # selecting: pages for the whole prompt, so that nothing fails after the forward
         # is queued (the scheduler's allocation for the first step then needs none)
@@ -220,7 +228,7 @@ class ChunkReuse:
             )
             if keep:  # the forward places the entries between its layers (and holds them)
                 candidates = np.flatnonzero(kept)
-                seq.ready_logits = runner.repair_selecting(
+                seq.approx.ready_logits = runner.repair_selecting(
                     seq, matched, forward_end, candidates, keep, self.deviation_layer, to_end,
                     place=place,
                 )  # fmt: skip
@@ -231,7 +239,7 @@ class ChunkReuse:
                 self.pool.drop_entry(entry)
         if keep:
             self.tally.selection_only_positions += num_kept - keep
-            seq.admission_tokens = rows + (tail if to_end else 0)
+            seq.approx.admission_tokens = rows + (tail if to_end else 0)
             seq.num_computed, seq.pending = forward_end, np.empty(0, dtype=np.int64)
             # which candidates were kept is known only on the device: from the first
             # one on, the KV may be placed (unless every one was kept)

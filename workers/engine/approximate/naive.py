@@ -1,7 +1,7 @@
 """Naive placement: a measurement mode of the reuse seam, never offered to users
 (no config field, request field or HTTP parameter reaches it).
 
-Each placeable chunk of a sequence (``Sequence.placeable``) takes its KV from an
+Each placeable chunk of a sequence (``ApproximateState.placeable``) takes its KV from an
 entry computed with the chunk alone from position 0; the entry's rows are copied to
 the chunk's offset with keys rotated there (``placement.place_chunk``), and nothing
 is recomputed. This is the seeds' approach whose output docs/design.md calls gibberish:
@@ -58,7 +58,7 @@ class NaivePlacement:
             return True
         matched = seq.num_computed
         last = len(seq.token_ids) - 1  # its logits give the next token
-        spans = [(s, e) for s, e in seq.placeable if s >= matched and e <= last and e > s]
+        spans = [(s, e) for s, e in seq.approx.placeable if s >= matched and e <= last and e > s]
         if not spans:
             return True
         page_size = self.pool.page_size
