@@ -86,7 +86,7 @@ class WorkerStream:
         watch: WorkerWatch,
         observe: Callable[[EngineLoad], None],
         on_lost: Callable[[], None],
-        on_close: Callable[[], None],
+        on_close: Callable[[bool], None],
     ) -> None:
         self.decision = decision
         self._first = first
@@ -143,8 +143,9 @@ class WorkerStream:
         if self._closed:
             return
         self._closed = True
-        self._on_close()
-        if not self._generator.is_finished():
+        unfinished = not self._generator.is_finished()
+        self._on_close(unfinished)
+        if unfinished:
             ray.cancel(self._generator)
 
 
@@ -357,7 +358,7 @@ class Router:
             watch,
             observe=lambda load: self.pool.observe(worker_id, load),
             on_lost=lambda: self._lost(worker_id),
-            on_close=lambda: self.pool.end(worker_id, choices, tokens),
+            on_close=lambda unfinished: self.pool.end(worker_id, choices, tokens, unfinished),
         )
 
     def _lost(self, worker_id: str) -> None:

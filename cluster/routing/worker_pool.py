@@ -16,7 +16,8 @@ Invariants:
   less the most of this router's work it can hold (for a delta, what was in flight
   when it arrived; for a poll, what was in flight when it was asked for plus what
   began while it was on its way, since the worker may have taken that too before it
-  answered). So the others' share is never overcounted: a slow poll answer can't make
+  answered, plus what this router abandoned since the report before, since the worker
+  may not have dropped that yet). So the others' share is never overcounted: a slow poll answer can't make
   an idle worker look full (a spurious 429) until the next report. The prefill
   backlog is the report's plus the uncached tokens this router sent since. So router
   replicas see each other's load as fresh as the latest delta any of their requests
@@ -137,6 +138,10 @@ class _Tracked:
     tokens_at_load: int = 0
     begun: int = 0  # choices this router ever sent it (``begin``)
     begun_tokens: int = 0
+    abandoned: int = 0  # choices this router ever closed before the worker finished them
+    abandoned_tokens: int = 0
+    abandoned_at_load: int = 0  # ``abandoned`` when ``load`` was asked for
+    abandoned_tokens_at_load: int = 0
     draining: bool = False  # refusing new work (from its last poll or refusal)
     refusal: str | None = None  # why it is REFUSED (``disagreement``)
     incarnation: int = 0  # bumped whenever the worker is found gone (module invariants)
@@ -153,11 +158,21 @@ class _Sent:
     unreported_prefill: int
     begun: int
     begun_tokens: int
+    abandoned: int
+    abandoned_tokens: int
 
     @staticmethod
     def now(tracked: _Tracked) -> _Sent:
         t = tracked
-        return _Sent(t.requests, t.tokens, t.unreported_prefill, t.begun, t.begun_tokens)
+        return _Sent(
+            t.requests,
+            t.tokens,
+            t.unreported_prefill,
+            t.begun,
+            t.begun_tokens,
+            t.abandoned,
+            t.abandoned_tokens,
+        )
 
 
 class WorkerPool:
@@ -250,10 +265,15 @@ class WorkerPool:
         if tracked.load is None or load.version > tracked.load.version:
             self._take_report(tracked, load, _Sent.now(tracked))  # all sent so far
 
-    def end(self, worker_id: str, choices: int, tokens: int) -> None:
+    def end(self, worker_id: str, choices: int, tokens: int, abandoned: bool = False) -> None:
+        """Uncount work; ``abandoned``: closed before the worker finished it (a client
+        that left), so the worker may count it a little longer, until it cancels it."""
         tracked = self._workers[worker_id]
         tracked.requests -= choices
         tracked.tokens -= tokens
+        if abandoned:
+            tracked.abandoned += choices
+            tracked.abandoned_tokens += tokens
 
     def mark_draining(self, worker_id: str) -> None:
         self._workers[worker_id].draining = True
@@ -327,9 +347,18 @@ class WorkerPool:
         """``sent``: this router's work on the worker when the report was asked for
         (a delta's: when it arrived, which is now)."""
         tracked.load = load
-        # in the report at most: what was in flight then, and what began since
-        tracked.requests_at_load = sent.requests + tracked.begun - sent.begun
-        tracked.tokens_at_load = sent.tokens + tracked.begun_tokens - sent.begun_tokens
+        # in the report at most: what was in flight then, what began since, and what was
+        # abandoned between the report before and then (the worker may not have
+        # cancelled it yet: counted as another router's, it made an idle worker look
+        # full until the next poll)
+        abandoned = sent.abandoned - tracked.abandoned_at_load
+        abandoned_tokens = sent.abandoned_tokens - tracked.abandoned_tokens_at_load
+        tracked.abandoned_at_load = sent.abandoned
+        tracked.abandoned_tokens_at_load = sent.abandoned_tokens
+        tracked.requests_at_load = sent.requests + tracked.begun - sent.begun + abandoned
+        tracked.tokens_at_load = (
+            sent.tokens + tracked.begun_tokens - sent.begun_tokens + abandoned_tokens
+        )
         tracked.unreported_prefill = max(0, tracked.unreported_prefill - sent.unreported_prefill)
 
     def _view(self, worker_id: str, tracked: _Tracked) -> WorkerView:

@@ -7,6 +7,7 @@ nobody."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -597,6 +598,22 @@ def _wait_idle(worker, timeout_s: float = 10) -> bool:
     return False
 
 
+def _router_in_flight(app) -> float:
+    text = httpx.get(app.url("/metrics"), headers=SCRAPE).text
+    return float(re.search(r"^chunkserve_requests_in_flight (\S+)$", text, re.M).group(1))
+
+
+def _wait_router_idle(app, timeout_s: float = 10) -> bool:
+    """The replica finished its requests too (it uncounts a closed stream's work when
+    its handler ends, which may come after the worker dropped it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _router_in_flight(app) == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_full_worker_answers_429(app, client):
     # greedy, and checked to run to the limit: sampled, both answers could reach their
     # end-of-text token before the next request arrives, and no 429 would come
@@ -615,6 +632,7 @@ def test_full_worker_answers_429(app, client):
     assert "limit of 2 requests" in refused.value.message
     stream.close()
     assert _wait_idle(app.worker())
+    assert _wait_router_idle(app)
 
 
 def test_draining_worker_refuses_then_resumes(app, client):

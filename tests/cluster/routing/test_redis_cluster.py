@@ -105,8 +105,16 @@ def rag(system: str, question: str) -> list[dict]:
     return [{"role": "system", "content": system}, {"role": "user", "content": parts}]
 
 
-def post(app, messages: list[dict], max_tokens: int = 8, reuse: str | None = None) -> Reply:
+def post(
+    app,
+    messages: list[dict],
+    max_tokens: int = 8,
+    reuse: str | None = None,
+    ignore_eos: bool = False,
+) -> Reply:
     body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    if ignore_eos:
+        body["ignore_eos"] = True
     if reuse is not None:
         body["reuse"] = reuse
     response = httpx.post(app.url("/v1/chat/completions"), json=body, timeout=60)
@@ -134,18 +142,17 @@ def test_requests_sharing_chunks_land_on_the_worker_holding_them(app, probe):
             reply = post(app, rag(system, question))
             assert reply.worker == home and reply.cached > 0
         seen.add(home)
-    # Unrelated prompts in flight together spread by load. (Sent one after another,
-    # the workers are idle and alike, and which one a prompt goes to depends on which
-    # finished request a worker's last load report still counted.)
+
+    # Unrelated prompts in flight together spread by load. Each runs 200 tokens past
+    # its end-of-text token, so the eight overlap even on a busy host. (Sent one after
+    # another, the workers are idle and alike, and which one a prompt goes to depends on
+    # which finished request a worker's last load report still counted.)
+    def unrelated(i: int) -> str:
+        messages = [{"role": "user", "content": f"unrelated {i} " * 20}]
+        return post(app, messages, 200, ignore_eos=True).worker
+
     with ThreadPoolExecutor(8) as pool:
-        unique = set(
-            pool.map(
-                lambda i: (
-                    post(app, [{"role": "user", "content": f"unrelated {i} " * 20}], 16).worker
-                ),
-                range(8),
-            )
-        )
+        unique = set(pool.map(unrelated, range(8)))
     assert unique == {f"{app.name}-worker-0", f"{app.name}-worker-1"}
 
 

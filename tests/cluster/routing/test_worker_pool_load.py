@@ -131,6 +131,34 @@ def test_a_slow_poll_answer_never_makes_an_idle_worker_look_full():
     run(test)
 
 
+def test_work_abandoned_before_a_poll_never_makes_an_idle_worker_look_full():
+    """A client left; this router closed its requests and asked the worker to cancel
+    them. A poll asked for right after may still find them there: they are this
+    router's, not the others', so the worker does not look full until the next report.
+    The report after that counts them as others' again (the worker kept them)."""
+
+    async def test(pool: WorkerPool, handle: Handle) -> None:
+        handle.answer = load(version=1)
+        await pool._poll("w0")
+        pool.begin("w0", choices=2, tokens=1800, uncached=10)
+        pool.end("w0", choices=2, tokens=1800, abandoned=True)  # closed: the client left
+        handle.answer = load(version=2, requests=2, tokens=1800)  # not cancelled there yet
+        await pool._poll("w0")
+        (view,) = pool.views()
+        assert (view.requests, view.tokens) == (0, 0)
+        handle.answer = load(version=3, requests=2, tokens=1800)  # still there: others'
+        await pool._poll("w0")
+        (view,) = pool.views()
+        assert (view.requests, view.tokens) == (2, 1800)
+        pool.begin("w0", choices=1, tokens=100, uncached=10)
+        pool.end("w0", choices=1, tokens=100)  # finished by the worker: not abandoned
+        handle.answer = load(version=4, requests=1, tokens=100)
+        await pool._poll("w0")
+        assert pool.views()[0].requests == 1  # another router's, the worker says
+
+    run(test)
+
+
 def test_a_restarted_worker_report_replaces_any_version_and_changes_its_incarnation():
     async def test(pool: WorkerPool, handle: Handle) -> None:
         pool.observe("w0", load(version=50, backlog=900))
