@@ -5,14 +5,21 @@ into fresh device pages instead of computing them again.
 Two parts:
 - ``PageCopier`` owns the host tensor (one *slot* per page: every layer's K and V of
   ``page_size`` positions, contiguous) and copies pages between it and the model
-  runner's KV stack. On CUDA the host tensor is pinned and every copy runs on one copy
-  stream, in the order asked: a slot written and then read (or freed and written
-  again) is read after its write, whatever the host thread does meanwhile. A copy
-  first waits for the work already queued on the compute stream (the page's last
-  writers and readers); the compute stream waits for the copy before its next step
-  (the evicted page's new owner overwrites it, the loaded page's owner reads it), so
-  the host thread never waits for a copy. On CPU the copies run at once, on the same
-  code path.
+  runner's KV stack. On CUDA the host tensor is pinned and every host copy runs on one
+  copy stream, in the order asked: a slot written and then read (or freed and written
+  again) is read after its write, whatever the host thread does meanwhile.
+  A write gathers the evicted pages into a staging buffer on the compute stream (after
+  the pages' last writers, before their new owner overwrites them) and copies that to
+  host memory on the copy stream, which the compute stream never waits for: an idle
+  tier costs the steps only the gather. A staging buffer is the copy stream's until its
+  copy ends; at most ``WRITE_PAGES_IN_FLIGHT`` pages are in flight, beyond which the
+  host waits for the oldest writes (evictions faster than the host link takes them).
+  A load copies on the copy stream after the work queued on the compute stream. Where
+  ``fence`` is asked, the compute stream waits for it (an admission forward reads the
+  pages at once); else the pool counts the pages as loading until the load's event has
+  completed, and the scheduler leaves the requests using them out of the steps until
+  then (``KVPool.loading``): the other requests step on meanwhile. On CPU the copies
+  run at once, on the same code path.
 - ``HostTier`` keeps the slots' bookkeeping, under the device pool's rules: keyed pages
   (exact prefixes; found by their parent's key and their tokens, as
   ``KVPool.match_chain`` finds them) and position-free entries (a chunk's pages as a
@@ -100,9 +107,11 @@ def _runs(slots: Sequence[int]) -> Iterator[tuple[int, int, int]]:
             start = i
 
 
-# Pages a copy stages on the device at once: a burst of evictions or a long load needs
-# no more scratch memory than this many pages (an 8B model's: 128 MiB).
+# Pages a copy stages on the device at once: a long load needs no more scratch memory
+# than this many pages (an 8B model's: 128 MiB), a burst of evictions no more than
+# WRITE_PAGES_IN_FLIGHT.
 COPY_BATCH_PAGES = 64
+WRITE_PAGES_IN_FLIGHT = 4 * COPY_BATCH_PAGES
 
 
 class PageCopier:
@@ -119,30 +128,58 @@ class PageCopier:
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self.load_s = 0.0  # resolved loads' time
         self._timing: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._writes: deque[tuple[torch.cuda.Event, int]] = deque()  # (end, pages)
+        self._pages_in_flight = 0  # pages of the writes in ``_writes``
 
     def write(self, pages: Sequence[int], slots: Sequence[int]) -> None:
-        """Device pages -> host slots."""
-        if not pages:
-            return
-        with self._on_copy_stream():  # what it allocates is the copy stream's: no race
-            for start in range(0, len(pages), COPY_BATCH_PAGES):
-                batch = slice(start, start + COPY_BATCH_PAGES)
-                index = torch.tensor(pages[batch], dtype=torch.long, device=self.device)
-                staged = self.kv.index_select(1, index).transpose(0, 1).contiguous()
-                for at, first, count in _runs(slots[batch]):
-                    self.host[first : first + count].copy_(
-                        staged[at : at + count], non_blocking=self._stream is not None
-                    )
+        """Device pages -> host slots (on CUDA, the compute stream never waits for it)."""
+        for start in range(0, len(pages), COPY_BATCH_PAGES):
+            batch = slice(start, start + COPY_BATCH_PAGES)
+            index = self._index(pages[batch])
+            staged = self.kv.index_select(1, index).transpose(0, 1).contiguous()
+            if self._stream is None:
+                self._copy_out(staged, slots[batch])
+                continue
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # staged
+            with torch.cuda.stream(self._stream):
+                self._copy_out(staged, slots[batch])
+                done = torch.cuda.Event()
+                done.record()
+            staged.record_stream(self._stream)  # freed once the copy stream is past it
+            self._writes.append((done, len(index)))
+            self._pages_in_flight += len(index)
+            while self._writes and (
+                self._pages_in_flight > WRITE_PAGES_IN_FLIGHT or self._writes[0][0].query()
+            ):
+                oldest, pages_written = self._writes.popleft()
+                oldest.synchronize()  # at once where it is done already
+                self._pages_in_flight -= pages_written
 
-    def read(self, slots: Sequence[int], pages: Sequence[int]) -> None:
-        """Host slots -> device pages (byte for byte what was written)."""
+    def _index(self, pages: Sequence[int]) -> torch.Tensor:
+        """``pages`` as a device index, copied from pinned memory: the host never waits
+        for the device's queued work (a plain ``torch.tensor(..., device=)`` would)."""
+        index = torch.tensor(pages, dtype=torch.long, pin_memory=self._stream is not None)
+        return index.to(self.device, non_blocking=True)
+
+    def _copy_out(self, staged: torch.Tensor, slots: Sequence[int]) -> None:
+        for at, first, count in _runs(slots):
+            self.host[first : first + count].copy_(
+                staged[at : at + count], non_blocking=self._stream is not None
+            )
+
+    def read(
+        self, slots: Sequence[int], pages: Sequence[int], fence: bool = True
+    ) -> torch.cuda.Event | None:
+        """Host slots -> device pages (byte for byte what was written). ``fence``: the
+        compute stream waits for the copy; else the returned event tells when it is
+        done (None: done already, on CPU)."""
         if not slots:
-            return
+            return None
         started = time.perf_counter()
-        with self._on_copy_stream() as (begin, end):
+        with self._on_copy_stream(fence) as (begin, end):
             for start in range(0, len(slots), COPY_BATCH_PAGES):
                 batch = slice(start, start + COPY_BATCH_PAGES)
-                index = torch.tensor(pages[batch], dtype=torch.long, device=self.device)
+                index = self._index(pages[batch])
                 staged = torch.empty(
                     (len(index), *self.host.shape[1:]), dtype=self.kv.dtype, device=self.device
                 )
@@ -153,8 +190,14 @@ class PageCopier:
                 self.kv.index_copy_(1, index, staged.transpose(0, 1))
         if begin is None:
             self.load_s += time.perf_counter() - started
-        else:
-            self._timing.append((begin, end))
+            return None
+        self._timing.append((begin, end))
+        return end
+
+    def fence(self) -> None:
+        """The compute stream waits for every copy queued so far."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
     def resolve_timing(self) -> None:
         """Add the finished loads' device time to ``load_s`` (never waits)."""
@@ -163,7 +206,9 @@ class PageCopier:
             self.load_s += begin.elapsed_time(end) / 1000
 
     @contextmanager
-    def _on_copy_stream(self) -> Iterator[tuple[torch.cuda.Event | None, torch.cuda.Event | None]]:
+    def _on_copy_stream(
+        self, fence: bool
+    ) -> Iterator[tuple[torch.cuda.Event | None, torch.cuda.Event | None]]:
         if self._stream is None:
             yield None, None
             return
@@ -174,7 +219,8 @@ class PageCopier:
             begin.record()
             yield begin, end
             end.record()
-        compute.wait_stream(self._stream)
+        if fence:
+            compute.wait_stream(self._stream)
 
 
 @dataclass
@@ -315,12 +361,17 @@ class HostTier:
             self._held.subtract(slots)
             self._held += Counter()  # drops the zeros
 
-    def load_pages(self, found: Sequence[HostPage], pages: Sequence[int]) -> None:
+    def load_pages(
+        self, found: Sequence[HostPage], pages: Sequence[int], fence: bool = True
+    ) -> torch.cuda.Event | None:
+        """Read ``found`` into device ``pages`` (``PageCopier.read``: ``fence``, and
+        the event returned)."""
         for page in found:
             self._page_lru.move_to_end(page.key)
-        self.copier.read([page.slot for page in found], pages)
+        done = self.copier.read([page.slot for page in found], pages, fence)
         self._counts.pages_loaded += len(found)
         self._counts.hits += 1
+        return done
 
     def load_entry(self, entry: HostEntry, pages: Sequence[int]) -> None:
         """Read ``entry`` into device ``pages``; it is as recent as the clock (the

@@ -41,6 +41,10 @@ neither tier holds reports ``removed``. ``load_chain`` and ``load_entry`` bring 
 and entries back into fresh pages (``reloaded``), under the same keys. An explicit
 ``evict`` or ``evict_entry`` writes nothing (the key stays offloaded only where the
 tier held it already). Pinned pages and entries are never evicted, so never leave.
+A chain's pages are *loading* until their copy lands (``loading``): no step may use
+them before (the scheduler leaves their requests out), or ``fence_loads`` makes the
+device's compute wait for the copies. Released while loading, they are fenced first,
+so a page's next owner never races its load.
 
 *Proven* entries (placed at least once) may be spared: while ``sparing_entries`` is on
 (the scheduler admits a request while others run, so the request can wait for their
@@ -112,6 +116,7 @@ class KVPool:
         self._pinned_entry_pages = 0  # pages of the entries with pins > 0
         self.entry_evictions = 0  # entries dropped since the pool was made
         self.host: HostTier | None = None  # see attach_host
+        self._loading: dict[int, object] = {}  # page -> its unfinished load's event
 
     def attach_host(self, host: HostTier) -> None:
         """Evict into ``host`` from now on, and load back from it."""
@@ -263,6 +268,8 @@ class KVPool:
         order instead (evicted before every other cached page, tail first), for KV
         that is probably held elsewhere too (a spilled request's): it stays
         findable, and a later hit makes it as recent as any (``acquire``)."""
+        if self._loading and not self._loading.keys().isdisjoint(page_ids):
+            self.fence_loads()  # their next owner's writes come after the copies
         cold = len(page_ids) if cold_from is None else max(0, cold_from)
         for page_id in reversed(page_ids[:cold]):
             self._drop_reference(page_id)
@@ -388,10 +395,28 @@ class KVPool:
         if not pages:
             return []
         found = found[: len(pages)]
-        self.host.load_pages(found, pages)
+        done = self.host.load_pages(found, pages, fence=False)
+        if done is not None:
+            self._loading.update(dict.fromkeys(pages, done))
         for page_id, page in zip(pages, found, strict=True):
             self.publish(page_id, page.key, page.tokens, page.parent, EventKind.RELOADED)
         return pages
+
+    def loading(self, page_ids: Sequence[int]) -> bool:
+        """Whether a load into any of ``page_ids`` is still copying (module docstring)."""
+        if not self._loading:
+            return False
+        landed = {done for done in set(self._loading.values()) if done.query()}
+        if landed:
+            self._loading = {p: d for p, d in self._loading.items() if d not in landed}
+        return not self._loading.keys().isdisjoint(page_ids)
+
+    def fence_loads(self, page_ids: Sequence[int] | None = None) -> None:
+        """Make the device's compute wait for the loads (all of them; or, given
+        ``page_ids``, only if one of those is loading): every page is usable after."""
+        if self._loading and (page_ids is None or self.loading(page_ids)):
+            self.host.copier.fence()
+            self._loading.clear()
 
     def load_entry(self, key: PageKey) -> ChunkEntry | None:
         """The entry ``key`` brought back from the host tier into fresh pages (unheld,

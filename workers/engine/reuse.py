@@ -103,7 +103,8 @@ class ExactPrefixReuse:
         root = root_key(seq.namespace)
         matched = self.pool.match_chain(root, packed, usable_pages)
         self.pool.acquire(matched)
-        # then what the host tier holds after it, loaded into fresh pages
+        # then what the host tier holds after it, loaded into fresh pages (loading:
+        # the scheduler runs the sequence once they land)
         parent = self.pool.keys_of(matched[-1:])[0] if matched else root
         matched += self.pool.load_chain(
             parent, packed[len(matched) * 4 * page_size :], usable_pages - len(matched)

@@ -99,6 +99,8 @@ class Scheduler:
             # length, out of bounds). Without overlap such a sequence has finished.
             if seq.reached_length(self.limits.max_model_len):
                 continue
+            if self.pool.loading(seq.page_ids):  # its prefix is still coming from host memory
+                continue
             item = self._take(seq, budget)
             if not item.num_computed_tokens:  # its last positions are still being computed
                 continue
@@ -115,6 +117,8 @@ class Scheduler:
             # then pass the budget by one forward, after which nothing more is admitted
             budget -= item.num_computed_tokens + seq.approx.admission_tokens
             seq.approx.admission_tokens = 0
+            if self.pool.loading(seq.page_ids):  # it steps once its prefix landed
+                continue
             if item.num_computed_tokens or item.samples:  # else its forward was all
                 batch.append(item)
         return batch

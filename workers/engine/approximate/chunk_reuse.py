@@ -100,6 +100,7 @@ class ChunkReuse:
             return False
         if seq.approx.request.mode != "approximate":
             return True
+        self.pool.fence_loads(seq.page_ids)  # the admission forward reads the prefix
         matched = seq.num_computed
         last = len(seq.token_ids) - 1  # its logits give the next token
         spans = [(s, e) for s, e in seq.approx.placeable if 0 < s and s >= matched and e <= last]

@@ -56,6 +56,7 @@ class NaivePlacement:
             return False
         if not place:  # a measurement mode: its requests compute everything then
             return True
+        self.pool.fence_loads(seq.page_ids)  # the placement reads the prefix at once
         matched = seq.num_computed
         last = len(seq.token_ids) - 1  # its logits give the next token
         spans = [(s, e) for s, e in seq.approx.placeable if s >= matched and e <= last and e > s]
