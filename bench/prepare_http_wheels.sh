@@ -4,7 +4,8 @@
 # (.whl-ray-a, .whl-ray-b): pydantic and FastAPI for cluster/, the openai client and
 # redis for bench/http_rag.py, grpcio-reflection for Ray Serve, and uvicorn's standard
 # extras (httptools, uvloop: what `pip install ray[serve]` brings; h11 alone parses
-# HTTP in Python, several times slower). Versions follow this machine's installed ones, so the
+# HTTP in Python, several times slower), and xgrammar for structured output (its
+# apache-tvm-ffi comes with .whl). Versions follow this machine's installed ones, so the
 # GPU host runs what the CPU suite tested. Run from the repository root, after
 # ../shared/gpu-host/prepare-wheels.sh (whose install.sh it copies).
 set -euo pipefail
@@ -13,7 +14,7 @@ plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
       --platform manylinux2014_x86_64 --platform any)
 pinned() { python3 -m pip show "$1" 2>/dev/null | awk -v n="$1" '/^Version:/ {print n "==" $2}'; }
 names=(pydantic pydantic_core annotated_types typing_inspection fastapi starlette uvicorn opentelemetry-api
-       openai httpx2 httpcore2 truststore jiter sniffio redis httptools uvloop h11 click)
+       openai httpx2 httpcore2 truststore jiter sniffio redis httptools uvloop h11 click xgrammar)
 specs=()
 for n in "${names[@]}"; do
   s=$(pinned "$n"); [ -n "$s" ] || { echo "prepare_http_wheels: $n is not installed here" >&2; exit 1; }

@@ -79,6 +79,7 @@ class Grammars:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._compiler = None
+        self._batch = None  # xgrammar's BatchGrammarMatcher: fills rows on its threads
         self._compiled: OrderedDict[ResponseFormat, Any] = OrderedDict()
 
     def matcher(self, fmt: ResponseFormat) -> Any:
@@ -90,14 +91,19 @@ class Grammars:
 
     def constrain(self, logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[Any]):
         """``logits`` with each of ``rows`` masked to the tokens its matcher allows next
-        (a new tensor; the same one without rows)."""
-        import xgrammar as xgr
-
+        (a new tensor; the same one without rows). Steps with no constrained row never
+        import xgrammar."""
         if not rows:
             return logits
+        import xgrammar as xgr
+
         bitmask = xgr.allocate_token_bitmask(len(logits), self._vocab_size)
-        for row, matcher in zip(rows, matchers, strict=True):
-            matcher.fill_next_token_bitmask(bitmask, row)
+        if len(rows) == 1:
+            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
+        else:  # the rows' fills in parallel (half the host's cores)
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask(list(matchers), bitmask, list(rows))
         masked = logits.clone()  # the runner's logits may be an inference tensor
         xgr.apply_token_bitmask_inplace(
             masked, bitmask.to(masked.device, non_blocking=True), indices=list(rows)
