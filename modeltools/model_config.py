@@ -96,6 +96,23 @@ PRESETS: dict[str, Preset] = {
         llama3_original_max_position=8192,
         dtype=torch.bfloat16,
     ),
+    # Qwen3-4B's shapes: a model whose prefill costs far more per token than moving its
+    # KV over the host link (bench/host_tier.py), and a size to split across GPUs.
+    "qwen3-4b": Preset(
+        hidden_size=2560,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=9728,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        vocab_size=151936,
+        llama3_original_max_position=8192,
+        dtype=torch.bfloat16,
+    ),
     # Trained, not random: make_model delegates to modeltools.docqa_train (the tokenizer
     # is the doc-QA one, so vocab_size follows it).
     "docqa": Preset(
