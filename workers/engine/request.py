@@ -29,7 +29,7 @@ class PromptRequest:
     ``tenant_salt``: the key namespace's salt (None: the engine's configured one).
     ``placeable``: sorted, disjoint (start, end) spans of the prompt (its chunks) that
     approximate reuse may take from position-free entries; exact reuse ignores them.
-    ``reuse``: what the request asks of reuse (None, taken as given: exact).
+    ``reuse``: what the request asks of reuse (exact by default; None is taken as the default).
     ``expected_cached_tokens``:
     the router's estimate of the prompt tokens the engine holds, used only for its
     prefill backlog while the request waits (``Engine.load_shape``); nothing computed
