@@ -160,10 +160,10 @@ def decode_gaps(
         outs = engine.step()
         now = time.perf_counter()
         step += 1
-        tokens = {o.request_id for o in outs if o.new_token_ids}
+        stepped = {o.request_id for o in outs if o.new_token_ids}
         if not measuring and all(rid in last for rid in ids):
             measuring = True  # every decoder has its first token: steady decoding
-        for rid in tokens & set(ids):
+        for rid in stepped & set(ids):
             if measuring and rid in last:
                 gaps.append(now - last[rid])
             last[rid] = now

@@ -268,7 +268,7 @@ class KVPool:
         order instead (evicted before every other cached page, tail first), for KV
         that is probably held elsewhere too (a spilled request's): it stays
         findable, and a later hit makes it as recent as any (``acquire``)."""
-        if self._loading and not self._loading.keys().isdisjoint(page_ids):
+        if self.loading(page_ids):
             self.fence_loads()  # their next owner's writes come after the copies
         cold = len(page_ids) if cold_from is None else max(0, cold_from)
         for page_id in reversed(page_ids[:cold]):
@@ -402,14 +402,18 @@ class KVPool:
             self.publish(page_id, page.key, page.tokens, page.parent, EventKind.RELOADED)
         return pages
 
+    def land_loads(self) -> None:
+        """Stop counting as loading the pages whose copies have landed (once a step:
+        it asks the device about each unfinished load)."""
+        if self._loading:
+            landed = {done for done in set(self._loading.values()) if done.query()}
+            if landed:
+                self._loading = {p: d for p, d in self._loading.items() if d not in landed}
+
     def loading(self, page_ids: Sequence[int]) -> bool:
-        """Whether a load into any of ``page_ids`` is still copying (module docstring)."""
-        if not self._loading:
-            return False
-        landed = {done for done in set(self._loading.values()) if done.query()}
-        if landed:
-            self._loading = {p: d for p, d in self._loading.items() if d not in landed}
-        return not self._loading.keys().isdisjoint(page_ids)
+        """Whether a load into any of ``page_ids`` was still copying at the last
+        ``land_loads`` (or was queued since): module docstring."""
+        return bool(self._loading) and not self._loading.keys().isdisjoint(page_ids)
 
     def fence_loads(self, page_ids: Sequence[int] | None = None) -> None:
         """Make the device's compute wait for the loads (all of them; or, given

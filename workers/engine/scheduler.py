@@ -88,6 +88,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.limits.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
+        self.pool.land_loads()
         for seq in list(self.running):
             if budget == 0:
                 break

@@ -23,6 +23,7 @@ from chunkstore.chunking import chunk_conversation
 from cluster.api.openai_format import ChatFormat, ChoiceOutput, CompletionFormat, reuse, usage
 from cluster.ops.chat_backends import RemoteBackend
 from cluster.ops.chat_cli import reuse_line
+from tests.chunkstore.testkit import wait_until
 from tests.cluster.conftest import cluster_config, stop_app, unique_name, wait_healthy
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
@@ -590,12 +591,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(app, client
 
 
 def _wait_idle(worker, timeout_s: float = 10) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if ray.get(worker.status.remote()).load.requests == 0:
-            return True
-        time.sleep(0.05)
-    return False
+    return wait_until(lambda: ray.get(worker.status.remote()).load.requests == 0, timeout_s)
 
 
 def _router_in_flight(app) -> float:
@@ -606,12 +602,7 @@ def _router_in_flight(app) -> float:
 def _wait_router_idle(app, timeout_s: float = 10) -> bool:
     """The replica finished its requests too (it uncounts a closed stream's work when
     its handler ends, which may come after the worker dropped it)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if _router_in_flight(app) == 0:
-            return True
-        time.sleep(0.05)
-    return False
+    return wait_until(lambda: _router_in_flight(app) == 0, timeout_s, step_s=0.05)
 
 
 def test_full_worker_answers_429(app, client):
