@@ -48,9 +48,13 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def push_out(engine: Engine) -> None:
-    """Evict every cached page the pool holds (into the host tier, where there is one)."""
-    pages = engine.pool.allocate(engine.pool.num_available)
-    engine.pool.release(pages)
+    """Evict every cached page the pool holds into the host tier, a staging bound's
+    worth at a time, each written before the next (so none is skipped)."""
+    pool, taken = engine.pool, []
+    while pool.num_available:
+        taken += pool.allocate(min(pool.host.copier.staging_pages, pool.num_available))
+        _sync()
+    pool.release(taken)
 
 
 def ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
@@ -123,7 +127,7 @@ def measure_idle_tier(
     ]
     ratio = statistics.median(rates["on"]) / statistics.median(rates["off"])
     rows.append(["on / off", "", f"{ratio:.3f} ({stats.pages_written:,} pages written, "
-                 f"{stats.hits} hits)"])  # fmt: skip
+                 f"{stats.pages_skipped:,} skipped, {stats.hits} hits)"])  # fmt: skip
     llms.clear()
     gc.collect()
     if torch.cuda.is_available():

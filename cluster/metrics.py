@@ -395,6 +395,13 @@ def worker_families(statuses: Mapping[str, WorkerStatus | None]) -> list[Family]
         "evictions written; to_device: loads)",
         ("worker", "direction"),
     )
+    host_skipped = Counter(
+        "chunkserve_worker_host_kv_pages_skipped_total",
+        "evicted pages not written to the host tier because the writes already staged "
+        "held their device memory (evictions outrunning the host link): dropped as "
+        "without a tier",
+        ("worker",),
+    )
     host_load = Counter(
         "chunkserve_worker_host_kv_load_seconds_total",
         "time the host tier's loads took (on a GPU their copies' span on the device); "
@@ -423,10 +430,12 @@ def worker_families(statuses: Mapping[str, WorkerStatus | None]) -> list[Family]
                 host_hits.inc(worker_id, by=tier.hits)
                 host_bytes.inc(worker_id, "to_host", by=tier.bytes_written)
                 host_bytes.inc(worker_id, "to_device", by=tier.bytes_loaded)
+                host_skipped.inc(worker_id, by=tier.pages_skipped)
                 host_load.inc(worker_id, by=tier.load_s)
     return [
         up, requests, tokens, pages, kv_total, kv_in_use, backlog, prefill_rate,
-        steps, step_seconds, busy, host_slots, host_used, host_hits, host_bytes, host_load,
+        steps, step_seconds, busy, host_slots, host_used, host_hits, host_bytes, host_skipped,
+        host_load,
     ]  # fmt: skip
 
 

@@ -122,8 +122,9 @@ def _host_tier_line(tier: TierStats) -> str:
     return (
         f"  host KV tier: {used}/{tier.slots} pages ({tier.pages} prefix, "
         f"{tier.entry_pages} in entries), {tier.hits} hits, "
-        f"{tier.bytes_written / 2**30:.2f} GiB written, {tier.bytes_loaded / 2**30:.2f} GiB "
-        f"loaded, {tier.load_s_per_page * 1e3:.3f} ms per page loaded"
+        f"{tier.bytes_written / 2**30:.2f} GiB written ({tier.pages_skipped} pages skipped: "
+        f"the link was busy), {tier.bytes_loaded / 2**30:.2f} GiB loaded, "
+        f"{tier.load_s_per_page * 1e3:.3f} ms per page loaded"
     )
 
 

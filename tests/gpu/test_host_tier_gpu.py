@@ -38,3 +38,37 @@ def test_a_prefix_loaded_back_from_host_memory_serves_as_a_device_hit(qwen3_06b)
         assert torch.equal(engine.runner.kv_stack[:, page], before)
     stats = pool.host.stats()
     assert stats.hits >= 8 and stats.load_s > 0
+
+
+def test_evictions_beyond_the_staging_bound_are_dropped_not_waited_for():
+    """One eviction of three copies' worth through a staging bound of one: the first
+    copy's pages are written and come back byte for byte, the rest are dropped and
+    counted, and once the copy ends the bound is free again."""
+    from chunkstore.hashing import PageKey
+    from workers.engine.host_tier import COPY_BATCH_PAGES, HostTier, PageCopier
+
+    pages = 3 * COPY_BATCH_PAGES
+    kv = torch.randn(2, pages + 8, 2, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    copier = PageCopier(kv, pages, staging_bytes=1)  # the floor: one copy's worth
+    tier = HostTier(copier)
+    keys = [PageKey(i.to_bytes(16, "big")) for i in range(pages)]
+    root = PageKey(b"root")
+    parents = [root, *keys[:-1]]  # one chain, each page of the same 16 tokens
+    evicted = [(p, keys[p], parents[p], bytes(4 * 16)) for p in range(pages)]
+    before = kv.clone()
+    tier.put_pages(evicted)
+    kept = [k for k in keys if tier.has_page(k)]
+    assert kept == keys[:COPY_BATCH_PAGES]
+    stats = tier.stats()
+    assert (stats.pages_written, stats.pages_skipped) == (
+        COPY_BATCH_PAGES,
+        pages - COPY_BATCH_PAGES,
+    )
+    torch.cuda.synchronize()
+    assert copier.writable() == COPY_BATCH_PAGES
+    kv.zero_()
+    found = tier.chain(root, bytes(4 * 16 * pages), 16, pages)
+    assert [page.key for page in found] == kept
+    tier.load_pages(found, list(range(COPY_BATCH_PAGES)))
+    torch.cuda.synchronize()
+    assert torch.equal(kv[:, :COPY_BATCH_PAGES], before[:, :COPY_BATCH_PAGES])

@@ -34,9 +34,16 @@ def _page_bytes(engine: Engine, pages) -> list[torch.Tensor]:
 
 def _push_out(engine: Engine) -> None:
     """Take every page the pool can give, then give them back: whatever was cached
-    is evicted for room (into the host tier, where there is one)."""
-    pages = engine.pool.allocate(engine.pool.num_available)
-    engine.pool.release(pages)
+    is evicted for room (into the host tier, where there is one). On a GPU a batch at
+    a time, each written before the next, so that no page finds the staged writes
+    full (``PageCopier.writable``)."""
+    pool, taken = engine.pool, []
+    batch = pool.host.copier.staging_pages if pool.host is not None else pool.num_available
+    while pool.num_available:
+        taken += pool.allocate(min(batch, pool.num_available))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    pool.release(taken)
 
 
 def _kinds(events) -> dict[EventKind, set]:

@@ -44,7 +44,7 @@ from workers.engine.attention import make_backend
 from workers.engine.attention.base import AttentionShape
 from workers.engine.checkpoint import checkpoint_fingerprint, load_tokenizer
 from workers.engine.config import EngineConfig, resolve_deviation_layer
-from workers.engine.host_tier import HostTier, PageCopier, host_slots
+from workers.engine.host_tier import WRITE_STAGING_BYTES, HostTier, PageCopier, host_slots
 from workers.engine.kv_pool import KVPool
 from workers.engine.model_runner import CarriedTokens, ModelRunner
 from workers.engine.models.config import ModelConfig
@@ -668,6 +668,8 @@ class Engine:
             free, total = torch.cuda.mem_get_info(self.device)
             reserve = total * (1 - self.config.gpu_memory_utilization)
             budget = free - reserve - 2**30  # room for activations
+            if self.config.host_kv_gib > 0:
+                budget -= WRITE_STAGING_BYTES  # writes on their way to the host tier
         else:
             budget = self.config.cpu_kv_cache_bytes
         num_pages = int(budget // per_page)

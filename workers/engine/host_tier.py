@@ -12,8 +12,10 @@ Two parts:
   the pages' last writers, before their new owner overwrites them) and copies that to
   host memory on the copy stream, which the compute stream never waits for: an idle
   tier costs the steps only the gather. A staging buffer is the copy stream's until its
-  copy ends; at most ``WRITE_PAGES_IN_FLIGHT`` pages are in flight, beyond which the
-  host waits for the oldest writes (evictions faster than the host link takes them).
+  copy ends. Staged writes hold at most ``staging_bytes`` of device memory (the engine
+  takes it from the pool's budget); an eviction that finds them full, because
+  evictions outrun the host link, is not written (the pages are dropped, as without a
+  tier, and counted in ``TierStats.pages_skipped``): no step ever waits for a write.
   A load copies on the copy stream after the work queued on the compute stream. Where
   ``fence`` is asked, the compute stream waits for it (an admission forward reads the
   pages at once); else the pool counts the pages as loading until the load's event has
@@ -35,6 +37,7 @@ the tier drops while the device has none is ``removed``.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator, Sequence
@@ -57,6 +60,7 @@ class TierStats:
     hits: int  # admissions that loaded pages or an entry back
     pages_written: int  # device -> host
     pages_loaded: int  # host -> device
+    pages_skipped: int  # evicted while staged writes were full: dropped, not written
     bytes_written: int
     bytes_loaded: int
     load_s: float  # time the loads took (their copies' span on the device; on CPU, the copy)
@@ -108,31 +112,46 @@ def _runs(slots: Sequence[int]) -> Iterator[tuple[int, int, int]]:
 
 
 # Pages a copy stages on the device at once: a long load needs no more scratch memory
-# than this many pages (an 8B model's: 128 MiB), a burst of evictions no more than
-# WRITE_PAGES_IN_FLIGHT.
+# than this many pages (an 8B model's: 128 MiB).
 COPY_BATCH_PAGES = 64
-WRITE_PAGES_IN_FLIGHT = 4 * COPY_BATCH_PAGES
+# Device memory that writes on their way to host memory may hold (``PageCopier``): at
+# the host link's 40-50 GB/s, about 20 ms of evictions queued ahead of the copy stream.
+WRITE_STAGING_BYTES = 2**30
 
 
 class PageCopier:
     """Copies pages between ``kv_stack`` (the model runner's [layers, pages, 2,
     page_size, kv_heads, head_dim]) and ``num_slots`` host slots (module docstring)."""
 
-    def __init__(self, kv_stack: torch.Tensor, num_slots: int) -> None:
+    def __init__(
+        self, kv_stack: torch.Tensor, num_slots: int, staging_bytes: int = WRITE_STAGING_BYTES
+    ) -> None:
         self.kv = kv_stack
         self.device = kv_stack.device
         cuda = self.device.type == "cuda"
         shape = (num_slots, kv_stack.shape[0], *kv_stack.shape[2:])
         self.host = torch.empty(shape, dtype=kv_stack.dtype, pin_memory=cuda)
         self.bytes_per_slot = self.host[0].numel() * self.host.element_size()
+        # pages staged writes may hold: at least one copy's worth
+        self.staging_pages = max(COPY_BATCH_PAGES, staging_bytes // self.bytes_per_slot)
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self.load_s = 0.0  # resolved loads' time
         self._timing: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self._writes: deque[tuple[torch.cuda.Event, int]] = deque()  # (end, pages)
         self._pages_in_flight = 0  # pages of the writes in ``_writes``
 
+    def writable(self) -> int:
+        """Pages a write may take now without waiting for an earlier one (unbounded on
+        CPU, where a write is done when it returns). Never waits."""
+        if self._stream is None:
+            return sys.maxsize
+        while self._writes and self._writes[0][0].query():
+            self._pages_in_flight -= self._writes.popleft()[1]
+        return self.staging_pages - self._pages_in_flight
+
     def write(self, pages: Sequence[int], slots: Sequence[int]) -> None:
-        """Device pages -> host slots (on CUDA, the compute stream never waits for it)."""
+        """Device pages -> host slots (on CUDA, the compute stream never waits for it).
+        Invariant: at most ``writable()`` pages (asked just before)."""
         for start in range(0, len(pages), COPY_BATCH_PAGES):
             batch = slice(start, start + COPY_BATCH_PAGES)
             index = self._index(pages[batch])
@@ -148,12 +167,6 @@ class PageCopier:
             staged.record_stream(self._stream)  # freed once the copy stream is past it
             self._writes.append((done, len(index)))
             self._pages_in_flight += len(index)
-            while self._writes and (
-                self._pages_in_flight > WRITE_PAGES_IN_FLIGHT or self._writes[0][0].query()
-            ):
-                oldest, pages_written = self._writes.popleft()
-                oldest.synchronize()  # at once where it is done already
-                self._pages_in_flight -= pages_written
 
     def _index(self, pages: Sequence[int]) -> torch.Tensor:
         """``pages`` as a device index, copied from pinned memory: the host never waits
@@ -245,6 +258,7 @@ class _Counts:
     hits: int = 0
     pages_written: int = 0
     pages_loaded: int = 0
+    pages_skipped: int = 0
 
 
 @dataclass
@@ -303,15 +317,17 @@ class HostTier:
         size = self.copier.bytes_per_slot
         return TierStats(
             self.num_slots, len(self._pages), self._entry_slots, counts.hits,
-            counts.pages_written, counts.pages_loaded, counts.pages_written * size,
+            counts.pages_written, counts.pages_loaded, counts.pages_skipped,
+            counts.pages_written * size,
             counts.pages_loaded * size, self.copier.load_s,
         )  # fmt: skip
 
     # -- writes ----------------------------------------------------------------
     def put_pages(self, pages: Sequence[tuple[int, PageKey, PageKey, bytes]]) -> Dropped:
         """Write device pages ``(page id, key, parent key, packed tokens)`` evicted from
-        the device; those already here are only made recent. A page that finds no room
-        is not kept (``has_page`` says which are)."""
+        the device; those already here are only made recent. A page that finds no room,
+        or no room among the staged writes (the first ones given are written), is not
+        kept (``has_page`` says which are)."""
         dropped = Dropped()
         new = []
         for page in pages:
@@ -320,6 +336,10 @@ class HostTier:
                 self._page_lru.move_to_end(key)
             else:
                 new.append(page)
+        writable = self.copier.writable()
+        if len(new) > writable:
+            self._counts.pages_skipped += len(new) - max(writable, 0)
+            new = new[: max(writable, 0)]
         slots = self._take(len(new), dropped)
         new = new[: len(slots)]
         for (_, key, parent, tokens), slot in zip(new, slots, strict=True):
@@ -332,12 +352,16 @@ class HostTier:
 
     def put_entry(self, key: PageKey, pages: Sequence[int], num_tokens: int, hits: int) -> Dropped:
         """Write a device entry evicted from the device (already here: only its uses and
-        priority are brought up to date)."""
+        priority are brought up to date); not where the staged writes have no room for
+        all of its pages."""
         dropped = Dropped()
         held = self._entries.get(key)
         if held is not None:
             held.hits = max(held.hits, hits)
             held.priority = self._clock + 1 + held.hits
+            return dropped
+        if len(pages) > self.copier.writable():
+            self._counts.pages_skipped += len(pages)
             return dropped
         slots = self._take(len(pages), dropped) if len(pages) <= self.num_slots else []
         if len(slots) < len(pages):
