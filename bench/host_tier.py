@@ -18,7 +18,9 @@ in this process, its variants in turns.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import pstats
 import random
 import statistics
 import sys
@@ -106,8 +108,34 @@ def throughput(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
 
 
+def print_profile(title: str, run) -> None:
+    """``run()`` under cProfile and torch's profiler: the host functions and the device
+    kernels that took the most time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    host = cProfile.Profile()
+    with profile(activities=activities) as prof:
+        host.enable()
+        run()
+        host.disable()
+    print(f"\n### {title}: host functions (cProfile, by own time)\n")
+    pstats.Stats(host).sort_stats("tottime").print_stats(25)
+    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(f"### {title}: operators by device time\n")
+    print(prof.key_averages().table(sort_by=key, row_limit=25))
+
+
 def measure_idle_tier(
-    model: Path, pages: int, host_gib: float, requests: int, rounds: int, rng: random.Random
+    model: Path,
+    pages: int,
+    host_gib: float,
+    requests: int,
+    rounds: int,
+    rng: random.Random,
+    profile: bool = False,
 ) -> tuple[list[list[object]], float]:
     llms = {
         "off": LLM(model, num_pages=pages),
@@ -120,6 +148,10 @@ def measure_idle_tier(
         for name, llm in llms.items():
             prompts = [_tokens(rng, 1024) for _ in range(requests)]  # never seen: no hit
             rates[name].append(throughput(llm, prompts, 64))
+    if profile:
+        for name, llm in llms.items():
+            prompts = [_tokens(rng, 1024) for _ in range(requests)]
+            print_profile(f"idle tier {name}", lambda: throughput(llm, prompts, 64))  # noqa: B023
     stats = llms["on"].engine.pool.host.stats()
     rows = [
         [name, " / ".join(f"{r:,.0f}" for r in values), f"{statistics.median(values):,.0f}"]
@@ -222,6 +254,9 @@ def main() -> None:
     ap.add_argument("--loads", type=int, default=16)
     ap.add_argument("--every", type=int, default=8, help="steps between arrivals")
     ap.add_argument("--parts", nargs="+", choices=("ttft", "itl", "idle"), default=None)
+    ap.add_argument(
+        "--profile", action="store_true", help="idle tier: one more round of each, profiled"
+    )
     args = ap.parse_args()
     parts = set(args.parts or ("ttft", "itl", "idle"))
     if torch.cuda.is_available():
@@ -247,7 +282,7 @@ def main() -> None:
     if "idle" not in parts:
         return
     rows, _ = measure_idle_tier(
-        model, args.pages, args.host_kv_gib, args.requests, args.rounds, rng
+        model, args.pages, args.host_kv_gib, args.requests, args.rounds, rng, args.profile
     )
     print_table(
         f"idle tier: {args.requests} unique 1,024-token prompts, 64 out, {args.pages}-page pool",

@@ -9,102 +9,43 @@ included), against exact reuse serving the same stream:
 
 and the answers are as right as exact reuse's.
 
-The documents have 14-17 tokens, so the engines keep entries from 8 tokens on
-(``min_entry_tokens``; the default, 32, is for real documents); everything else is the
-engine's and the request's defaults.
+The streams and engines are ``bench/first_sight.py``'s (which prints the figures, on
+any device).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
-
 import pytest
 
-from bench.reuse_quality import build_prompt
-from modeltools.docqa_data import DocQAExample, answer_matches, generate
-from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.engine.reuse_info import ReuseRequest
-from workers.engine.sampling_params import SamplingParams
-
-DOCQA = Path(__file__).resolve().parents[2] / "modeltools" / "docqa_model"
-ANSWER = SamplingParams(max_tokens=12, temperature=0)
-SETS, REPEATS = 6, 5  # the repeated stream: 6 document sets, each seen 1 + 5 times
+from bench.first_sight import compare, new_stream, repeated_stream
 
 
-def _engine() -> Engine:
-    config = EngineConfig(str(DOCQA), device="cpu", num_pages=2048, min_entry_tokens=8)
-    return Engine(config)
+@pytest.fixture(scope="module")
+def new_documents():
+    return compare("cpu", new_stream(12, 4))
 
 
-def _serve(engine: Engine, rounds: list[list[DocQAExample]], mode: str):
-    """Each round's requests in one batch, rounds in order; (positions computed,
-    answers right, answers)."""
-    before = engine.tally.copy()
-    right, answers = 0, 0
-    for number, examples in enumerate(rounds):
-        texts = {}
-        for index, example in enumerate(examples):
-            prompt = build_prompt(engine.tokenizer, example)
-            rid = f"{mode}-{number}-{index}"
-            texts[rid] = (example, [])
-            engine.add_request(
-                rid, prompt.token_ids, ANSWER, placeable=prompt.doc_spans,
-                reuse=ReuseRequest(mode),
-            )  # fmt: skip
-        while engine.has_unfinished():
-            for out in engine.step():
-                texts[out.request_id][1].extend(out.new_token_ids)
-        for example, tokens in texts.values():
-            text = engine.tokenizer.decode(tokens, skip_special_tokens=True).strip()
-            right += answer_matches(text, example.answer)
-            answers += 1
-    return engine.tally.since(before), right, answers
+@pytest.fixture(scope="module")
+def repeated_documents():
+    return compare("cpu", repeated_stream(6, 5))
 
 
-def _new_system(example: DocQAExample, round_number: int) -> str:
-    return f"{example.system} Desk {round_number + 1}."
-
-
-def _reordered(example: DocQAExample, round_number: int) -> DocQAExample:
-    """The same documents rotated and reversed, after a system prompt never seen."""
-    docs = list(example.documents)
-    shift = round_number % len(docs)
-    docs = (docs[shift:] + docs[:shift])[:: -1 if round_number % 2 else 1]
-    gold = tuple(
-        docs.index(example.documents[g]) for g in example.gold
-    )  # the gold documents follow their text
-    return dataclasses.replace(
-        example, system=_new_system(example, round_number), documents=tuple(docs), gold=gold
-    )
-
-
-@pytest.fixture
-def engines():
-    return {"exact": _engine(), "approximate": _engine()}
-
-
-def test_a_first_sight_costs_what_exact_reuse_pays(engines):
-    stream = generate(11, 12, 8, "heldout", 1)
-    rounds = [stream[i : i + 4] for i in range(0, len(stream), 4)]
-    exact, exact_right, n = _serve(engines["exact"], rounds, "exact")
-    approx, approx_right, _ = _serve(engines["approximate"], rounds, "approximate")
+def test_a_first_sight_costs_what_exact_reuse_pays(new_documents):
+    exact, approx = new_documents["exact"], new_documents["approximate"]
+    tally = approx.tally
     # every document missed (bar one found in an exact prefix) and kept, none filled
-    assert approx.entry_hits == 0 and approx.entry_misses >= 12 * 8 - 2
-    assert approx.entries_taken == approx.entry_misses and approx.fills_queued == 0
-    ratio = approx.prompt_positions / exact.prompt_positions
+    assert tally.entry_hits == 0 and tally.entry_misses >= 12 * 8 - 2
+    assert tally.entries_taken == tally.entry_misses and tally.fills_queued == 0
+    ratio = tally.prompt_positions / exact.tally.prompt_positions
     assert ratio <= 1.1, f"approximate computed {ratio:.2f}x exact's positions"
-    assert approx_right >= exact_right >= n - 1  # the model answers these
+    assert approx.right >= exact.right >= exact.answers - 1  # the model answers these
 
 
-def test_repeated_documents_in_new_orders_cost_half_or_less(engines):
-    sets = generate(12, SETS, 8, "heldout", 2)
-    rounds = [[_reordered(ex, r) for ex in sets] for r in range(1 + REPEATS)]
-    exact, exact_right, n = _serve(engines["exact"], rounds, "exact")
-    approx, approx_right, _ = _serve(engines["approximate"], rounds, "approximate")
-    assert approx.entries_taken == SETS * 8  # the first round's, once
-    assert approx.entry_hits == REPEATS * SETS * 8
-    ratio = approx.prompt_positions / exact.prompt_positions
+def test_repeated_documents_in_new_orders_cost_half_or_less(repeated_documents):
+    exact, approx = repeated_documents["exact"], repeated_documents["approximate"]
+    tally = approx.tally
+    assert tally.entries_taken == 6 * 8  # the first round's, once
+    assert tally.entry_hits == 5 * 6 * 8
+    ratio = tally.prompt_positions / exact.tally.prompt_positions
     assert ratio <= 0.5, f"approximate computed {ratio:.2f}x exact's positions"
-    assert approx_right >= exact_right >= n - 2
+    assert approx.right >= exact.right >= exact.answers - 2

@@ -88,6 +88,30 @@ def test_a_page_loaded_back_is_byte_identical_to_the_page_written(tiny_qwen3):
     assert (stats.bytes_written, stats.bytes_loaded) == (stats.pages_written * size, 5 * size)
 
 
+def test_evictions_batched_in_a_block_are_written_and_reported_together(tiny_qwen3):
+    """``KVPool.batching_evictions`` (the scheduler's running requests growing): pages
+    evicted within are neither in the host tier nor reported until the block ends,
+    then all of them are, in one write."""
+    llm = LLM(tiny_qwen3, page_size=PAGE, num_pages=12, host_kv_gib=TIER_GIB)
+    pool = llm.engine.pool
+    llm.generate([_tokens(random.Random(2), 6 * PAGE + 1)], GREEDY)
+    keys = pool.cached_keys()  # the prompt's full pages and the output's
+    assert len(keys) >= 6
+    pool.drain_events()
+    writes = []
+    put_pages = pool.host.put_pages
+    pool.host.put_pages = lambda pages: writes.append(len(pages)) or put_pages(pages)
+    taken = []
+    with pool.batching_evictions():
+        for _ in range(pool.num_available):
+            taken += pool.allocate(1)
+        assert not any(pool.host.has_page(k) for k in keys) and not pool.drain_events()
+    assert writes == [len(keys)]
+    assert all(pool.host.has_page(k) for k in keys)
+    assert _kinds(pool.drain_events())[EventKind.OFFLOADED] == set(keys)
+    pool.release(taken)
+
+
 def _packed(tokens):
     from chunkstore.hashing import pack_tokens
 

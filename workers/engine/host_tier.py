@@ -44,6 +44,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from chunkstore.hashing import PageKey
@@ -127,6 +128,11 @@ class PageCopier:
         self, kv_stack: torch.Tensor, num_slots: int, staging_bytes: int = WRITE_STAGING_BYTES
     ) -> None:
         self.kv = kv_stack
+        # one row a (layer, page): a page's rows for every layer, gathered in the
+        # order of the host slot (page-major), are the slot's bytes
+        layers, num_pages = kv_stack.shape[:2]
+        self._rows = kv_stack.view(layers * num_pages, -1)
+        self._layer_rows = np.arange(layers, dtype=np.int64) * num_pages
         self.device = kv_stack.device
         cuda = self.device.type == "cuda"
         shape = (num_slots, kv_stack.shape[0], *kv_stack.shape[2:])
@@ -154,8 +160,9 @@ class PageCopier:
         Invariant: at most ``writable()`` pages (asked just before)."""
         for start in range(0, len(pages), COPY_BATCH_PAGES):
             batch = slice(start, start + COPY_BATCH_PAGES)
-            index = self._index(pages[batch])
-            staged = self.kv.index_select(1, index).transpose(0, 1).contiguous()
+            count = len(pages[batch])
+            staged = self._rows.index_select(0, self._index(pages[batch]))
+            staged = staged.view(count, *self.host.shape[1:])
             if self._stream is None:
                 self._copy_out(staged, slots[batch])
                 continue
@@ -165,13 +172,17 @@ class PageCopier:
                 done = torch.cuda.Event()
                 done.record()
             staged.record_stream(self._stream)  # freed once the copy stream is past it
-            self._writes.append((done, len(index)))
-            self._pages_in_flight += len(index)
+            self._writes.append((done, count))
+            self._pages_in_flight += count
 
     def _index(self, pages: Sequence[int]) -> torch.Tensor:
-        """``pages`` as a device index, copied from pinned memory: the host never waits
-        for the device's queued work (a plain ``torch.tensor(..., device=)`` would)."""
-        index = torch.tensor(pages, dtype=torch.long, pin_memory=self._stream is not None)
+        """The rows of ``pages`` (page-major: each page's layers in order) as a device
+        index, copied from pinned memory: the host never waits for the device's queued
+        work (a plain ``torch.tensor(..., device=)`` would)."""
+        rows = (np.asarray(pages, dtype=np.int64)[:, None] + self._layer_rows).ravel()
+        index = torch.from_numpy(rows)
+        if self._stream is not None:
+            index = index.pin_memory()
         return index.to(self.device, non_blocking=True)
 
     def _copy_out(self, staged: torch.Tensor, slots: Sequence[int]) -> None:
@@ -194,13 +205,15 @@ class PageCopier:
                 batch = slice(start, start + COPY_BATCH_PAGES)
                 index = self._index(pages[batch])
                 staged = torch.empty(
-                    (len(index), *self.host.shape[1:]), dtype=self.kv.dtype, device=self.device
+                    (len(slots[batch]), *self.host.shape[1:]),
+                    dtype=self.kv.dtype,
+                    device=self.device,
                 )
                 for at, first, count in _runs(slots[batch]):
                     staged[at : at + count].copy_(
                         self.host[first : first + count], non_blocking=self._stream is not None
                     )
-                self.kv.index_copy_(1, index, staged.transpose(0, 1))
+                self._rows.index_copy_(0, index, staged.view(len(index), -1))
         if begin is None:
             self.load_s += time.perf_counter() - started
             return None

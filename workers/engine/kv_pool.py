@@ -117,6 +117,9 @@ class KVPool:
         self.entry_evictions = 0  # entries dropped since the pool was made
         self.host: HostTier | None = None  # see attach_host
         self._loading: dict[int, object] = {}  # page -> its unfinished load's event
+        self._evicted: list[tuple[int, PageKey, PageKey, bytes]] | None = (
+            None  # see batching_evictions
+        )
 
     def attach_host(self, host: HostTier) -> None:
         """Evict into ``host`` from now on, and load back from it."""
@@ -131,6 +134,24 @@ class KVPool:
         if self._sparing:
             available -= min(self._proven_entry_pages, self.entry_reserve_pages)
         return available
+
+    @contextmanager
+    def batching_evictions(self) -> Iterator[None]:
+        """Within: the cached pages ``allocate`` evicts are written to the host tier
+        (and reported) together on the way out, one copy instead of one per allocation.
+        Invariant: nothing within writes a page it was given (its new owner's writes
+        are queued after the block, behind the copy's gather); the scheduler's running
+        requests growing by a page each are the use."""
+        if self._evicted is not None or self.host is None:
+            yield
+            return
+        self._evicted = []
+        try:
+            yield
+        finally:
+            evicted, self._evicted = self._evicted, None
+            if evicted:
+                self._gone_for_room(evicted)
 
     @contextmanager
     def sparing_entries(self, spare: bool = True) -> Iterator[None]:
@@ -230,12 +251,18 @@ class KVPool:
             page = self._pages[page_id]
             page.ref_count, page.exact = 1, True
             taken.append(page_id)
-        if evicted:
-            # written before any caller can write the pages (the copier's ordering)
-            if self.host is not None:
-                self._note_dropped(self.host.put_pages(evicted))
-            self._report_gone([key for _, key, _, _ in evicted])
+        if self._evicted is not None:
+            self._evicted += evicted
+        elif evicted:
+            self._gone_for_room(evicted)
         return taken
+
+    def _gone_for_room(self, evicted: list[tuple[int, PageKey, PageKey, bytes]]) -> None:
+        """Cached pages evicted for room: written to the host tier (queued before any
+        later write of the pages, the copier's ordering) and reported."""
+        if self.host is not None:
+            self._note_dropped(self.host.put_pages(evicted))
+        self._report_gone([key for _, key, _, _ in evicted])
 
     def _report_gone(self, keys: Sequence[PageKey], entries: bool = False) -> None:
         """Keys this device pool no longer holds: offloaded where the host tier holds

@@ -89,25 +89,26 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         self.pool.land_loads()
-        for seq in list(self.running):
-            if budget == 0:
-                break
-            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
-                continue
-            # With overlapped steps (``Engine``) a sequence whose last token is still
-            # being sampled may have all it may have: it finishes when that token is
-            # read back, so computing past it would be wasted (and past the context
-            # length, out of bounds). Without overlap such a sequence has finished.
-            if seq.reached_length(self.limits.max_model_len):
-                continue
-            if self.pool.loading(seq.page_ids):  # its prefix is still coming from host memory
-                continue
-            item = self._take(seq, budget)
-            if not item.num_computed_tokens:  # its last positions are still being computed
-                continue
-            if self._reserve_pages(seq, item.num_tokens):
-                batch.append(item)
-                budget -= item.num_computed_tokens
+        with self.pool.batching_evictions():  # pages given here are written by the step
+            for seq in list(self.running):
+                if budget == 0:
+                    break
+                if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                    continue
+                # With overlapped steps (``Engine``) a sequence whose last token is still
+                # being sampled may have all it may have: it finishes when that token is
+                # read back, so computing past it would be wasted (and past the context
+                # length, out of bounds). Without overlap such a sequence has finished.
+                if seq.reached_length(self.limits.max_model_len):
+                    continue
+                if self.pool.loading(seq.page_ids):  # its prefix is still coming from host
+                    continue
+                item = self._take(seq, budget)
+                if not item.num_computed_tokens:  # its last positions are still being computed
+                    continue
+                if self._reserve_pages(seq, item.num_tokens):
+                    batch.append(item)
+                    budget -= item.num_computed_tokens
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
             item = self._admit(seq, budget)
