@@ -19,7 +19,8 @@ Mutation semantics (every implementation follows them exactly):
   mid-stream) the batch is not applied, the worker's keys are voided (they are
   no longer known to be right) and the result asks for a snapshot.
 - ``publish_snapshot`` replaces the worker's keys with exactly the given ones and
-  restarts its stream at ``seq``: the next batch must carry ``seq + 1``.
+  restarts its stream at ``seq``: the next batch must carry ``seq + 1``. Of its keys,
+  ``host_keys`` (a subset) are the ones only in host memory.
 - ``publish``, ``publish_snapshot`` and ``heartbeat`` each renew the worker's
   lease to ``now + lease_ttl`` (anything that reaches the directory proves the
   worker alive). ``heartbeat`` asks for a snapshot when the directory has no
@@ -31,7 +32,6 @@ Mutation semantics (every implementation follows them exactly):
   them sit only in host memory (``offloaded`` events put a key there, ``stored``,
   ``reloaded`` and ``removed`` take it out, ``cleared`` empties it): the tokens of
   the run (``WorkerHolding.host_tokens``) and the entries (``host_entries``).
-  A snapshot carries no tiers: its keys count as in device memory until they move.
 - A worker is *live* while its lease is fresh. ``lookup`` counts live workers
   only; a worker's keys are garbage-collected at most one lease TTL after its
   lease expired, so entries never outlive their worker's lease by more than one
@@ -151,7 +151,12 @@ class ChunkDirectory(Protocol):
     ) -> PublishResult: ...
 
     def publish_snapshot(
-        self, worker_id: str, epoch: int, seq: int, keys: Sequence[PageKey]
+        self,
+        worker_id: str,
+        epoch: int,
+        seq: int,
+        keys: Sequence[PageKey],
+        host_keys: Sequence[PageKey] = (),
     ) -> PublishResult: ...
 
     def heartbeat(self, worker_id: str, epoch: int) -> PublishResult: ...
@@ -196,6 +201,21 @@ def check_keys(keys: Sequence[PageKey]) -> None:
                 f"page keys must be {PAGE_KEY_BYTES}-byte digests from chunkstore.hashing, "
                 f"got {key!r:.60}; drop chunks whose key is None before calling"
             )
+
+
+def check_snapshot(keys: Sequence[PageKey], host_keys: Sequence[PageKey]) -> None:
+    check_keys(keys)
+    check_keys(host_keys)
+    if host_keys and not set(host_keys) <= set(keys):
+        raise ValueError("a snapshot's host_keys must be among its keys")
+
+
+@dataclass(frozen=True)
+class KeySnapshot:
+    """A worker's keys at one moment (``publish_snapshot``'s arguments)."""
+
+    keys: Sequence[PageKey]  # every key it holds, in either tier
+    host_keys: Sequence[PageKey] = ()  # of those, the ones only in host memory
 
 
 def check_events(events: Sequence[CacheEvent]) -> None:

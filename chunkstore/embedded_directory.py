@@ -95,18 +95,26 @@ class EmbeddedChunkDirectory:
             return d.APPLIED
 
     def publish_snapshot(
-        self, worker_id: str, epoch: int, seq: int, keys: Sequence[PageKey]
+        self,
+        worker_id: str,
+        epoch: int,
+        seq: int,
+        keys: Sequence[PageKey],
+        host_keys: Sequence[PageKey] = (),
     ) -> d.PublishResult:
         d.check_stream(worker_id, epoch, seq)
-        d.check_keys(keys)
+        d.check_snapshot(keys, host_keys)
         with self._lock:
             record = self._open(worker_id, epoch)
             if record is None:
                 return d.STALE_EPOCH
-            record.keys, record.host = set(keys), set()
+            record.keys, record.host = set(keys), set(host_keys)
             record.last_seq = seq
-            stored = (CacheEvent(EventKind.STORED, tuple(record.keys)),) if keys else ()
-            self._logged(RecordChange(worker_id, stored, reset=True))
+            device = tuple(record.keys - record.host)
+            added = [CacheEvent(EventKind.STORED, device)] if device else []
+            if record.host:
+                added.append(CacheEvent(EventKind.OFFLOADED, tuple(record.host)))
+            self._logged(RecordChange(worker_id, tuple(added), reset=True))
             return d.APPLIED
 
     def heartbeat(self, worker_id: str, epoch: int) -> d.PublishResult:

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 from chunkstore import directory as d
 from chunkstore.events import CacheEvent, EventKind, EventRuns
-from chunkstore.hashing import PageKey
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ class EventPublisher:
         worker_id: str,
         epoch: int,
         drain: Callable[[], list[CacheEvent]],
-        snapshot: Callable[[], list[PageKey]],
+        snapshot: Callable[[], d.KeySnapshot],
         *,
         interval_s: float = 0.25,
         max_buffered_keys: int = 20_000,
@@ -173,8 +172,9 @@ class EventPublisher:
 
     def _send_snapshot(self) -> d.PublishResult:
         self._drop_pending()
+        held = self._snapshot()
         result = self._directory.publish_snapshot(
-            self._worker_id, self._epoch, self._next_seq, self._snapshot()
+            self._worker_id, self._epoch, self._next_seq, held.keys, held.host_keys
         )
         if result.applied:
             self._counts.snapshots += 1

@@ -87,9 +87,14 @@ class DirectoryHost:
         return self._directory.publish(worker_id, epoch, seq, events)
 
     def publish_snapshot(
-        self, worker_id: str, epoch: int, seq: int, keys: Sequence[PageKey]
+        self,
+        worker_id: str,
+        epoch: int,
+        seq: int,
+        keys: Sequence[PageKey],
+        host_keys: Sequence[PageKey] = (),
     ) -> d.PublishResult:
-        return self._directory.publish_snapshot(worker_id, epoch, seq, keys)
+        return self._directory.publish_snapshot(worker_id, epoch, seq, keys, host_keys)
 
     def heartbeat(self, worker_id: str, epoch: int) -> d.PublishResult:
         return self._directory.heartbeat(worker_id, epoch)
@@ -136,11 +141,19 @@ class ActorDirectory:
         return self._call(self._host.publish.remote(worker_id, epoch, seq, list(events)))
 
     def publish_snapshot(
-        self, worker_id: str, epoch: int, seq: int, keys: Sequence[PageKey]
+        self,
+        worker_id: str,
+        epoch: int,
+        seq: int,
+        keys: Sequence[PageKey],
+        host_keys: Sequence[PageKey] = (),
     ) -> d.PublishResult:
         d.check_stream(worker_id, epoch, seq)
-        d.check_keys(keys)
-        return self._call(self._host.publish_snapshot.remote(worker_id, epoch, seq, list(keys)))
+        d.check_snapshot(keys, host_keys)
+        call = self._host.publish_snapshot.remote(
+            worker_id, epoch, seq, list(keys), list(host_keys)
+        )
+        return self._call(call)
 
     def heartbeat(self, worker_id: str, epoch: int) -> d.PublishResult:
         d.check_worker(worker_id, epoch)

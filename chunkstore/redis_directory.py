@@ -147,11 +147,18 @@ class RedisChunkDirectory:
         return self._status(self._breaker.call(lambda: self._publish(args=args)))
 
     def publish_snapshot(
-        self, worker_id: str, epoch: int, seq: int, keys: Sequence[PageKey]
+        self,
+        worker_id: str,
+        epoch: int,
+        seq: int,
+        keys: Sequence[PageKey],
+        host_keys: Sequence[PageKey] = (),
     ) -> d.PublishResult:
         d.check_stream(worker_id, epoch, seq)
-        d.check_keys(keys)
-        return self._status(self._breaker.call(lambda: self._snapshot(worker_id, epoch, seq, keys)))
+        d.check_snapshot(keys, host_keys)
+        return self._status(
+            self._breaker.call(lambda: self._snapshot(worker_id, epoch, seq, keys, host_keys))
+        )
 
     def heartbeat(self, worker_id: str, epoch: int) -> d.PublishResult:
         d.check_worker(worker_id, epoch)
@@ -213,14 +220,23 @@ class RedisChunkDirectory:
     def _worker_args(self, worker_id: str, epoch: int) -> list[str | int]:
         return [self._prefix, worker_id, epoch, self._ttl_ms]
 
-    def _snapshot(self, worker_id: str, epoch: int, seq: int, keys: Sequence[PageKey]) -> int:
-        """Stage the keys in batches, then swap them in atomically if the epoch still holds."""
+    def _snapshot(
+        self,
+        worker_id: str,
+        epoch: int,
+        seq: int,
+        keys: Sequence[PageKey],
+        host_keys: Sequence[PageKey],
+    ) -> int:
+        """Stage the keys (and the host-only ones) in batches, then swap them in
+        atomically if the epoch still holds."""
         stage = f"{self._prefix}stage:{worker_id}:{uuid.uuid4().hex}"
         pipe = self._client.pipeline(transaction=False)
-        for start in range(0, len(keys), SNAPSHOT_BATCH):
-            batch = keys[start : start + SNAPSHOT_BATCH]
-            self._stage_add(keys=[stage], args=[2 * self._ttl_ms, *batch], client=pipe)
-        args = [*self._worker_args(worker_id, epoch), seq, stage]
+        for staged, members in ((stage, keys), (f"{stage}:h", host_keys)):
+            for start in range(0, len(members), SNAPSHOT_BATCH):
+                batch = members[start : start + SNAPSHOT_BATCH]
+                self._stage_add(keys=[staged], args=[2 * self._ttl_ms, *batch], client=pipe)
+        args = [*self._worker_args(worker_id, epoch), seq, stage, f"{stage}:h"]
         self._commit_snapshot(args=args, client=pipe)
         return pipe.execute()[-1]
 

@@ -7,11 +7,12 @@ Key layout under a prefix ``P`` (every key holds hashes, ids or counts only):
 - ``P:s:<worker>``      set of the worker's 32-byte page keys (current epoch only)
 - ``P:h:<worker>``      of those, the keys only in the worker's host-memory tier
 - ``P:stage:<worker>:<id>``  set being filled by a snapshot, renamed onto ``P:s:<worker>``
+  (and ``...:<id>:h``, its host-only keys, onto ``P:h:<worker>``)
 
 Invariants:
 - ``P:s:<worker>`` always belongs to the epoch in ``P:w:<worker>``: an epoch change
   unlinks it in the same script that records the new epoch. ``P:h:<worker>`` is a
-  subset of it, changed in the same scripts (a snapshot empties it).
+  subset of it, changed in the same scripts (a snapshot replaces it).
 - A lease in ``P:live`` is always for the epoch in ``P:w:<worker>`` (a stale epoch
   never renews it), so a lookup needs only the lease and the set.
 - Every worker key expires one lease TTL after the worker's lease (PXAT / PEXPIREAT
@@ -106,17 +107,18 @@ return 0
 """
 )
 
-# ARGV: prefix, worker, epoch, ttl_ms, seq, stage key
+# ARGV: prefix, worker, epoch, ttl_ms, seq, stage key, host stage key
 COMMIT_SNAPSHOT = (
     _WORKER
     + """
-local seq, stage = tonumber(ARGV[5]), ARGV[6]
+local seq, stage, host_stage = tonumber(ARGV[5]), ARGV[6], ARGV[7]
 if open_stream() == nil then
-  redis.call('UNLINK', stage)
+  redis.call('UNLINK', stage, host_stage)
   return 2
 end
 redis.call('UNLINK', set_key, host_key)
 if redis.call('EXISTS', stage) == 1 then redis.call('RENAME', stage, set_key) end
+if redis.call('EXISTS', host_stage) == 1 then redis.call('RENAME', host_stage, host_key) end
 commit(seq)
 return 0
 """

@@ -75,7 +75,8 @@ def test_one_lookup_answers_chain_keys_and_entry_keys(make_directory):
 def test_lookups_say_which_held_keys_sit_only_in_host_memory(make_directory):
     """``offloaded`` keys stay held and count as host-only, in the chain run (their
     tokens) and among entries; ``reloaded`` / ``stored`` bring them back to device
-    memory, ``removed`` drops them, ``cleared`` and a snapshot forget the tiers."""
+    memory, ``removed`` drops them, ``cleared`` forgets them, and a snapshot without
+    host keys puts every key in device memory."""
     directory = make_directory()
     chain, entry = KEYS[:4], make_keys(3, "entry")
     offloaded = lambda *keys: CacheEvent(EventKind.OFFLOADED, keys)  # noqa: E731
@@ -98,6 +99,27 @@ def test_lookups_say_which_held_keys_sit_only_in_host_memory(make_directory):
     assert directory.lookup(chain, ENDS[:4]).holding("w1") == d.WorkerHolding("w1", 1, 16)
     directory.publish_snapshot("w2", 1, 5, chain[:2])
     assert directory.lookup(chain, ENDS[:4]).holding("w2") == d.WorkerHolding("w2", 2, 32)
+
+
+def test_a_snapshot_carries_the_tiers(make_directory):
+    """Of a snapshot's keys, ``host_keys`` count as host-only (chain run and entries);
+    the rest as in device memory; a later snapshot replaces both; host keys outside
+    the keys are refused."""
+    directory = make_directory()
+    chain, entry = KEYS[:4], make_keys(2, "entry")
+    directory.publish("w", 1, 0, [stored(*chain), CacheEvent(EventKind.OFFLOADED, chain[:1])])
+    assert directory.publish_snapshot("w", 1, 3, [*chain[:3], *entry], [chain[1], entry[0]]).applied
+    result = directory.lookup(chain, ENDS[:4], entry)
+    assert result.holding("w") == d.WorkerHolding("w", 3, 48, host_tokens=16)
+    assert result.entries == (d.EntryHolding("w", (0, 1), host_entries=(0,)),)
+    assert directory.publish("w", 1, 4, [CacheEvent(EventKind.RELOADED, (chain[1],))]).applied
+    assert directory.lookup(chain, ENDS[:4]).holding("w").host_tokens == 0
+    assert directory.publish_snapshot("w", 1, 5, chain[:2], chain[:2]).applied
+    assert directory.lookup(chain, ENDS[:4]).holding("w") == d.WorkerHolding(
+        "w", 2, 32, host_tokens=32
+    )
+    with pytest.raises(ValueError, match="among its keys"):
+        directory.publish_snapshot("w", 1, 6, chain[:1], chain[1:2])
 
 
 def test_entry_lookup_counts_live_workers_only(make_directory):

@@ -64,7 +64,8 @@ def random_step(directory, rng: random.Random, epochs: dict, seqs: dict, clock: 
             seqs[worker] = seq
     elif roll < 0.7:  # a snapshot
         seqs[worker] = 0
-        directory.publish_snapshot(worker, epochs[worker], 0, rng.sample(KEYS, 5))
+        keys = rng.sample(KEYS, 4) + rng.sample(ENTRY_KEYS, 1)
+        directory.publish_snapshot(worker, epochs[worker], 0, keys, rng.sample(keys, 2))
     elif roll < 0.8:  # restarted: a new epoch
         epochs[worker] += 1
         seqs.pop(worker, None)

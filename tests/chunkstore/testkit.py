@@ -42,8 +42,8 @@ class SimPool:
         events, self._events = self._events, []
         return events
 
-    def snapshot(self) -> list[PageKey]:
-        return sorted(self.keys)
+    def snapshot(self) -> d.KeySnapshot:
+        return d.KeySnapshot(sorted(self.keys))
 
 
 class LossyDirectory:
@@ -65,11 +65,16 @@ class LossyDirectory:
         return self.inner.publish(worker_id, epoch, seq, events)
 
     def publish_snapshot(
-        self, worker_id: str, epoch: int, seq: int, keys: Sequence[PageKey]
+        self,
+        worker_id: str,
+        epoch: int,
+        seq: int,
+        keys: Sequence[PageKey],
+        host_keys: Sequence[PageKey] = (),
     ) -> d.PublishResult:
         if self.down:
             return d.UNAVAILABLE
-        return self.inner.publish_snapshot(worker_id, epoch, seq, keys)
+        return self.inner.publish_snapshot(worker_id, epoch, seq, keys, host_keys)
 
     def heartbeat(self, worker_id: str, epoch: int) -> d.PublishResult:
         return d.UNAVAILABLE if self.down else self.inner.heartbeat(worker_id, epoch)

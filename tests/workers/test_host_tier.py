@@ -112,6 +112,28 @@ def test_evictions_batched_in_a_block_are_written_and_reported_together(tiny_qwe
     pool.release(taken)
 
 
+def test_a_snapshot_tells_the_directory_which_keys_sit_in_host_memory(tiny_qwen3):
+    """A publisher's resync (its first call is one) carries the tiers: a prefix pushed
+    out to host memory is looked up as held, and host-only."""
+    from chunkstore import directory as d
+    from chunkstore.embedded_directory import EmbeddedChunkDirectory
+    from chunkstore.publisher import EventPublisher
+    from workers.runtime.cache_mirror import CacheMirror
+
+    llm = LLM(tiny_qwen3, page_size=PAGE, num_pages=40, host_kv_gib=TIER_GIB)
+    engine, pool = llm.engine, llm.engine.pool
+    prompt = _tokens(random.Random(4), 5 * PAGE + 3)
+    llm.generate([prompt], GREEDY)
+    keys = pool.keys_of(pool.match_chain(engine.namespace().root_key, _packed(prompt), 5))
+    _push_out(engine)
+    mirror, directory = CacheMirror(), EmbeddedChunkDirectory(lease_ttl_s=30)
+    mirror.absorb(pool.drain_events())
+    assert set(mirror.snapshot().host_keys) >= set(keys)
+    EventPublisher(directory, "w", 1, mirror.drain, mirror.snapshot).flush()
+    held = directory.lookup(keys, [PAGE * (i + 1) for i in range(5)]).holding("w")
+    assert held == d.WorkerHolding("w", 5, 5 * PAGE, host_tokens=5 * PAGE)
+
+
 def _packed(tokens):
     from chunkstore.hashing import pack_tokens
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from chunkstore.directory import KeySnapshot
 from chunkstore.events import CacheEvent, apply_event
 from chunkstore.hashing import PageKey
 
@@ -21,6 +22,7 @@ class CacheMirror:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._keys: set[PageKey] = set()
+        self._host: set[PageKey] = set()  # of those, the ones only in host memory
         self._pending: list[CacheEvent] = []
 
     def absorb(self, events: Sequence[CacheEvent]) -> None:
@@ -28,7 +30,7 @@ class CacheMirror:
             return
         with self._lock:
             for event in events:
-                apply_event(self._keys, event)
+                apply_event(self._keys, event, self._host)
             self._pending.extend(events)
 
     def drain(self) -> list[CacheEvent]:
@@ -36,9 +38,9 @@ class CacheMirror:
             events, self._pending = self._pending, []
             return events
 
-    def snapshot(self) -> list[PageKey]:
+    def snapshot(self) -> KeySnapshot:
         with self._lock:
-            return list(self._keys)
+            return KeySnapshot(list(self._keys), list(self._host))
 
     def size(self) -> int:
         with self._lock:

@@ -69,7 +69,7 @@ def test_outputs_rejections_counters_and_mirror(loop):
     assert load.requests == 0 and load.tokens == 0 and load.requests_total == 1
     assert load.prompt_tokens_total == 64 and load.generated_tokens_total == 5
     assert mirror.size() == 4  # four full pages published, mirrored from the loop thread
-    assert len(mirror.snapshot()) == 4
+    assert len(mirror.snapshot().keys) == 4
     again = collect(loop, "b", prompt, SamplingParams(max_tokens=1))
     assert again[0].num_cached_tokens == 48  # the last page is always recomputed
     rejected = collect(loop, "c", [10**9], SamplingParams(max_tokens=1))
@@ -146,7 +146,7 @@ def test_approximate_requests_reach_the_engine_with_their_spans(loop, tiny_qwen3
     # the documents' entries are filled by the loop after the request: wait for them
     namespace = Namespace(f"{tiny_qwen3.resolve().name}@{checkpoint_fingerprint(tiny_qwen3)}")
     entries = {position_free_key(namespace, doc) for doc in docs}
-    assert wait_until(lambda: entries <= set(mirror.snapshot()), timeout_s=30)
+    assert wait_until(lambda: entries <= set(mirror.snapshot().keys), timeout_s=30)
     swapped = list(range(500, 520)) + docs[1] + docs[0] + list(range(400, 410))
     second = collect(loop, "b", swapped, params, placeable=spans, reuse=approximate)[-1]
     # both placed, the default share of them repaired
@@ -192,9 +192,9 @@ def test_mirror_applies_events_in_order():
     mirror = CacheMirror()
     a, b = b"a" * 32, b"b" * 32
     mirror.absorb([CacheEvent(EventKind.STORED, (a, b)), CacheEvent(EventKind.REMOVED, (a,))])
-    assert mirror.snapshot() == [b] and len(mirror.drain()) == 2 and mirror.drain() == []
+    assert mirror.snapshot().keys == [b] and len(mirror.drain()) == 2 and mirror.drain() == []
     mirror.absorb([CacheEvent(EventKind.CLEARED)])
-    assert mirror.snapshot() == []
+    assert mirror.snapshot().keys == []
 
 
 def test_coalesce_merges_consecutive_outputs_per_choice():
