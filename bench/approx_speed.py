@@ -279,6 +279,7 @@ def rag_workload(
 VARIANTS = {
     "fills, no reserve": {"entries_from_context": False, "entry_reserve": 0.0},
     "no reserve": {"entry_reserve": 0.0},
+    "one forward each": {"batch_admissions": False},
 }
 
 

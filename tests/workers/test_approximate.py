@@ -332,6 +332,42 @@ def test_admission_forwards_count_in_the_step_budget(model, parts):
         assert engine.last_step_prompt_tokens == budget
 
 
+def test_admissions_of_one_step_select_in_one_forward_and_answer_as_alone(model, parts):
+    """Approximate requests admitted in one step run their selection forwards as one
+    (``ChunkReuse.flush``, ``ModelRunner.repair_selecting_batch``): each sequence keeps
+    its own most deviating rows and attends over its own KV, so every answer, and its
+    log-probabilities, are what the request gets admitted alone."""
+    repair = ReuseRequest("approximate", 0, 0.25)
+    rng = np.random.default_rng(5)
+    docs = parts["docs"]
+    prompts = [
+        _layout(rng.integers(10, 500, size=20 + 7 * i).tolist(), docs[i % 3 :] + docs[: i % 3],
+                parts["question"])
+        for i in range(4)
+    ]  # fmt: skip
+    alone = []
+    for prompt, spans in prompts:
+        engine = _engine(model)
+        _warm(engine, parts)
+        alone.append(_run(engine, prompt, spans, repair)[:2])
+    engine = _engine(model)
+    _warm(engine, parts)
+    sizes, batch = [], engine.runner.repair_selecting_batch
+    engine.runner.repair_selecting_batch = lambda s, layer: sizes.append(len(s)) or batch(s, layer)
+    for i, (prompt, spans) in enumerate(prompts):
+        engine.add_request(f"q{i}", prompt, GREEDY, placeable=tuple(spans), reuse=repair)
+    tokens = {f"q{i}": [] for i in range(4)}
+    logprobs = {f"q{i}": [] for i in range(4)}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            logprobs[out.request_id].append([lp for _, lp in out.logprobs])
+    assert sizes == [4]
+    for i, (want, want_lp) in enumerate(alone):
+        assert tokens[f"q{i}"] == want
+        np.testing.assert_allclose(np.array(logprobs[f"q{i}"]), want_lp, atol=1e-4)
+
+
 def test_deviation_layer_defaults_to_layer_3_within_the_model():
     assert resolve_deviation_layer(None, 28) == 3
     assert resolve_deviation_layer(None, 2) == 1  # a shallower model: its last layer

@@ -122,6 +122,9 @@ def test_engine_finishes_pending_positions_before_the_tail():
         def publish(self, seq, start, end):
             pass
 
+        def flush(self):
+            pass
+
     scheduler = Scheduler(pool, Placed(), SchedulerLimits(4, 12))
     seq = Sequence("p", 0, list(range(50)), SamplingParams(max_tokens=1), Namespace("m", ""))
     scheduler.add(seq)

@@ -100,6 +100,12 @@ class EngineConfig:
         ge=0,
         le=1,
     )
+    batch_admissions: bool = setting(
+        True,
+        "approximate reuse: the selection forwards of the requests one step admits run "
+        "as one forward (the projections read the weights once for all of them); false: "
+        "one forward each (bench/approx_speed.py's 'one forward each' variant)",
+    )
     entry_system_prompt: str | None = setting(
         DEFAULT_ENTRY_SYSTEM_PROMPT,
         "approximate reuse: position-free entries are computed after a system turn with "

@@ -142,6 +142,7 @@ def default_reuse(engine: Engine) -> Reuse:
         engine.deviation_layer,
         engine.tally,
         engine.config.entries_from_context,
+        engine.config.batch_admissions,
     )
 
 
@@ -477,8 +478,9 @@ class Engine:
             if run:
                 pieces.append(logits[row : row + run])
                 row, run = row + run, 0
-            pieces.append(item.seq.approx.ready_logits)
-            item.seq.approx.ready_logits = None
+            approx = item.seq.approx
+            pieces.append(approx.ready_logits)
+            approx.ready_logits, approx.samples_at_admission = None, False
         if run:
             pieces.append(logits[row : row + run])
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]

@@ -46,6 +46,26 @@ class AsideWork:
 
 
 @dataclass(frozen=True)
+class Selection:
+    """One sequence's part of ``ModelRunner.repair_selecting_batch``: the arguments
+    ``repair_selecting`` takes for it."""
+
+    seq: object  # request.Sequence
+    start: int
+    end: int
+    candidates: np.ndarray
+    keep: int
+    logits: bool = False
+    place: Callable[[int], None] | None = None
+
+    @property
+    def kept_rows(self) -> int:
+        """Rows that go on past the selection layer: all but the candidates, plus the
+        ``keep`` candidates kept."""
+        return self.end - self.start - len(self.candidates) + self.keep
+
+
+@dataclass(frozen=True)
 class CarriedTokens:
     """Input tokens that exist only on the device: for sampling row ``rows[i]`` of a
     step (its index among the batch's sampling items), the last input token is
@@ -348,12 +368,7 @@ class ModelRunner:
         assert not (logits and len(candidates) and candidates[-1] == end - 1)
         # the top-k below takes the non-candidates and keep candidates: at most every row
         assert 0 < keep <= len(candidates), (keep, len(candidates))
-        if self.aside is None:  # the first since the engine last took the aside work
-            started = None
-            if self.device.type == "cuda":
-                started = torch.cuda.Event(enable_timing=True)
-                started.record()
-            self.aside = AsideWork(0, started, time.perf_counter())
+        self._note_aside()
         device = self.device
         candidate = np.zeros(end - start, dtype=bool)
         candidate[candidates - start] = True
@@ -407,6 +422,107 @@ class ModelRunner:
         # rows are sorted by position: the last one is end - 1 (read before the graph's
         # output buffer is reused: later work queues behind this on the one stream)
         return self.model.compute_logits(hidden[-1:]) if logits else None
+
+    @torch.inference_mode()
+    def repair_selecting_batch(
+        self, selections: list[Selection], layer: int
+    ) -> list[torch.Tensor | None]:
+        """``repair_selecting`` for several sequences in one forward: the layers before
+        ``layer`` over all of their positions, each one's ``place(layer)``, the
+        deviation at ``layer``, each sequence's own top-k, then every kept row through
+        the rest of the model, attending over its own sequence's KV. Per selection, its
+        logits where asked (else None). One selection takes ``repair_selecting`` (and
+        its CUDA graphs); several run eagerly: the projections then read the weights
+        once for all of them, which is what makes the batch pay."""
+        if len(selections) == 1:
+            one = selections[0]
+            return [
+                self.repair_selecting(
+                    one.seq, one.start, one.end, one.candidates, one.keep, layer, one.logits,
+                    one.place,
+                )
+            ]  # fmt: skip
+        for one in selections:
+            assert 0 < one.keep <= len(one.candidates), (one.keep, len(one.candidates))
+            assert not (one.logits and one.candidates[-1] == one.end - 1)
+        self._note_aside()
+        device = self.device
+        inputs = build_inputs(
+            [ScheduledSeq(one.seq, one.start, one.end - one.start) for one in selections],
+            self.page_size,
+        )
+        positions = inputs.positions.to(device, non_blocking=True)
+        metadata = self.backend.plan_aside(inputs.layout)
+        hidden, residual = self.model.early_layers(
+            inputs.input_ids.to(device, non_blocking=True),
+            positions,
+            self.kv_caches,
+            self.backend,
+            metadata,
+            layer,
+        )
+        for one in selections:
+            if one.place is not None:
+                one.place(layer)
+        candidate = np.zeros(len(inputs.positions), dtype=bool)
+        offset = 0
+        for one in selections:
+            candidate[offset + one.candidates - one.start] = True
+            offset += one.end - one.start
+        qkv, residual, deviation = self.model.selection_deviation(
+            hidden,
+            residual,
+            positions,
+            self.kv_caches[layer],
+            metadata.kv_rows,
+            layer,
+            torch.from_numpy(candidate).to(device, non_blocking=True),
+        )
+        slots = inputs.layout.slot_mapping.to(device, non_blocking=True).long()
+        tables = inputs.layout.kv_page_indices.to(device, non_blocking=True)
+        page_indptr = inputs.layout.kv_page_indptr.tolist()  # one layout row a sequence
+        rows, segments, offset, kept_offset = [], [], 0, 0
+        for i, one in enumerate(selections):
+            span = deviation[offset : offset + one.end - one.start]
+            # as in repair_selecting: non-candidates (+inf) all, then the most deviating
+            chosen = torch.topk(span, one.kept_rows, sorted=False).indices.sort().values
+            rows.append(chosen + offset)
+            table = tables[page_indptr[i] : page_indptr[i + 1]]
+            segments.append((kept_offset, kept_offset + one.kept_rows, table, one.end))
+            offset += one.end - one.start
+            kept_offset += one.kept_rows
+        kept = torch.cat(rows)
+        qkv, residual, positions, slots = qkv[kept], residual[kept], positions[kept], slots[kept]
+        self.aside.tokens += kept_offset
+        self.aside.forwards += 1
+        hidden = self.model.forward_kept(
+            qkv,
+            residual,
+            positions,
+            self.kv_caches,
+            layer,
+            self.scattered,
+            self.scattered.batch_metadata(positions, slots, segments),
+        )
+        # each sequence's rows ascend by position: its last is its end - 1
+        wanted = [i for i, one in enumerate(selections) if one.logits]
+        out: list[torch.Tensor | None] = [None] * len(selections)
+        if wanted:
+            last = torch.cat([hidden[segments[i][1] - 1 : segments[i][1]] for i in wanted])
+            logits = self.model.compute_logits(last)
+            for row, i in enumerate(wanted):
+                out[i] = logits[row : row + 1]
+        return out
+
+    def _note_aside(self) -> None:
+        """Start counting forwards queued aside, if none is counted since the engine
+        last took them."""
+        if self.aside is None:
+            started = None
+            if self.device.type == "cuda":
+                started = torch.cuda.Event(enable_timing=True)
+                started.record()
+            self.aside = AsideWork(0, started, time.perf_counter())
 
     def take_aside(self) -> AsideWork | None:
         """What ``repair_selecting`` queued since the last call (None: nothing): work

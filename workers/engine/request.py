@@ -72,9 +72,12 @@ class ApproximateState:
     # selection layer on (approximate repair; 0: none), charged once to the token
     # budget of the step that admits the sequence
     admission_tokens: int = 0
-    # float32 logits [1, vocab] of the last token, on the device, when that forward
-    # computed every position: the step that admits the sequence only samples from
-    # them (set only with ``num_computed == len(token_ids)``; that step takes them)
+    # that forward computes every position, and with them the last token's logits
+    # (``ready_logits``): the step that admits the sequence only samples (set only with
+    # ``num_computed == len(token_ids)``; that step takes the logits and clears both)
+    samples_at_admission: bool = False
+    # those logits, float32 [1, vocab] on the device; set once the forward is queued
+    # (``Reuse.flush``, at the end of the scheduling pass that admitted the sequence)
     ready_logits: torch.Tensor | None = None
     # set on the engine's internal sequences that compute a position-free entry: no
     # token is sampled; the pages become the entry under this key when done

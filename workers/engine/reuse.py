@@ -19,8 +19,9 @@ Invariants every implementation keeps:
   compute), at least one token uncomputed (its logits give the next token), and
   ``seq.exact_until`` set: positions before it hold the KV plain generation computes.
   "Holds KV" includes KV whose computation is queued on the device's stream (an
-  approximate request's selection forward, at admission): every later reader of the
-  pages runs on that stream after it.
+  approximate request's selection forward) by the end of the scheduling pass that
+  admits it (``flush``): every later reader of the pages runs on that stream after it.
+  Until then nothing reads the pages: they are published (keyed) only once queued.
 - Only pages lying wholly before ``seq.exact_until`` are published under chain keys;
   the pool refuses to key a page marked inexact.
 """
@@ -60,6 +61,11 @@ class Reuse(Protocol):
         exact pages among them to later sequences."""
         ...
 
+    def flush(self) -> None:
+        """Queue the device work the admissions of this scheduling pass deferred (the
+        scheduler calls it once the pass has admitted all it will)."""
+        ...
+
 
 def start_from(seq: Sequence, mode: str, page_ids: list[int], num_computed: int) -> None:
     """Admit ``seq`` on ``page_ids`` (references already taken) holding the exact KV
@@ -84,6 +90,9 @@ class NoReuse:
         return True
 
     def publish(self, seq: Sequence, start: int, end: int) -> None:
+        return None
+
+    def flush(self) -> None:
         return None
 
 
@@ -116,6 +125,9 @@ class ExactPrefixReuse:
 
     def publish(self, seq: Sequence, start: int, end: int) -> None:
         publish_exact_pages(self.pool, seq, start, end)
+
+    def flush(self) -> None:
+        return None
 
 
 def publish_exact_pages(pool: KVPool, seq: Sequence, start: int, end: int) -> None:

@@ -55,11 +55,11 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """This step reaches the sequence's last token, so it yields a new token
-        (never for an entry fill); or admission computed it (``ApproximateState.ready_logits``)
-        and this step only samples."""
+        (never for an entry fill); or admission computes it
+        (``ApproximateState.samples_at_admission``) and this step only samples."""
         seq = self.seq
         if self.num_tokens == 0:
-            return seq.approx.ready_logits is not None and self.scattered is None
+            return seq.approx.samples_at_admission and self.scattered is None
         return self.end == len(seq.token_ids) and seq.approx.fill_key is None
 
 
@@ -123,6 +123,7 @@ class Scheduler:
                 continue
             if item.num_computed_tokens or item.samples:  # else its forward was all
                 batch.append(item)
+        self.reuse.flush()  # the admissions' selection forwards, as one
         return batch
 
     def finish(self, seq: Sequence, reason: str, release: bool = True) -> None:

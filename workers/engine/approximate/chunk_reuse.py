@@ -21,9 +21,11 @@ Admission of an approximate request:
 3. Repair: the first ``first_tokens`` tokens of every placed chunk, and the
    ``deviation_ratio`` share of placed tokens whose K/V at layer ``deviation_layer``
    (``EngineConfig.deviation_layer``) in this context deviates most from the placed
-   K/V, are computed again, in context. With a deviation ratio, admission queues one
+   K/V, are computed again, in context. With a deviation ratio, admission sets up one
    forward over the positions from the end of the exact prefix to the end of the last
-   placed chunk (``ModelRunner.repair_selecting``; nothing waits for it): the layers
+   placed chunk, queued with those of every request the same step admits as one
+   forward once the scheduler has admitted all it will (``flush``,
+   ``ModelRunner.repair_selecting_batch``; nothing waits for it): the layers
    before ``deviation_layer`` run over all of them, keeping the KV they write (those
    layers of the placed tokens are in-context KV, so entries are placed only from
    that layer on, queued while the device runs the layers below it); at that layer
@@ -32,7 +34,9 @@ Admission of an approximate request:
    system prompt, first tokens, missed chunks) go on through the rest of the model,
    attending by position to scattered KV. The rest of the prompt (the question) goes
    through the same forward, which returns its last token's logits
-   (``ApproximateState.ready_logits``): the step that admits the request only samples. The
+   (``ApproximateState.ready_logits``): the step that admits the request only samples.
+   Until the forward is queued, the request's pages are not published and the entries
+   it places stay held. The
    forward's rows (those past the selection layer, tail included) count in that
    step's token budget, which may pass the budget by one forward and then admits
    nothing more. (A tail that does not fit beside the rows, or a resumed request's,
@@ -53,16 +57,24 @@ import functools
 import sys
 from array import array
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from chunkstore.hashing import Namespace, PageKey, packed_position_free_key
 from workers.engine.approximate.placement import place_spans, take_spans
 from workers.engine.kv_pool import ChunkEntry, KVPool
+from workers.engine.model_runner import Selection
 from workers.engine.request import Sequence
 from workers.engine.reuse import ExactPrefixReuse, publish_exact_pages, start_from
 from workers.engine.reuse_info import ReuseInfo
 from workers.engine.workload_tally import WorkloadTally
+
+
+@dataclass(frozen=True)
+class _DeferredSelection:
+    selection: Selection
+    entries: list[ChunkEntry]  # held until the forward has queued their placement
 
 
 class ChunkReuse:
@@ -80,6 +92,7 @@ class ChunkReuse:
         deviation_layer: int,
         tally: WorkloadTally | None = None,
         entries_from_context: bool = True,
+        batch_admissions: bool = True,
     ) -> None:
         self.tally = WorkloadTally() if tally is None else tally
         self.pool = pool
@@ -87,8 +100,11 @@ class ChunkReuse:
         self.fill = fill
         self.min_entry_tokens = min_entry_tokens
         self.entries_from_context = entries_from_context
+        self.batch_admissions = batch_admissions
         self.deviation_layer = deviation_layer
         self._exact = ExactPrefixReuse(pool)
+        # selection forwards of this scheduling pass's admissions, queued by ``flush``
+        self._deferred: list[_DeferredSelection] = []
         runner.use_admission_graphs(deviation_layer)
 
     def admit(self, seq: Sequence, budget: int = sys.maxsize, place: bool = True) -> bool:
@@ -141,6 +157,32 @@ class ChunkReuse:
             self.tally.entry_hits += len(hits)
             self.tally.entry_misses += len(spans) - len(hits)
         return True
+
+    def flush(self) -> None:
+        """Queue the selection forwards of the admissions since the last call, as one
+        forward (``ModelRunner.repair_selecting_batch``), then publish what each
+        computes and let go of the entries they place."""
+        if not self._deferred:
+            return
+        deferred, self._deferred = self._deferred, []
+        selections = [d.selection for d in deferred]
+        batches = [selections] if self.batch_admissions else [[s] for s in selections]
+        try:
+            logits = [
+                ready
+                for batch in batches
+                for ready in self.runner.repair_selecting_batch(batch, self.deviation_layer)
+            ]
+        finally:
+            for d in deferred:
+                for entry in d.entries:
+                    self.pool.drop_entry(entry)
+        for d, ready in zip(deferred, logits, strict=True):
+            seq = d.selection.seq
+            seq.approx.ready_logits = ready
+            # queued on the device's one stream before any later step: every reader
+            # of these pages runs after it
+            self.publish(seq, d.selection.start, d.selection.end)
 
     def publish(self, seq: Sequence, start: int, end: int) -> None:
         if seq.approx.fill_key is None:  # a fill's pages become its entry, never page keys
@@ -210,7 +252,9 @@ class ChunkReuse:
         forward_end = covered if to_end else placed_end
         needed = -(-covered // page_size) - len(seq.page_ids)
         for _, _, entry in hits:
-            self.pool.hold_entry(entry)  # not evicted by our own allocation
+            self.pool.hold_entry(entry)  # not evicted by our own allocation (nor by later
+            # admissions' before a deferred forward places it)
+        deferred = False
         try:
             pages = self.pool.allocate(needed) if needed > 0 else []
             if pages is None:
@@ -227,29 +271,27 @@ class ChunkReuse:
                 [(start, end, entry.pages) for start, end, entry in hits],
                 page_size,
             )
-            if keep:  # the forward places the entries between its layers (and holds them)
+            if keep:  # the forward places the entries between its layers (``flush``)
                 candidates = np.flatnonzero(kept)
-                seq.approx.ready_logits = runner.repair_selecting(
-                    seq, matched, forward_end, candidates, keep, self.deviation_layer, to_end,
-                    place=place,
-                )  # fmt: skip
+                selection = Selection(seq, matched, forward_end, candidates, keep, to_end, place)
+                self._deferred.append(_DeferredSelection(selection, [e for _, _, e in hits]))
+                deferred = True
             else:
                 place()
         finally:
-            for _, _, entry in hits:
-                self.pool.drop_entry(entry)
+            if not deferred:
+                for _, _, entry in hits:
+                    self.pool.drop_entry(entry)
         if keep:
             self.tally.selection_only_positions += num_kept - keep
             seq.approx.admission_tokens = rows + (tail if to_end else 0)
+            seq.approx.samples_at_admission = to_end
             seq.num_computed, seq.pending = forward_end, np.empty(0, dtype=np.int64)
             # which candidates were kept is known only on the device: from the first
             # one on, the KV may be placed (unless every one was kept)
             if keep < len(candidates):
                 seq.exact_until = int(candidates[0])
-            # queued on the device's one stream before any later step: every reader
-            # of these pages runs after it
-            self.publish(seq, matched, forward_end)
-            return recomputed + keep
+            return recomputed + keep  # published once the forward is queued (``flush``)
         pending = ~kept
         pending[:matched] = False
         seq.num_computed = placed_end

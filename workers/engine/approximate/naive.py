@@ -104,6 +104,9 @@ class NaivePlacement:
     def publish(self, seq: Sequence, start: int, end: int) -> None:
         publish_exact_pages(self.pool, seq, start, end)
 
+    def flush(self) -> None:
+        return None
+
     def clear(self) -> None:
         for pages in self._entries.values():
             self.pool.release(pages)

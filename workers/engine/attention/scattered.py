@@ -1,7 +1,8 @@
 """Attention for the rows an approximate request keeps after its selection layer
 (``DecoderModel.forward_kept``, from ``ModelRunner.repair_selecting``): queries at
-scattered positions of one sequence, chosen on the device, each attending causally
-by position over the sequence's paged KV. No host plan exists for rows the host never
+scattered positions of one sequence (or of several, ``ScatteredBatch``, one
+sequence's rows at a time), chosen on the device, each attending causally by
+position over its sequence's paged KV. No host plan exists for rows the host never
 sees, so this is not an ``AttentionBackend``'s ``plan``; it offers the two calls
 ``SelfAttention`` makes (``forward``, ``attend``) over ``ScatteredMetadata`` built
 from device tensors.
@@ -32,6 +33,16 @@ class ScatteredMetadata:
     kv_len: int
 
 
+@dataclass(frozen=True)
+class ScatteredBatch:
+    """Kept rows of several sequences in one forward (``ModelRunner.repair_selecting``
+    over a batch): rows ``[first, last)`` are one sequence's, attending by its own
+    ``ScatteredMetadata``. ``kv_rows`` covers every row, in order."""
+
+    kv_rows: torch.Tensor  # [2N] int64
+    segments: tuple[tuple[int, int, ScatteredMetadata], ...]
+
+
 class ScatteredAttention:
     name = "scattered"
 
@@ -46,11 +57,29 @@ class ScatteredAttention:
         rows = kv_write_rows(slots, self.shape.page_size)
         return ScatteredMetadata(rows, positions, page_table, kv_len)
 
-    def forward(self, q, k, v, kv_cache, metadata: ScatteredMetadata) -> torch.Tensor:
+    def batch_metadata(
+        self,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        segments: list[tuple[int, int, torch.Tensor, int]],
+    ) -> ScatteredBatch:
+        """For rows of several sequences: ``segments`` gives each one's rows
+        ``[first, last)`` (positions ascending within), page table and KV length."""
+        per_sequence = tuple(
+            (first, last, self.metadata(positions[first:last], slots[first:last], table, kv_len))
+            for first, last, table, kv_len in segments
+        )
+        return ScatteredBatch(kv_write_rows(slots, self.shape.page_size), per_sequence)
+
+    def forward(self, q, k, v, kv_cache, metadata: ScatteredMetadata | ScatteredBatch):
         write_kv(kv_cache, k, v, metadata.kv_rows)
         return self.attend(q, kv_cache, metadata)
 
-    def attend(self, q, kv_cache, metadata: ScatteredMetadata) -> torch.Tensor:
+    def attend(self, q, kv_cache, metadata: ScatteredMetadata | ScatteredBatch) -> torch.Tensor:
+        if isinstance(metadata, ScatteredBatch):  # one sequence's rows at a time
+            return torch.cat(
+                [self.attend(q[first:last], kv_cache, m) for first, last, m in metadata.segments]
+            )
         if self.use_kernel:
             from workers.engine.layers.scattered_kernel import scattered_attention  # Triton
 
