@@ -209,3 +209,40 @@ def test_scattered_attention_matches_attention_by_position(heads, kv_heads, head
     # the defaults (tile rows by the group, splits by the KV and the workspace)
     got = scattered_attention(q, cache, positions, table, shape.scale, kv_len)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_scattered_attention_over_several_sequences_in_one_launch():
+    """Three sequences' queries (one shorter than a block, one spanning blocks, one
+    alone in its block) with tables of their own, joined: one launch gives each query
+    what it gets attending over its own sequence alone."""
+    from workers.engine.layers.scattered_kernel import SequenceBlocks, scattered_attention
+
+    gen = torch.Generator().manual_seed(8)
+    heads, kv_heads, head_dim, page_size, num_pages = 4, 2, 32, 4, 40
+    cache = torch.randn((num_pages, 2, page_size, kv_heads, head_dim), generator=gen)
+    order = torch.randperm(num_pages, generator=gen).to(torch.int32)
+    sequences = [  # (KV length, query positions)
+        (13, [2, 7, 12]),
+        (45, [0, 3, 4, 9, 17, 18, 30, 41, 42, 43, 44]),
+        (30, [29]),
+    ]
+    tables, positions, segments, used, row = [], [], [], 0, 0
+    for kv_len, at in sequences:
+        pages = -(-kv_len // page_size)
+        tables.append(order[used : used + pages])
+        segments.append((row, row + len(at), sum(len(t) for t in tables[:-1])))
+        positions += at
+        used, row = used + pages, row + len(at)
+    q = torch.randn((row, heads, head_dim), generator=gen)
+    positions = torch.tensor(positions)
+    scale = head_dim**-0.5
+    want = torch.cat([
+        scattered_attention(q[a:b], cache, positions[a:b], table, scale, kv_len)
+        for (a, b, _), table, (kv_len, _) in zip(segments, tables, sequences, strict=True)
+    ])  # fmt: skip
+    for block_m in (2, 4, 16):
+        blocks = SequenceBlocks.build(segments, block_m, torch.device("cpu"))
+        got = scattered_attention(
+            q, cache, positions, torch.cat(tables), scale, 45, block_n=8, sequences=blocks
+        )
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

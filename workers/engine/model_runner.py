@@ -487,8 +487,8 @@ class ModelRunner:
             # as in repair_selecting: non-candidates (+inf) all, then the most deviating
             chosen = torch.topk(span, one.kept_rows, sorted=False).indices.sort().values
             rows.append(chosen + offset)
-            table = tables[page_indptr[i] : page_indptr[i + 1]]
-            segments.append((kept_offset, kept_offset + one.kept_rows, table, one.end))
+            first, last = kept_offset, kept_offset + one.kept_rows
+            segments.append((first, last, page_indptr[i], page_indptr[i + 1], one.end))
             offset += one.end - one.start
             kept_offset += one.kept_rows
         kept = torch.cat(rows)
@@ -502,7 +502,7 @@ class ModelRunner:
             self.kv_caches,
             layer,
             self.scattered,
-            self.scattered.batch_metadata(positions, slots, segments),
+            self.scattered.batch_metadata(positions, slots, tables, segments),
         )
         # each sequence's rows ascend by position: its last is its end - 1
         wanted = [i for i, one in enumerate(selections) if one.logits]

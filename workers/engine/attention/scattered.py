@@ -14,11 +14,15 @@ plain torch, ``TorchAttentionBackend``'s own math (``attend_masked``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from workers.engine.attention.base import AttentionShape, kv_write_rows, write_kv
 from workers.engine.attention.torch_backend import attend_masked
+
+if TYPE_CHECKING:  # the kernel's module imports Triton, which CPU hosts may lack
+    from workers.engine.layers.scattered_kernel import SequenceBlocks
 
 
 @dataclass(frozen=True)
@@ -35,12 +39,18 @@ class ScatteredMetadata:
 
 @dataclass(frozen=True)
 class ScatteredBatch:
-    """Kept rows of several sequences in one forward (``ModelRunner.repair_selecting``
-    over a batch): rows ``[first, last)`` are one sequence's, attending by its own
-    ``ScatteredMetadata``. ``kv_rows`` covers every row, in order."""
+    """Kept rows of several sequences in one forward
+    (``ModelRunner.repair_selecting_batch``): rows ``[first, last)`` of ``segments``
+    are one sequence's, attending by its own ``ScatteredMetadata``. ``kv_rows`` covers
+    every row, in order. With the kernel, one launch attends for all of them
+    (``blocks``, over ``positions`` and the sequences' tables joined in ``page_table``)."""
 
     kv_rows: torch.Tensor  # [2N] int64
     segments: tuple[tuple[int, int, ScatteredMetadata], ...]
+    positions: torch.Tensor  # [N] int64: every row's
+    page_table: torch.Tensor  # int32: the sequences' tables, one after another
+    kv_len: int  # above every row's position
+    blocks: SequenceBlocks | None = None  # with the kernel
 
 
 class ScatteredAttention:
@@ -61,22 +71,33 @@ class ScatteredAttention:
         self,
         positions: torch.Tensor,
         slots: torch.Tensor,
-        segments: list[tuple[int, int, torch.Tensor, int]],
+        tables: torch.Tensor,
+        segments: list[tuple[int, int, int, int, int]],
     ) -> ScatteredBatch:
         """For rows of several sequences: ``segments`` gives each one's rows
-        ``[first, last)`` (positions ascending within), page table and KV length."""
+        ``[first, last)`` (positions ascending within), its page table
+        ``tables[table_start:table_end]`` and its KV length."""
+        kv_rows = kv_write_rows(slots, self.shape.page_size)
         per_sequence = tuple(
-            (first, last, self.metadata(positions[first:last], slots[first:last], table, kv_len))
-            for first, last, table, kv_len in segments
+            (first, last, ScatteredMetadata(kv_rows, positions[first:last], tables[a:b], kv_len))
+            for first, last, a, b, kv_len in segments
         )
-        return ScatteredBatch(kv_write_rows(slots, self.shape.page_size), per_sequence)
+        blocks = None
+        if self.use_kernel:
+            from workers.engine.layers.scattered_kernel import SequenceBlocks, default_block_m
+
+            block_m = default_block_m(self.shape.num_heads, self.shape.num_kv_heads)
+            starts = [(first, last, a) for first, last, a, _, _ in segments]
+            blocks = SequenceBlocks.build(starts, block_m, positions.device)
+        kv_len = max(kv_len for *_, kv_len in segments)
+        return ScatteredBatch(kv_rows, per_sequence, positions, tables, kv_len, blocks)
 
     def forward(self, q, k, v, kv_cache, metadata: ScatteredMetadata | ScatteredBatch):
         write_kv(kv_cache, k, v, metadata.kv_rows)
         return self.attend(q, kv_cache, metadata)
 
     def attend(self, q, kv_cache, metadata: ScatteredMetadata | ScatteredBatch) -> torch.Tensor:
-        if isinstance(metadata, ScatteredBatch):  # one sequence's rows at a time
+        if isinstance(metadata, ScatteredBatch) and not self.use_kernel:  # a sequence at a time
             return torch.cat(
                 [self.attend(q[first:last], kv_cache, m) for first, last, m in metadata.segments]
             )
@@ -90,6 +111,7 @@ class ScatteredAttention:
                 metadata.page_table,
                 self.shape.scale,
                 metadata.kv_len,
+                sequences=metadata.blocks if isinstance(metadata, ScatteredBatch) else None,
             )
         return attend_by_position(q, kv_cache, metadata, self.shape)
 

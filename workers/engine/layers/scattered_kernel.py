@@ -12,9 +12,16 @@ float32, and writes its partial result; a second kernel merges the splits. Split
 the keys matters: one program per query block walking 4K keys took 115-140 us a
 layer on an H200 (qwen3-0.6b heads, 515 queries), bound by the walk's latency, not
 by the GPU's throughput. Queries sorted by position keep each block's walk short.
+
+Several sequences' queries go in one launch (``SequenceBlocks``: the kept rows of a
+step's approximate admissions, selected in one forward): each program's block of
+queries is then one sequence's, and it walks that sequence's page table.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -32,6 +39,42 @@ WORKSPACE_BYTES = 256 * 2**20
 TILE_ROWS = 64  # query rows of a program's tile: queries x (query heads of a KV head)
 
 
+def default_block_m(heads: int, kv_heads: int) -> int:
+    """Queries a program takes by default: ``TILE_ROWS`` tile rows."""
+    return max(1, TILE_ROWS // triton.next_power_of_2(heads // kv_heads))
+
+
+@dataclass(frozen=True)
+class SequenceBlocks:
+    """Query blocks of several sequences for one launch (device int tensors, one entry
+    a block): its first query row, the end of its sequence's rows, and where its
+    sequence's page table starts in the launch's page table."""
+
+    first_rows: torch.Tensor  # int32
+    row_ends: torch.Tensor  # int32
+    table_starts: torch.Tensor  # int32
+    block_m: int
+
+    @classmethod
+    def build(
+        cls,
+        segments: Sequence[tuple[int, int, int]],  # (first row, end row, table start)
+        block_m: int,
+        device: torch.device,
+    ) -> SequenceBlocks:
+        firsts, ends, tables = [], [], []
+        for first, end, table in segments:
+            for row in range(first, end, block_m):
+                firsts.append(row)
+                ends.append(end)
+                tables.append(table)
+        packed = torch.tensor([firsts, ends, tables], dtype=torch.int32)
+        if device.type == "cuda":
+            packed = packed.pin_memory()
+        packed = packed.to(device, non_blocking=True)
+        return cls(packed[0], packed[1], packed[2], block_m)
+
+
 def key_split(kv_len: int, queries: int, heads: int, head_dim: int, block_n: int = 64) -> int:
     """Keys per split for ``queries`` over ``kv_len`` keys: a multiple of ``block_n``."""
     per_split = max(1, queries * heads * head_dim * 4)
@@ -46,7 +89,10 @@ def _scattered_kernel(
     acc_ptr,  # [splits, N, heads, D] float32: unnormalized outputs of each key split
     stat_ptr,  # [splits, N, heads, 2] float32: running max (log2 units), then sum
     pos_ptr,  # [N] int64, positions of the queries
-    table_ptr,  # [pages] int32, the sequence's page table
+    table_ptr,  # [pages] int32, the sequence's page table (SEQUENCES: every sequence's)
+    first_row_ptr,  # SEQUENCES: [blocks] int32, a block's first query row
+    row_end_ptr,  # SEQUENCES: [blocks] int32, the end of its sequence's rows
+    table_start_ptr,  # SEQUENCES: [blocks] int32, its sequence's table in table_ptr
     kv_ptr,  # [num_pages, 2, PAGE, kv_heads, D], contiguous
     num_queries,
     scale_log2,  # softmax scale times log2(e)
@@ -61,17 +107,24 @@ def _scattered_kernel(
     DIM_P2: tl.constexpr,  # a power of two >= HEAD_DIM
     BLOCK_M: tl.constexpr,  # queries per program; the tile has BLOCK_M * GROUP_P2 rows
     BLOCK_N: tl.constexpr,
+    SEQUENCES: tl.constexpr,  # blocks of several sequences (SequenceBlocks)
 ):
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # tile row r: query block * BLOCK_M + r // GROUP_P2, query head kv_head * GROUP +
+    # tile row r: the block's first query + r // GROUP_P2, query head kv_head * GROUP +
     # r % GROUP_P2 (the heads that share this KV head read each key tile once)
     tile = tl.arange(0, BLOCK_M * GROUP_P2)
-    rows = block * BLOCK_M + tile // GROUP_P2
+    if SEQUENCES:
+        rows = tl.load(first_row_ptr + block) + tile // GROUP_P2
+        row_end = tl.load(row_end_ptr + block)
+        table_ptr += tl.load(table_start_ptr + block)
+    else:
+        rows = block * BLOCK_M + tile // GROUP_P2
+        row_end = num_queries
     in_group = tile % GROUP_P2
     heads = kv_head * GROUP + in_group
-    row_ok = (rows < num_queries) & (in_group < GROUP)
+    row_ok = (rows < row_end) & (in_group < GROUP)
     pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
     last = tl.max(pos, axis=0)
     first_key = split * split_keys
@@ -177,17 +230,22 @@ def scattered_attention(
     split: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    sequences: SequenceBlocks | None = None,
 ) -> torch.Tensor:
     """Attention outputs [N, heads, D]: each query over KV positions up to its own.
     ``block_m``: queries a program (default: ``TILE_ROWS`` tile rows); ``block_n``: keys
     a step (64; 32 for heads over 128); ``split``: keys a split (a multiple of
-    ``block_n``; by default ``key_split``)."""
+    ``block_n``; by default ``key_split``). ``sequences``: the queries are several
+    sequences' (positions ascending within each), ``page_table`` holds their tables,
+    ``kv_len`` is above every position of any; its ``block_m`` is the one used."""
     tokens, heads, head_dim = q.shape
     _, _, page_size, kv_heads, _ = kv_cache.shape
     assert kv_cache.is_contiguous() and heads % kv_heads == 0 and q.stride(2) == 1
     group = heads // kv_heads
     group_p2, dim_p2 = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
-    block_m = block_m or max(1, TILE_ROWS // group_p2)
+    if sequences is not None:
+        block_m = sequences.block_m
+    block_m = block_m or default_block_m(heads, kv_heads)
     block_n = block_n or (64 if dim_p2 <= 128 else 32)
     split = split or key_split(kv_len, tokens, heads, head_dim, block_n)
     assert split % block_n == 0, "a split is whole key blocks"
@@ -197,13 +255,17 @@ def scattered_attention(
     splits = triton.cdiv(kv_len, split)
     acc = torch.empty((splits, tokens, heads, head_dim), dtype=torch.float32, device=q.device)
     stats = torch.empty((splits, tokens, heads, 2), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(tokens, block_m), kv_heads, splits)
-    _scattered_kernel[grid](
+    blocks = triton.cdiv(tokens, block_m) if sequences is None else len(sequences.first_rows)
+    extra = (page_table,) * 3 if sequences is None else (
+        sequences.first_rows, sequences.row_ends, sequences.table_starts
+    )  # fmt: skip
+    _scattered_kernel[(blocks, kv_heads, splits)](
         q,
         acc,
         stats,
         positions,
         page_table,
+        *extra,
         kv_cache,
         tokens,
         scale * LOG2E,
@@ -218,6 +280,7 @@ def scattered_attention(
         DIM_P2=dim_p2,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        SEQUENCES=sequences is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
