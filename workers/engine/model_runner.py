@@ -369,7 +369,6 @@ class ModelRunner:
         # the top-k below takes the non-candidates and keep candidates: at most every row
         assert 0 < keep <= len(candidates), (keep, len(candidates))
         self._note_aside()
-        device = self.device
         candidate = np.zeros(end - start, dtype=bool)
         candidate[candidates - start] = True
         graphs = self.selection_graphs
@@ -377,32 +376,13 @@ class ModelRunner:
         if graphs is not None and graphs.layer == layer:
             early = graphs.start(_run_ids(seq, start, end), start, _int32(seq.page_ids), candidate)
         if early is None:
-            inputs = build_inputs([ScheduledSeq(seq, start, end - start)], self.page_size)
-            positions = inputs.positions.to(device, non_blocking=True)
-            metadata = self.backend.plan_aside(inputs.layout)  # a step may be in flight
-            hidden, residual = self.model.early_layers(
-                inputs.input_ids.to(device, non_blocking=True),
-                positions,
-                self.kv_caches,
-                self.backend,
-                metadata,
-                layer,
+            selection = Selection(seq, start, end, candidates, keep, logits, place)
+            qkv, residual, deviation, positions, slots, table, _ = self._select_eagerly(
+                [selection], layer
             )
-        if place is not None:
-            place(layer)
-        if early is None:
-            qkv, residual, deviation = self.model.selection_deviation(
-                hidden,
-                residual,
-                positions,
-                self.kv_caches[layer],
-                metadata.kv_rows,
-                layer,
-                torch.from_numpy(candidate).to(device, non_blocking=True),
-            )
-            slots = inputs.layout.slot_mapping.to(device, non_blocking=True).long()
-            table = inputs.layout.kv_page_indices.to(device, non_blocking=True)
         else:
+            if place is not None:
+                place(layer)
             qkv, residual, deviation, positions, slots, table = graphs.finish(early)
         # non-candidates' deviation is +inf: the top-k takes them all, then the keep
         # candidates that deviate most; sorted rows keep positions ascending
@@ -446,41 +426,9 @@ class ModelRunner:
             assert 0 < one.keep <= len(one.candidates), (one.keep, len(one.candidates))
             assert not (one.logits and one.candidates[-1] == one.end - 1)
         self._note_aside()
-        device = self.device
-        inputs = build_inputs(
-            [ScheduledSeq(one.seq, one.start, one.end - one.start) for one in selections],
-            self.page_size,
+        qkv, residual, deviation, positions, slots, tables, page_indptr = self._select_eagerly(
+            selections, layer
         )
-        positions = inputs.positions.to(device, non_blocking=True)
-        metadata = self.backend.plan_aside(inputs.layout)
-        hidden, residual = self.model.early_layers(
-            inputs.input_ids.to(device, non_blocking=True),
-            positions,
-            self.kv_caches,
-            self.backend,
-            metadata,
-            layer,
-        )
-        for one in selections:
-            if one.place is not None:
-                one.place(layer)
-        candidate = np.zeros(len(inputs.positions), dtype=bool)
-        offset = 0
-        for one in selections:
-            candidate[offset + one.candidates - one.start] = True
-            offset += one.end - one.start
-        qkv, residual, deviation = self.model.selection_deviation(
-            hidden,
-            residual,
-            positions,
-            self.kv_caches[layer],
-            metadata.kv_rows,
-            layer,
-            torch.from_numpy(candidate).to(device, non_blocking=True),
-        )
-        slots = inputs.layout.slot_mapping.to(device, non_blocking=True).long()
-        tables = inputs.layout.kv_page_indices.to(device, non_blocking=True)
-        page_indptr = inputs.layout.kv_page_indptr.tolist()  # one layout row a sequence
         rows, segments, offset, kept_offset = [], [], 0, 0
         for i, one in enumerate(selections):
             span = deviation[offset : offset + one.end - one.start]
@@ -513,6 +461,49 @@ class ModelRunner:
             for row, i in enumerate(wanted):
                 out[i] = logits[row : row + 1]
         return out
+
+    def _select_eagerly(self, selections: list[Selection], layer: int):
+        """The selecting forward up to the top-k, without graphs: the layers before
+        ``layer`` over every selection's positions (one ragged plan), each one's
+        ``place(layer)``, then the deviation at ``layer``. Returns ``(qkv, residual,
+        deviation, positions, slots, tables, page_indptr)``: rows in the selections'
+        order, and their page tables joined (selection i's from ``page_indptr[i]``)."""
+        device = self.device
+        inputs = build_inputs(
+            [ScheduledSeq(one.seq, one.start, one.end - one.start) for one in selections],
+            self.page_size,
+        )
+        positions = inputs.positions.to(device, non_blocking=True)
+        metadata = self.backend.plan_aside(inputs.layout)  # a step may be in flight
+        hidden, residual = self.model.early_layers(
+            inputs.input_ids.to(device, non_blocking=True),
+            positions,
+            self.kv_caches,
+            self.backend,
+            metadata,
+            layer,
+        )
+        for one in selections:
+            if one.place is not None:
+                one.place(layer)
+        candidate = np.zeros(len(inputs.positions), dtype=bool)
+        offset = 0
+        for one in selections:
+            candidate[offset + one.candidates - one.start] = True
+            offset += one.end - one.start
+        qkv, residual, deviation = self.model.selection_deviation(
+            hidden,
+            residual,
+            positions,
+            self.kv_caches[layer],
+            metadata.kv_rows,
+            layer,
+            torch.from_numpy(candidate).to(device, non_blocking=True),
+        )
+        slots = inputs.layout.slot_mapping.to(device, non_blocking=True).long()
+        tables = inputs.layout.kv_page_indices.to(device, non_blocking=True)
+        page_indptr = inputs.layout.kv_page_indptr.tolist()  # one layout row a selection
+        return qkv, residual, deviation, positions, slots, tables, page_indptr
 
     def _note_aside(self) -> None:
         """Start counting forwards queued aside, if none is counted since the engine
