@@ -176,6 +176,8 @@ ENGINE_STEP = [
     "workers.engine.approximate.chunk_reuse:place_spans",
     "workers.engine.approximate.placement:place_chunk",  # place_spans' copy to the device and launch
     "workers.engine.layers.placement_kernel:place_rows",
+    "workers.engine.approximate.chunk_reuse:ChunkReuse.flush",  # a step's admissions' forward
+    "workers.engine.model_runner:ModelRunner.repair_selecting_batch",
     "workers.engine.model_runner:ModelRunner.repair_selecting",
     "workers.engine.graphs.selection:SelectionGraphs.start",
     "workers.engine.graphs.selection:stage_selection",
@@ -204,6 +206,8 @@ ENGINE_STEP = [
 ADMISSION_TIMELINE = [
     "workers.engine.engine:Engine.step",
     "workers.engine.approximate.chunk_reuse:ChunkReuse.admit",
+    "workers.engine.approximate.chunk_reuse:ChunkReuse.flush",
+    "workers.engine.model_runner:ModelRunner.repair_selecting_batch",
     "workers.engine.model_runner:ModelRunner.repair_selecting",
     "workers.engine.model_runner:build_inputs",
     "workers.engine.graphs.selection:SelectionGraphs.start",
