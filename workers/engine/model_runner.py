@@ -58,6 +58,12 @@ class Selection:
     logits: bool = False
     place: Callable[[int], None] | None = None
 
+    def __post_init__(self) -> None:
+        # the top-k takes the non-candidates and ``keep`` candidates: at most every row
+        assert 0 < self.keep <= len(self.candidates), (self.keep, len(self.candidates))
+        # the logits are position end - 1's, which must go on past the selection layer
+        assert not (self.logits and self.candidates[-1] == self.end - 1)
+
     @property
     def kept_rows(self) -> int:
         """Rows that go on past the selection layer: all but the candidates, plus the
@@ -365,18 +371,15 @@ class ModelRunner:
         position, all within ``[start, end)``) from ``layer`` on; called once the layers
         before it are queued (they overwrite every placed position's KV below ``layer``
         and read no other layer's), so its host work overlaps them."""
-        assert not (logits and len(candidates) and candidates[-1] == end - 1)
-        # the top-k below takes the non-candidates and keep candidates: at most every row
-        assert 0 < keep <= len(candidates), (keep, len(candidates))
+        selection = Selection(seq, start, end, candidates, keep, logits, place)
         self._note_aside()
-        candidate = np.zeros(end - start, dtype=bool)
-        candidate[candidates - start] = True
         graphs = self.selection_graphs
         early = None  # launched first: the device waits for nothing else here
         if graphs is not None and graphs.layer == layer:
+            candidate = np.zeros(end - start, dtype=bool)
+            candidate[candidates - start] = True
             early = graphs.start(_run_ids(seq, start, end), start, _int32(seq.page_ids), candidate)
         if early is None:
-            selection = Selection(seq, start, end, candidates, keep, logits, place)
             qkv, residual, deviation, positions, slots, table, _ = self._select_eagerly(
                 [selection], layer
             )
@@ -386,7 +389,7 @@ class ModelRunner:
             qkv, residual, deviation, positions, slots, table = graphs.finish(early)
         # non-candidates' deviation is +inf: the top-k takes them all, then the keep
         # candidates that deviate most; sorted rows keep positions ascending
-        kept = end - start - len(candidates) + keep
+        kept = selection.kept_rows
         rows = torch.topk(deviation, kept, sorted=False).indices.sort().values
         qkv, residual, positions, slots = qkv[rows], residual[rows], positions[rows], slots[rows]
         self.aside.tokens += kept
@@ -422,9 +425,6 @@ class ModelRunner:
                     one.place,
                 )
             ]  # fmt: skip
-        for one in selections:
-            assert 0 < one.keep <= len(one.candidates), (one.keep, len(one.candidates))
-            assert not (one.logits and one.candidates[-1] == one.end - 1)
         self._note_aside()
         qkv, residual, deviation, positions, slots, tables, page_indptr = self._select_eagerly(
             selections, layer
