@@ -246,3 +246,20 @@ def test_scattered_attention_over_several_sequences_in_one_launch():
             q, cache, positions, torch.cat(tables), scale, 45, block_n=8, sequences=blocks
         )
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # through ScatteredAttention's batch metadata: the kernel's one launch and plain
+    # torch's sequence at a time agree
+    from workers.engine.attention.base import AttentionShape
+    from workers.engine.attention.scattered import ScatteredAttention
+
+    shape = AttentionShape(heads, kv_heads, head_dim, page_size, q.dtype, torch.device("cpu"))
+    slots = torch.arange(row, dtype=torch.int64)  # unused by attend
+    ends = [(a, b, t, t + len(table), kv_len) for (a, b, t), table, (kv_len, _) in zip(
+        segments, tables, sequences, strict=True)]  # fmt: skip
+    joined = torch.cat(tables)
+    outs = []
+    for use_kernel in (True, False):
+        attention = ScatteredAttention(shape, use_kernel=use_kernel)
+        metadata = attention.batch_metadata(positions, slots, joined, ends)
+        outs.append(attention.attend(q, cache, metadata))
+    torch.testing.assert_close(outs[0], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[1], want, rtol=1e-5, atol=1e-5)

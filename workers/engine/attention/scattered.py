@@ -40,17 +40,17 @@ class ScatteredMetadata:
 @dataclass(frozen=True)
 class ScatteredBatch:
     """Kept rows of several sequences in one forward
-    (``ModelRunner.repair_selecting_batch``): rows ``[first, last)`` of ``segments``
-    are one sequence's, attending by its own ``ScatteredMetadata``. ``kv_rows`` covers
-    every row, in order. With the kernel, one launch attends for all of them
-    (``blocks``, over ``positions`` and the sequences' tables joined in ``page_table``)."""
+    (``ModelRunner.repair_selecting_batch``). ``kv_rows`` covers every row, in order.
+    With the kernel, one launch attends for all of them (``blocks``, over ``positions``
+    and the sequences' tables joined in ``page_table``); in plain torch, rows
+    ``[first, last)`` of each of ``segments`` attend by that sequence's own metadata."""
 
     kv_rows: torch.Tensor  # [2N] int64
-    segments: tuple[tuple[int, int, ScatteredMetadata], ...]
     positions: torch.Tensor  # [N] int64: every row's
     page_table: torch.Tensor  # int32: the sequences' tables, one after another
     kv_len: int  # above every row's position
     blocks: SequenceBlocks | None = None  # with the kernel
+    segments: tuple[tuple[int, int, ScatteredMetadata], ...] = ()  # without it
 
 
 class ScatteredAttention:
@@ -78,19 +78,19 @@ class ScatteredAttention:
         ``[first, last)`` (positions ascending within), its page table
         ``tables[table_start:table_end]`` and its KV length."""
         kv_rows = kv_write_rows(slots, self.shape.page_size)
-        per_sequence = tuple(
-            (first, last, ScatteredMetadata(kv_rows, positions[first:last], tables[a:b], kv_len))
-            for first, last, a, b, kv_len in segments
-        )
-        blocks = None
+        kv_len = max(kv_len for *_, kv_len in segments)
         if self.use_kernel:
             from workers.engine.layers.scattered_kernel import SequenceBlocks, default_block_m
 
             block_m = default_block_m(self.shape.num_heads, self.shape.num_kv_heads)
             starts = [(first, last, a) for first, last, a, _, _ in segments]
             blocks = SequenceBlocks.build(starts, block_m, positions.device)
-        kv_len = max(kv_len for *_, kv_len in segments)
-        return ScatteredBatch(kv_rows, per_sequence, positions, tables, kv_len, blocks)
+            return ScatteredBatch(kv_rows, positions, tables, kv_len, blocks)
+        per_sequence = tuple(
+            (first, last, self.metadata(positions[first:last], slots[first:last], tables[a:b], n))
+            for first, last, a, b, n in segments
+        )
+        return ScatteredBatch(kv_rows, positions, tables, kv_len, segments=per_sequence)
 
     def forward(self, q, k, v, kv_cache, metadata: ScatteredMetadata | ScatteredBatch):
         write_kv(kv_cache, k, v, metadata.kv_rows)
