@@ -117,9 +117,8 @@ class KVPool:
         self.entry_evictions = 0  # entries dropped since the pool was made
         self.host: HostTier | None = None  # see attach_host
         self._loading: dict[int, object] = {}  # page -> its unfinished load's event
-        self._evicted: list[tuple[int, PageKey, PageKey, bytes]] | None = (
-            None  # see batching_evictions
-        )
+        # see batching_evictions
+        self._evicted: list[tuple[int, PageKey, PageKey, bytes]] | None = None
 
     def attach_host(self, host: HostTier) -> None:
         """Evict into ``host`` from now on, and load back from it."""
