@@ -20,8 +20,10 @@ the gold documents sit at every position.
 Invariants:
 - Deterministic: the same seed, count and arguments give the same examples.
 - Each subject (person or team) has at most one document, so every answer is unique.
-- Every entity name is a single token of the doc-QA tokenizer, with and without a
-  leading space (checked by ``modeltools.docqa_train.build_docqa_tokenizer``).
+- Every entity name of the plain style is a single token of the doc-QA tokenizer, with
+  and without a leading space (checked by ``modeltools.docqa_train.build_docqa_tokenizer``);
+  the varied style (``modeltools.docqa_phrasing``) also names people and places from
+  outside those lists, several tokens each.
 - Train and held-out examples are disjoint: an example's combination (question kind,
   subject, link entity, answer) falls in the held-out partition (``is_heldout``) or not,
   and each split only emits its own; their random streams are also seeded apart.
@@ -36,6 +38,8 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from modeltools import docqa_phrasing
 
 PEOPLE = (
     "Mira Omar Lena Tariq Bruno Hana Ivan Nadia Felix Priya Jonas Elena Kenji Amara Diego "
@@ -106,6 +110,9 @@ class DocQAExample:
     # Training only: further (question, answer) turns over the same documents, each a
     # different question of the same split (either hops).
     follow_ups: tuple[tuple[str, str], ...] = ()
+    # every reply as the JSON object {"answer": ...} (``reply_text``)
+    json_replies: bool = False
+    style: str = "plain"  # how documents and questions are phrased (``generate_example``)
 
     @property
     def num_docs(self) -> int:
@@ -122,22 +129,30 @@ class DocQAExample:
     def conversation(self, answer_space: bool = True) -> list[dict[str, Any]]:
         """``messages`` answered, then every follow-up as a user and an assistant turn;
         the replies as ``reply_text`` writes them."""
+        reply = self.reply
         turns: list[dict[str, Any]] = [
             *self.messages,
-            {"role": "assistant", "content": reply_text(self.answer, answer_space)},
+            {"role": "assistant", "content": reply(self.answer, answer_space)},
         ]
         for question, answer in self.follow_ups:
             turns.append({"role": "user", "content": question})
-            turns.append({"role": "assistant", "content": reply_text(answer, answer_space)})
+            turns.append({"role": "assistant", "content": reply(answer, answer_space)})
         return turns
 
+    def reply(self, answer: str, answer_space: bool = True) -> str:
+        """``reply_text`` in this example's reply format."""
+        return reply_text(answer, answer_space, self.json_replies)
 
-def reply_text(answer: str, answer_space: bool = True) -> str:
+
+def reply_text(answer: str, answer_space: bool = True, as_json: bool = False) -> str:
     """What the assistant says for ``answer``: with ``answer_space`` the entity as the
     documents write it, after a space (" Oslo"). Byte-level BPE keeps a space with the
     word after it, so " Oslo" is the token the documents hold and "Oslo" another one;
-    answering with the documents' token makes answering a copy."""
-    return " " + answer if answer_space else answer
+    answering with the documents' token makes answering a copy. ``as_json``: the same
+    text as the value of an object's "answer" (``{"answer": " Oslo"}``), the reply a
+    JSON schema ``{"answer": string}`` asks for."""
+    text = " " + answer if answer_space else answer
+    return '{"answer": "' + text + '"}' if as_json else text
 
 
 @dataclass
@@ -175,12 +190,17 @@ def team_document(t: _Team, rng: random.Random) -> str:
     return f"Team note: the {t.name} team {phrases[0]} and {phrases[1]}.\n"
 
 
-def _world(rng: random.Random, num_docs: int) -> tuple[list[_Person], list[_Team]]:
+def _world(
+    rng: random.Random, num_docs: int, names: Sequence[str] = PEOPLE, cities: Sequence[str] = CITIES
+) -> tuple[list[_Person], list[_Team]]:
+    """A world of ``num_docs`` subjects, its people named from ``names`` and its places
+    from ``cities``."""
+    pool = names
     num_teams = min(max(1, round(num_docs * rng.uniform(0.3, 0.6))), num_docs - 1)
     num_people = num_docs - num_teams
-    people_names = rng.sample(PEOPLE, num_people)
+    people_names = rng.sample(pool, num_people)
     team_names = rng.sample(TEAMS, num_teams)
-    absent_people = [n for n in PEOPLE if n not in people_names]
+    absent_people = [n for n in pool if n not in people_names]
     absent_teams = [n for n in TEAMS if n not in team_names]
     rng.shuffle(absent_people)
     rng.shuffle(absent_teams)
@@ -192,14 +212,14 @@ def _world(rng: random.Random, num_docs: int) -> tuple[list[_Person], list[_Team
             leader = free_leaders.pop()
         else:
             leader = absent_people.pop()
-        teams.append(_Team(name, rng.choice(CITIES), leader))
+        teams.append(_Team(name, rng.choice(cities), leader))
     people = []
     for name in people_names:
         kinds = rng.sample(("city", "age", "team"), 2)
         facts = {}
         for k in kinds:
             if k == "city":
-                facts[k] = rng.choice(CITIES)
+                facts[k] = rng.choice(cities)
             elif k == "age":
                 facts[k] = rng.choice(AGES)
             else:
@@ -262,12 +282,19 @@ def generate_example(
     hops: int | None = None,
     questions: int = 1,
     reverse: bool = False,
+    style: str = "plain",
+    templates: str = "train",
+    json_replies: bool = False,
 ) -> DocQAExample:
     """One example with ``num_docs`` documents; ``hops`` 1 or 2, or None for either
     (even odds). Draws worlds until one has a question of the wanted split and hops.
     ``questions`` > 1 adds up to that many - 1 follow-ups (training conversations with
     several turns); with 1 the random stream is the one it has always been. ``reverse``
-    lets follow-ups also be ``REVERSE`` questions (the first question never is)."""
+    lets follow-ups also be ``REVERSE`` questions (the first question never is).
+    ``style`` "varied" writes documents and questions in ``docqa_phrasing``'s templates
+    of the ``templates`` split ("train" or "heldout"), and names people and places
+    from the extra lists too; "plain" (the default) draws exactly as it always has.
+    ``json_replies``: every reply is the JSON object ``reply_text`` writes."""
     if questions < 1:
         raise ValueError(f"questions must be at least 1, got {questions}")
     if hops not in (None, 1, 2):
@@ -276,10 +303,17 @@ def generate_example(
         raise ValueError(f"num_docs must be in [{MIN_DOCS}, {MAX_DOCS}], got {num_docs}")
     if split not in _SPLIT_SEED_OFFSET:
         raise ValueError(f"split must be train or heldout, got {split!r}")
+    if style not in docqa_phrasing.STYLES:
+        raise ValueError(f"style must be one of {docqa_phrasing.STYLES}, got {style!r}")
+    if templates not in docqa_phrasing.TEMPLATE_SPLITS:
+        raise ValueError(f"templates must be train or heldout, got {templates!r}")
+    varied = style == "varied"
+    names = (*PEOPLE, *docqa_phrasing.EXTRA_PEOPLE) if varied else PEOPLE
+    cities = (*CITIES, *docqa_phrasing.EXTRA_CITIES) if varied else CITIES
     want_hops = hops if hops is not None else rng.choice((1, 2))
     kinds = SINGLE_HOP if want_hops == 1 else TWO_HOP
     while True:
-        people, teams = _world(rng, num_docs)
+        people, teams = _world(rng, num_docs, names, cities)
         cands = []
         for c in _candidates(people, teams):
             if c[0] not in kinds:
@@ -296,22 +330,47 @@ def generate_example(
         )
         follow_ups: tuple[tuple[str, str], ...] = ()
         if questions > 1:
-            follow_ups = _follow_ups(rng, people, teams, split, combo, questions - 1, reverse)
-        docs = [(p.name, person_document(p, rng)) for p in people]
-        docs += [(t.name, team_document(t, rng)) for t in teams]
+            follow_ups = _follow_ups(
+                rng, people, teams, split, combo, questions - 1, reverse, style, templates
+            )
+        if varied:
+            docs = [
+                (p.name, docqa_phrasing.person_document(p.name, p.facts, templates, rng))
+                for p in people
+            ]
+            docs += [
+                (t.name, docqa_phrasing.team_document(t.name, t.city, t.leader, templates, rng))
+                for t in teams
+            ]
+        else:
+            docs = [(p.name, person_document(p, rng)) for p in people]
+            docs += [(t.name, team_document(t, rng)) for t in teams]
         rng.shuffle(docs)
         index = {name: i for i, (name, _) in enumerate(docs)}
         return DocQAExample(
             system=rng.choice(SYSTEM_PROMPTS),
             documents=tuple(text for _, text in docs),
-            question="Question: " + QUESTIONS[kind].format(s=subject),
+            question=ask(kind, subject, rng, style, templates),
             answer=answer,
             hops=want_hops,
             kind=kind,
             gold=tuple(index[s] for s in gold_subjects),
             combo=combo,
             follow_ups=follow_ups,
+            json_replies=json_replies,
+            style=style,
         )
+
+
+def ask(
+    kind: str, subject: str, rng: random.Random, style: str = "plain", templates: str = "train"
+) -> str:
+    """The question of ``kind`` about ``subject``: plain, "Question: " and the one
+    template (no draw from ``rng``); varied, a template of the split with or without a
+    prefix (kinds the varied style has no templates for are asked plainly)."""
+    if style == "varied" and kind in docqa_phrasing.QUESTIONS:
+        return docqa_phrasing.question(kind, subject, templates, rng)
+    return "Question: " + QUESTIONS[kind].format(s=subject)
 
 
 def _follow_ups(
@@ -322,6 +381,8 @@ def _follow_ups(
     asked: tuple[str, ...],
     count: int,
     reverse: bool,
+    style: str = "plain",
+    templates: str = "train",
 ) -> tuple[tuple[str, str], ...]:
     """Up to ``count`` further questions of ``split`` about the same world, none asked
     twice, kinds drawn evenly among those left."""
@@ -337,7 +398,7 @@ def _follow_ups(
         subject, answer = left[kind].pop(rng.randrange(len(left[kind])))
         if not left[kind]:
             del left[kind]
-        out.append(("Question: " + QUESTIONS[kind].format(s=subject), answer))
+        out.append((ask(kind, subject, rng, style, templates), answer))
     return tuple(out)
 
 

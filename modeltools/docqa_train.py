@@ -40,7 +40,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
 from modeltools import docqa_data
-from modeltools.docqa_data import DocQAExample, reply_text
+from modeltools.docqa_data import DocQAExample
 from modeltools.docqa_guides import GuideFinder, guide_heads, guide_loss, guide_tensor
 from modeltools.model_config import (
     DTYPES,
@@ -100,6 +100,10 @@ class TrainConfig:
     device: str | None = None  # None: cuda where available
     num_workers: int | None = None  # data-loader processes; None: up to 8 on cuda, else 0
     init_from: str | None = None  # continue from this checkpoint's weights
+    # share of training conversations phrased in docqa_phrasing's varied templates
+    # (their training split), with names and places from outside the entity lists
+    varied_share: float = 0.0
+    json_share: float = 0.0  # share of conversations whose replies are {"answer": ...}
     seed: int = 0
 
 
@@ -144,7 +148,7 @@ def answer_ids(
 ) -> list[int]:
     """The assistant turn's tokens up to the end-of-turn token the engine stops on."""
     end = tokenizer.convert_tokens_to_ids(chat_family(FAMILY).eos)
-    text = reply_text(ex.answer, answer_space)
+    text = ex.reply(ex.answer, answer_space)
     return tokenizer.encode(text, add_special_tokens=False) + [end]
 
 
@@ -161,12 +165,12 @@ def _batch_ids(
     for ex in examples:
         chunks = chunk_texts(ex)
         layout = [(len(texts), len(chunks), False), (len(texts) + len(chunks), 1, True)]
-        texts += [*chunks, reply_text(ex.answer, answer_space)]
+        texts += [*chunks, ex.reply(ex.answer, answer_space)]
         for question, answer in ex.follow_ups:
             layout.append((len(texts), 1, False))
             layout.append((len(texts) + 1, 1, True))
             user = f"\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
-            texts += [user, reply_text(answer, answer_space)]
+            texts += [user, ex.reply(answer, answer_space)]
         layouts.append(layout)
     encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
     out = []
@@ -257,10 +261,13 @@ def encode_batch(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input ids, target ids, loss weights, attention guides), right-padded; targets are
     the next tokens, weighted ``answer_weight`` in answers (end tokens included), else
-    ``prompt_weight``; guides as ``docqa_guides.guide_tensor`` (none without a finder)."""
+    ``prompt_weight``; guides as ``docqa_guides.guide_tensor`` (none without a finder,
+    and none for examples the finder cannot read: varied phrasings, JSON replies)."""
     seqs, weights, guide_rows = [], [], []
-    for segments in _batch_ids(tokenizer, examples, answer_space):
-        guide_rows.append(guides.guides(segments) if guides is not None else [])
+    batch = _batch_ids(tokenizer, examples, answer_space)
+    for ex, segments in zip(examples, batch, strict=True):
+        guided = guides is not None and ex.style == "plain" and not ex.json_replies
+        guide_rows.append(guides.guides(segments) if guided else [])
         seq, w = [], []
         for ids, is_answer in segments:
             seq += ids
@@ -299,13 +306,7 @@ class _Batches(torch.utils.data.IterableDataset):
             rng = random.Random(f"docqa-train/{self.cfg.seed}/{step}")
             high = max(self.gated_docs, max_docs_at(step, self.cfg))
             examples = [
-                docqa_data.generate_example(
-                    rng,
-                    rng.randint(docqa_data.MIN_DOCS, high),
-                    "train",
-                    questions=self.cfg.turns,
-                    reverse=self.cfg.reverse,
-                )
+                training_example(rng, rng.randint(docqa_data.MIN_DOCS, high), self.cfg)
                 for _ in range(self.cfg.batch_size)
             ]
             yield encode_batch(
@@ -317,6 +318,23 @@ class _Batches(torch.utils.data.IterableDataset):
                 self.guides,
             )
             step += workers
+
+
+def training_example(rng: random.Random, num_docs: int, cfg: TrainConfig) -> DocQAExample:
+    """One training conversation: varied phrasing and JSON replies each drawn at their
+    share (the generator is not drawn from for a share of 0, so the plain recipe's
+    stream stays as it was)."""
+    style = "varied" if cfg.varied_share > 0 and rng.random() < cfg.varied_share else "plain"
+    as_json = cfg.json_share > 0 and rng.random() < cfg.json_share
+    return docqa_data.generate_example(
+        rng,
+        num_docs,
+        "train",
+        questions=cfg.turns,
+        reverse=cfg.reverse,
+        style=style,
+        json_replies=as_json,
+    )
 
 
 def _loader(tokenizer, cfg: TrainConfig, workers: int, first_step: int = 0, gated_docs: int = 0):
@@ -332,12 +350,53 @@ def _loader(tokenizer, cfg: TrainConfig, workers: int, first_step: int = 0, gate
 # -- evaluation -------------------------------------------------------------------------
 
 
-def heldout_set(seed: int, count: int, num_docs: int) -> list[DocQAExample]:
-    """``count`` held-out examples, half single-hop then half two-hop."""
+def heldout_set(
+    seed: int, count: int, num_docs: int, style: str = "plain", templates: str = "train"
+) -> list[DocQAExample]:
+    """``count`` held-out examples, half single-hop then half two-hop, phrased in
+    ``style`` with the ``templates`` split's templates."""
     half = count // 2
-    return docqa_data.generate(seed, half, num_docs, "heldout", hops=1) + docqa_data.generate(
-        seed + 1, count - half, num_docs, "heldout", hops=2
-    )
+    out = []
+    for offset, hops, n in ((0, 1, half), (1, 2, count - half)):
+        rng = random.Random(f"docqa/heldout/{style}/{templates}/{seed + offset}")
+        if style == "plain":  # the stream docqa_data.generate has always given
+            out += docqa_data.generate(seed + offset, n, num_docs, "heldout", hops=hops)
+            continue
+        out += [
+            docqa_data.generate_example(
+                rng, num_docs, "heldout", hops, style=style, templates=templates
+            )
+            for _ in range(n)
+        ]
+    return out
+
+
+def conversation_set(
+    seed: int, count: int, num_docs: int, turns: int, style: str = "plain", json_replies=False
+) -> list[DocQAExample]:
+    """``count`` held-out conversations of exactly ``turns`` questions over the same
+    documents (the first with the documents, the others as later user turns)."""
+    rng = random.Random(f"docqa/conversations/{style}/{json_replies}/{seed}")
+    out: list[DocQAExample] = []
+    while len(out) < count:
+        ex = docqa_data.generate_example(
+            rng, num_docs, "heldout", questions=turns, style=style, json_replies=json_replies
+        )
+        if len(ex.follow_ups) == turns - 1:
+            out.append(ex)
+    return out
+
+
+# Held-out sets beyond the plain single-turn ones (``evaluate_sets``): name -> how to
+# make ``count`` of them at ``num_docs`` documents from ``seed``
+EXTRA_SETS: dict[str, Callable[[int, int, int], list[DocQAExample]]] = {
+    "varied": lambda seed, count, n: heldout_set(seed, count, n, "varied"),
+    "heldout-templates": lambda seed, count, n: heldout_set(seed, count, n, "varied", "heldout"),
+    "2 turns": lambda seed, count, n: conversation_set(seed, count, n, 2),
+    "3 turns": lambda seed, count, n: conversation_set(seed, count, n, 3),
+    "3 turns, varied": lambda seed, count, n: conversation_set(seed, count, n, 3, "varied"),
+    "json": lambda seed, count, n: conversation_set(seed, count, n, 1, json_replies=True),
+}
 
 
 @torch.no_grad()
@@ -351,7 +410,9 @@ def exact_match(
 ) -> list[bool]:
     """Greedy exact match per example: the argmax at every position of the assistant
     turn (answer, then end token) is the target given the target before it — which is
-    exactly when greedy decoding emits the answer and stops."""
+    exactly when greedy decoding emits the answer and stops. A JSON reply is judged from
+    its second token on: its first, the object's opening, is what the JSON grammar of
+    ``response_format`` forces (the model is not asked to choose the format itself)."""
     was_training = model.training
     model.eval()
     out: list[bool] = []
@@ -362,6 +423,9 @@ def exact_match(
             logits = model(input_ids=inputs.to(device)).logits
         predicted = logits.argmax(-1).cpu()
         is_answer = weights == 2.0
+        opening = is_answer & ~F.pad(is_answer, (1, 0))[:, :-1]  # each reply's first token
+        forced = torch.tensor([ex.json_replies for ex in chunk]).unsqueeze(1)
+        is_answer &= ~(opening & forced)
         ok = ((predicted == targets) | ~is_answer).all(dim=1)
         out += ok.tolist()
     model.train(was_training)
@@ -483,16 +547,14 @@ def train(
     if workers is None:
         workers = min(8, (os.cpu_count() or 2) - 1) if device.type == "cuda" else 0
     rng = random.Random(f"docqa-check/{cfg.seed}")
-    check_tokenization(
-        tokenizer,
-        [
-            docqa_data.generate_example(
-                rng, rng.randint(2, 16), "train", questions=cfg.turns, reverse=cfg.reverse
-            )
-            for _ in range(20)
-        ],
-        cfg.answer_space,
-    )
+    checked = [training_example(rng, rng.randint(2, 16), cfg) for _ in range(20)]
+    checked += [
+        docqa_data.generate_example(
+            rng, rng.randint(2, 16), "train", questions=3, style="varied", json_replies=True
+        )
+        for _ in range(5)
+    ]
+    check_tokenization(tokenizer, checked, cfg.answer_space)
     started = time.perf_counter()
     requested_steps = cfg.steps
     gated = cfg.curriculum == "gated"
@@ -509,7 +571,15 @@ def train(
         )
     if by_time and cfg.lr_schedule != "wsd":
         raise ValueError("a gated curriculum with a time budget needs lr_schedule wsd")
+    # the held-out set that picks the kept weights: plain questions, and the varied
+    # phrasings and JSON replies where the recipe trains them
     evalset = heldout_set(_HELDOUT_EVAL_SEED, cfg.eval_examples, 8)
+    if cfg.varied_share > 0:
+        evalset += heldout_set(_HELDOUT_EVAL_SEED, cfg.eval_examples // 2, 8, "varied")
+    if cfg.json_share > 0:
+        evalset += conversation_set(
+            _HELDOUT_EVAL_SEED, cfg.eval_examples // 4, 8, 1, json_replies=True
+        )
     if not gated and cfg.curriculum != "linear":
         parse_schedule(cfg.curriculum)  # fail early on a bad schedule
     gate_docs = cfg.curriculum_start if gated else 0
@@ -644,7 +714,32 @@ def final_evaluation(
         chance = relation_chance_by_hops(examples)
         results[f"{num_docs}docs"] = {**acc, "examples": len(examples), "relation_chance": chance}
         log(f"final held-out {num_docs} docs ({len(examples)}): {_versus_chance(acc, chance)}")
+    extra = evaluate_sets(
+        model, tokenizer, device, list(EXTRA_SETS), 8, cfg.final_eval_examples // 4,
+        1100, cfg.answer_space,
+    )  # fmt: skip
+    for name, acc in extra.items():
+        results[f"8docs, {name}"] = acc
+        log(f"final held-out 8 docs, {name} ({acc['examples']}): {_accuracy_text(acc)}")
     return results
+
+
+def evaluate_sets(
+    model, tokenizer, device, names: Sequence[str], num_docs: int, count: int, seed: int,
+    answer_space: bool = True,
+) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Greedy exact match on the ``EXTRA_SETS`` named: per hops of the first question,
+    a conversation counting as right only when every one of its answers is."""
+    out = {}
+    for name in names:
+        examples = EXTRA_SETS[name](seed, count, num_docs)
+        ok = exact_match(model, tokenizer, examples, device, 32, answer_space)
+        out[name] = {**accuracy_by_hops(examples, ok), "examples": len(examples)}
+    return out
+
+
+def _accuracy_text(acc: Mapping[str, float]) -> str:
+    return " ".join(f"{k} {v:.3f}" for k, v in acc.items() if k != "examples")
 
 
 def relation_chance_by_hops(examples: Sequence[DocQAExample]) -> dict[str, float]:
@@ -755,6 +850,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("--docs", type=int, nargs="+", default=[4, 8, 16])
     e.add_argument("--examples", type=int, default=400)
     e.add_argument("--seed", type=int, default=2000)
+    e.add_argument(
+        "--sets",
+        nargs="*",
+        default=[],
+        choices=list(EXTRA_SETS),
+        help="also these held-out sets (varied phrasings, held-out templates, conversations "
+        "of several turns, JSON replies), at each --docs",
+    )
     e.add_argument("--device")
     args = p.parse_args(argv)
     model, tokenizer = load_for_eval(args.dir, args.device)
@@ -766,6 +869,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"{n} docs ({len(examples)}): {_versus_chance(acc, relation_chance_by_hops(examples))}"
         )
+        extra = evaluate_sets(model, tokenizer, dev, args.sets, n, args.examples, args.seed, space)
+        for name, acc in extra.items():
+            print(f"{n} docs, {name} ({acc['examples']}): {_accuracy_text(acc)}")
     return 0
 
 

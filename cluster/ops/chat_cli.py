@@ -137,13 +137,15 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"reuse mode must be one of {', '.join(REUSE_MODES)}, got {mode!r}")
 
 
-def run_chat(backend: Backend, reuse: str = "exact") -> None:
-    """Read lines until /quit or end of input; turns ask for ``reuse`` until /reuse."""
+def run_chat(backend: Backend, reuse: str = "exact", system: str = "") -> None:
+    """Read lines until /quit or end of input; turns ask for ``reuse`` until /reuse,
+    under the system prompt ``system`` until /system."""
 
     def write(text: str) -> None:
         print(text, end="", flush=True)
 
     session = ChatSession(backend, lambda line: print(line, flush=True), reuse)
+    session.conversation.system = system
     print(HELP, flush=True)
     while True:
         try:

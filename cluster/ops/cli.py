@@ -174,6 +174,17 @@ _TRAIN_OPTIONS = (
     ("device", str, "cuda or cpu (default: cuda where available)"),
     ("num_workers", int, "data-loader processes (default: up to 8 on cuda, else 0)"),
     ("init_from", str, "continue from this checkpoint's weights"),
+    (
+        "varied_share",
+        float,
+        "share of conversations phrased in varied templates, with distractor sentences and "
+        "names from outside the entity lists (modeltools/docqa_phrasing.py; default 0)",
+    ),
+    (
+        "json_share",
+        float,
+        'share of conversations whose replies are the JSON object {"answer": ...} (default 0)',
+    ),
 )
 
 
@@ -349,6 +360,7 @@ def _add_chat(subparsers: argparse._SubParsersAction) -> None:
         default="exact",
         help="reuse mode of the turns (default exact; /reuse changes it)",
     )
+    p.add_argument("--system", default="", help="the system prompt to start with (/system sets it)")
     p.set_defaults(handler=_run_chat)
 
 
@@ -362,7 +374,7 @@ def _run_chat(args: argparse.Namespace) -> int:
         backend = RemoteBackend(args.url, args.api_key, args.max_tokens, args.model_name)
     else:
         backend = LocalBackend(args.model, args.max_tokens, args.device)
-    run_chat(backend, args.reuse)
+    run_chat(backend, args.reuse, args.system)
     return EXIT_OK
 
 
