@@ -288,3 +288,104 @@ def test_relation_chance_is_one_over_the_values_of_the_asked_relation():
     assert docqa_data.relation_chance(ex) == 0.5  # Oslo or Lima: team bases do not count
     for ex in docqa_data.generate(9, 200, (2, 16), "heldout"):
         assert 0 < docqa_data.relation_chance(ex) <= 1  # the answer is always among them
+
+
+def _template_of(text: str, templates, subject: str) -> int:
+    """Index of the template ``text`` is, with ``subject`` filled in (-1: none)."""
+    return next((i for i, t in enumerate(templates) if t.format(s=subject) == text), -1)
+
+
+def test_varied_questions_use_only_their_template_split():
+    from modeltools import docqa_phrasing
+
+    for templates in docqa_phrasing.TEMPLATE_SPLITS:
+        for ex in heldout_set(9, 60, 8, "varied", templates):
+            question = ex.question
+            for prefix in ("Question: ", "Q: "):
+                question = question.removeprefix(prefix)
+            index = _template_of(question, docqa_phrasing.QUESTIONS[ex.kind], ex.combo[1])
+            assert index >= 0, ex.question
+            assert (index % 5 == 4) == (templates == "heldout"), (templates, ex.question)
+
+
+def test_varied_documents_name_one_subject_and_distractors_name_nothing():
+    import random
+
+    from modeltools import docqa_phrasing
+
+    names = {*docqa_data.entity_words(), *docqa_phrasing.EXTRA_PEOPLE, *docqa_phrasing.EXTRA_CITIES}
+    for sentence in docqa_phrasing.DISTRACTORS:
+        words = set(sentence.rstrip(".").split())
+        assert not words & names and not any(c.isdigit() for c in sentence), sentence
+    rng, extra = random.Random(0), set()
+    for _ in range(200):
+        ex = docqa_data.generate_example(rng, 8, "train", style="varied")
+        assert ex.answer in ex.documents[ex.gold[-1]]
+        for doc in ex.documents:
+            body = doc.strip()
+            for header in filter(None, docqa_phrasing.HEADERS):
+                body = body.removeprefix(header)
+            facts = [
+                s for s in body.rstrip(".").split(". ") if s + "." not in docqa_phrasing.DISTRACTORS
+            ]
+            subjects = {" ".join(s.split()[: 2 if s.startswith("The ") else 1]) for s in facts}
+            assert len(subjects) == 1, doc  # every fact sentence names the one subject
+            extra |= set(body.split()) & set(docqa_phrasing.EXTRA_PEOPLE)
+    assert extra  # names from outside the plain lists appear
+
+
+def test_json_replies_tokenize_as_the_engine_renders_them(shipped_tokenizer):
+    import random
+
+    rng = random.Random(3)
+    examples = [
+        docqa_data.generate_example(
+            rng, rng.randint(2, 16), "train", questions=3, style="varied", json_replies=True
+        )
+        for _ in range(10)
+    ]
+    check_tokenization(shipped_tokenizer, examples)  # raises on any difference
+    for ex in examples:
+        text = shipped_tokenizer.decode(answer_ids(shipped_tokenizer, ex))
+        assert json.loads(text.removesuffix("<|im_end|>")) == {"answer": " " + ex.answer}
+
+
+def test_shipped_model_answers_follow_up_turns_typed_as_in_a_chat(shipped_llm):
+    """Held-out three-turn conversations in varied phrasing (most questions without the
+    "Question: " prefix, as typed into ``chunkserve chat``): the third answer, after two
+    answered turns, through the engine."""
+    from modeltools.docqa_train import conversation_set
+    from workers import SamplingParams
+
+    examples = conversation_set(5, 24, 8, 3, "varied")
+    convs = [ex.conversation()[:-1] for ex in examples]  # up to the last question
+    outs = shipped_llm.chat(convs, SamplingParams(max_tokens=8, temperature=0))
+    right = [
+        docqa_data.answer_matches(o.text, ex.follow_ups[-1][1]) and o.finish_reason == "stop"
+        for o, ex in zip(outs, examples, strict=True)
+    ]
+    assert sum(right) >= 0.95 * len(examples), [
+        (ex.follow_ups[-1], o.text) for o, ex in zip(outs, examples, strict=True)
+    ]
+
+
+def test_shipped_model_answers_in_the_json_a_schema_asks_for(shipped_llm):
+    from workers import SamplingParams
+    from workers.engine.structured import ResponseFormat
+
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string"}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    fmt = ResponseFormat("json_schema", json.dumps(schema))
+    examples = heldout_set(31, 16, 8)
+    outs = shipped_llm.chat(
+        [ex.messages for ex in examples],
+        SamplingParams(max_tokens=24, temperature=0, response_format=fmt),
+    )
+    for o, ex in zip(outs, examples, strict=True):
+        assert o.finish_reason == "stop", o.text
+        reply = json.loads(o.text)
+        assert set(reply) == {"answer"} and docqa_data.answer_matches(reply["answer"], ex.answer)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
 
 import pexpect
 
+DOCQA = Path(__file__).resolve().parents[3] / "modeltools" / "docqa_model"
 PROMPT = "you> "
 REUSE = re.compile(rb"reuse (\w+): reused (\d+) / computed (\d+) prompt tokens, TTFT (\d+) ms")
 SYSTEM = "You are a precise assistant for the Harbor Analytics handbook; answer briefly."
@@ -62,3 +64,38 @@ def test_chat_shows_reuse_after_each_turn(tiny_qwen3, tmp_path):
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
+
+
+def test_chat_with_the_shipped_model_answers_follow_up_turns():
+    """The README's conversation: ``--system`` starts the chat with a system prompt, the
+    document comes in the first turn, the questions after it are typed as in a chat
+    (no "Question: "), and each later turn reuses the conversation before it."""
+    system = (
+        "You answer questions from the documents in the conversation. Reply with the answer only."
+    )
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "cluster.ops.cli", "chat", "--model", str(DOCQA), "--device", "cpu"]
+        + ["--max-tokens", "8", "--system", system],
+        timeout=120,
+    )
+    turns = [
+        ("Staff note: Petra lives in Tallinn and is 29 years old. Team note: the Falcon team "
+         "is based in Oslo and is led by Petra. Who leads the Falcon team?", "Petra"),
+        ("How old is Petra?", "29"),
+        ("Where does the leader of the Falcon team live?", "Tallinn"),
+    ]  # fmt: skip
+    try:
+        reused = []
+        for question, answer in turns:
+            child.expect_exact(PROMPT)
+            child.sendline(question)
+            child.expect(rb"assistant> (.*)\r\n")
+            assert child.match.group(1).decode().strip() == answer
+            child.expect(REUSE)
+            reused.append(int(child.match.group(2)))
+        assert reused[0] == 0 and 0 < reused[1] < reused[2]  # earlier turns' KV
+        child.sendline("/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
