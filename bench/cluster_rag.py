@@ -36,7 +36,9 @@ first ones only.
 Host-memory KV tier (``--host-kv-gib 0 G``): the whole comparison runs once per value,
 each on a cluster of its own whose workers have a host tier of that many GiB
 (``engine.host_kv_gib``; 0: off), and the report lists the runs together, the tier's
-size in each run's policy label.
+size in each run's policy label. ``--host-kv-write all reused`` runs each tier once with
+each write policy (``engine.host_kv_write``); the summary lines count the pages the
+tiers wrote and loaded.
 
 Kill test (``--kill``): all workers, chunk-aware, buffered (non-streamed) requests like
 the batch job's, from one router in this process; when ``--kill-at`` of the requests
@@ -559,8 +561,11 @@ def default_pages(docs: int, doc_tokens: int) -> int:
     return (docs + 1) // 2 * -(-doc_tokens // PAGE_SIZE) + HEADROOM_PAGES
 
 
-def cluster_config(args: argparse.Namespace, count: int, host_kv_gib: float = 0.0) -> ClusterConfig:
+def cluster_config(
+    args: argparse.Namespace, count: int, host_kv_gib: float = 0.0, host_write: str = "all"
+) -> ClusterConfig:
     engine = {"page_size": PAGE_SIZE, "num_pages": args.pages, "host_kv_gib": host_kv_gib}
+    engine["host_kv_write"] = host_write
     if args.gpus_per_worker > 0:
         engine |= {"device": "cuda", "dtype": "bfloat16", "attention_backend": "flashinfer"}
         engine |= {"gpu_memory_utilization": 0.9 * args.gpus_per_worker}
@@ -602,8 +607,13 @@ def main() -> None:
     tokenizer = load_tokenizer(args.model)
     maker = TextMaker(tokenizer)
     runs: list[RunResult] = []
-    for host_kv_gib in args.host_kv_gib:
-        cfg = cluster_config(args, max(counts), host_kv_gib)
+    tiers = [
+        (gib, write)
+        for gib in args.host_kv_gib
+        for write in (args.host_kv_write if gib else ["all"])
+    ]
+    for host_kv_gib, host_write in tiers:
+        cfg = cluster_config(args, max(counts), host_kv_gib, host_write)
         started = time.perf_counter()
         actors = ensure_cluster(cfg, args.model, detached=False)
         try:
@@ -617,9 +627,10 @@ def main() -> None:
             measured = asyncio.run(measure(args, cfg, actors, shape, counts, maker))
         finally:
             kill_cluster(cfg)
-        if len(args.host_kv_gib) > 1:
+        if len(tiers) > 1:
+            writes = f", {host_write} writes" if host_kv_gib and len(args.host_kv_write) > 1 else ""
             for run in measured:
-                run.policy += f", host tier {host_kv_gib:g} GiB"
+                run.policy += f", host tier {host_kv_gib:g} GiB{writes}"
         runs += measured
     report(args, shape, runs)
     if args.json:
@@ -715,7 +726,13 @@ async def step_tallies(workers: dict[str, ActorHandle]) -> dict[str, dict | None
     return {
         wid: None
         if isinstance(s, BaseException)
-        else {"kinds": s.step_tally.steps_by_kind, "busy": s.step_tally.busy_s}
+        else {
+            "kinds": s.step_tally.steps_by_kind,
+            "busy": s.step_tally.busy_s,
+            "host": (s.host_tier.pages_written, s.host_tier.pages_loaded)
+            if s.host_tier
+            else (0, 0),
+        }
         for wid, s in zip(workers, statuses, strict=True)
     }
 
@@ -733,8 +750,15 @@ def tally_difference(before: dict[str, dict | None], after: dict[str, dict | Non
             n0, s0 = then["kinds"].get(kind, (0, 0.0))
             if n > n0:
                 kinds[kind] = (n - n0, seconds - s0)
-        out[wid] = {"kinds": kinds, "busy": now["busy"] - then["busy"]}
+        host = tuple(a - b for a, b in zip(now["host"], then["host"], strict=True))
+        out[wid] = {"kinds": kinds, "busy": now["busy"] - then["busy"], "host": host}
     return out
+
+
+def host_pages_moved(run: RunResult) -> tuple[int, int]:
+    """Pages the workers' host tiers wrote and loaded during the run."""
+    moved = [tally["host"] for tally in run.steps.values()]
+    return sum(w for w, _ in moved), sum(loaded for _, loaded in moved)
 
 
 def summary_line(run: RunResult) -> str:
@@ -745,7 +769,10 @@ def summary_line(run: RunResult) -> str:
         f"{run.ttft_ms(0.5, True):.0f}/{run.ttft_ms(0.9, True):.0f}, misses "
         f"{run.ttft_ms(0.5, False):.0f}/{run.ttft_ms(0.9, False):.0f}), "
         f"per worker {run.worker_shares()}"
-    )
+        + (", host tier pages written {} / loaded {}".format(*host_pages_moved(run)) if any(
+            tally["host"] != (0, 0) for tally in run.steps.values()
+        ) else "")
+    )  # fmt: skip
 
 
 def kill_line(run: RunResult, events: dict, sent: int, victim: str) -> str:
@@ -949,6 +976,14 @@ def parse_args() -> argparse.Namespace:
         default=[0.0],
         help="host-memory KV tier per worker, in GiB (engine.host_kv_gib); several values "
         "run the comparison once each, e.g. 0 200 (off, then on)",
+    )
+    ap.add_argument(
+        "--host-kv-write",
+        nargs="+",
+        choices=("all", "reused"),
+        default=["all"],
+        help="the host tier's write policy (engine.host_kv_write); several run each tier "
+        "once with each",
     )
     ap.add_argument("--docs", type=int, default=192)
     ap.add_argument(

@@ -302,3 +302,71 @@ def test_the_copier_moves_more_pages_than_one_batch_to_scattered_slots():
     assert torch.equal(kv[:, pages], before[:, pages])
     untouched = [p for p in range(kv.shape[1]) if p not in pages]
     assert not kv[:, untouched].any()
+
+
+def test_the_reused_write_policy_writes_what_was_used_again_or_evicted_twice():
+    """``engine.host_kv_write: reused``: a page evicted before any later request
+    matched it, or an entry never placed, is not written (reported removed); matched or
+    placed, or evicted a second time, it is."""
+    from workers.engine.kv_pool import KVPool
+
+    kv = torch.arange(4 * 2 * 2, dtype=torch.float32).reshape(1, 4, 2, 1, 1, 2)
+    pool = KVPool(4, 1)
+    tier = HostTier(PageCopier(kv, 8))
+    pool.attach_host(tier, "reused")
+    key = lambda i: bytes([i]) * 32  # noqa: E731
+
+    def computed(i: int) -> int:
+        [page] = pool.allocate(1)
+        pool.publish(page, key(i), bytes([i]) * 4, b"")
+        pool.release([page])
+        return page
+
+    def push_out() -> None:
+        pool.release(pool.allocate(pool.num_available))
+
+    matched = computed(1)
+    computed(2)
+    pool.acquire([matched])  # a later request matched page 1
+    pool.release([matched])
+    pool.drain_events()
+    push_out()
+    assert tier.has_page(key(1)) and not tier.has_page(key(2))
+    kinds = _kinds(pool.drain_events())
+    assert kinds[EventKind.OFFLOADED] == {key(1)} and kinds[EventKind.REMOVED] == {key(2)}
+    computed(2)  # seen again, computed again: its second eviction writes it
+    push_out()
+    assert tier.has_page(key(2)) and tier.stats().pages_written == 2
+
+    for k, placed in ((10, True), (11, False)):
+        pages = pool.allocate(1)
+        pool.store_entry(key(k), pages, 1)
+        if placed:
+            pool.note_hit(pool.find_entry(key(k)))
+    push_out()
+    assert tier.has_entry(key(10)) and not tier.has_entry(key(11))
+    with pytest.raises(ValueError, match="write policy"):
+        KVPool(4, 1).attach_host(tier, "sometimes")
+
+
+def test_reused_writes_keep_exact_reuse_through_host_memory_equal_to_plain_generation(
+    tiny_qwen3, off
+):
+    """The policy through the engine: a prompt used twice (matched once) is written at
+    its eviction and its later run, loaded back, equals plain generation; a prompt seen
+    once writes nothing."""
+    rng = random.Random(7)
+    used_twice, once = _tokens(rng, 5 * PAGE + 3), _tokens(rng, 4 * PAGE + 5)
+    written = {}
+    for policy in ("all", "reused"):
+        llm = LLM(tiny_qwen3, page_size=PAGE, host_kv_gib=TIER_GIB, host_kv_write=policy)
+        llm.generate([used_twice], GREEDY)
+        llm.generate([used_twice], GREEDY)
+        llm.generate([once], GREEDY)
+        _push_out(llm.engine)
+        written[policy] = llm.engine.pool.host.stats().pages_written
+        again = llm.generate([used_twice], GREEDY)[0]
+        assert llm.engine.pool.host.stats().pages_loaded >= 5
+        assert list(again.token_ids) == list(off.generate([used_twice], GREEDY)[0].token_ids)
+    # "all" also wrote the other prompt's pages (4 full ones, and its output's)
+    assert 5 <= written["reused"] <= written["all"] - 4, written

@@ -72,6 +72,12 @@ class EngineConfig:
         "computed again; 0: off. A size above the host's available memory is refused",
         ge=0,
     )
+    host_kv_write: Literal["all", "reused"] = setting(
+        "all",
+        "which evictions the host KV tier keeps: all; or reused, a page once a later "
+        "request matched it and an entry once placed, or either on its second eviction "
+        "(KV seen once costs no write)",
+    )
     max_num_seqs: int = setting(256, "sequences running at once per worker", gt=0)
     max_num_batched_tokens: int = setting(
         8192, "tokens computed per engine step (prefill chunking)", gt=0

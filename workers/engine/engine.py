@@ -203,7 +203,8 @@ class Engine:
         if config.host_kv_gib > 0:
             page_bytes = ModelRunner.bytes_per_page(mc, config.page_size, self.dtype)
             slots = host_slots(config.host_kv_gib, page_bytes)
-            self.pool.attach_host(HostTier(PageCopier(self.runner.kv_stack, slots)))
+            host = HostTier(PageCopier(self.runner.kv_stack, slots))
+            self.pool.attach_host(host, config.host_kv_write)
         if self.runner.device.type == "cuda":
             # The fused sampling kernel compiles on first use: here, not inside the first
             # request's step, whose time the worker's load reports as its prefill rate.

@@ -41,6 +41,11 @@ neither tier holds reports ``removed``. ``load_chain`` and ``load_entry`` bring 
 and entries back into fresh pages (``reloaded``), under the same keys. An explicit
 ``evict`` or ``evict_entry`` writes nothing (the key stays offloaded only where the
 tier held it already). Pinned pages and entries are never evicted, so never leave.
+Which evictions are written is the tier's *write policy* (``attach_host``): ``all``
+writes every one; ``reused`` writes a page only once it has been matched by a request
+after the one that computed it, an entry only once placed, or either on its second
+eviction (the keys evicted unwritten are remembered, as many as the tier has slots), so
+KV seen once costs the tier nothing.
 A chain's pages are *loading* until their copy lands (``loading``): no step may use
 them before (the scheduler leaves their requests out), or ``fence_loads`` makes the
 device's compute wait for the copies. Released while loading, they are fenced first,
@@ -63,6 +68,9 @@ from chunkstore.events import CacheEvent, EventKind, EventRuns
 from chunkstore.hashing import PageKey
 from workers.engine.host_tier import Dropped, HostTier
 
+# What the host tier is given of the pool's evictions (module docstring)
+HOST_WRITE_POLICIES = ("all", "reused")
+
 
 @dataclass
 class _Page:
@@ -72,6 +80,7 @@ class _Page:
     parent: PageKey = b""  # the key of the page before it in its chain (keyed pages)
     tokens: bytes = b""  # its token ids packed (``pack_tokens``; keyed pages)
     exact: bool = True  # False: never keyed (see mark_inexact)
+    reused: bool = False  # matched since it was keyed (acquired while keyed)
 
 
 @dataclass(eq=False)
@@ -119,10 +128,19 @@ class KVPool:
         self._loading: dict[int, object] = {}  # page -> its unfinished load's event
         # see batching_evictions
         self._evicted: list[tuple[int, PageKey, PageKey, bytes]] | None = None
+        self._host_write = "all"  # see attach_host
+        # keys evicted unwritten under the "reused" policy, oldest first (bounded)
+        self._unwritten: OrderedDict[PageKey, None] = OrderedDict()
 
-    def attach_host(self, host: HostTier) -> None:
-        """Evict into ``host`` from now on, and load back from it."""
+    def attach_host(self, host: HostTier, write: str = "all") -> None:
+        """Evict into ``host`` from now on, and load back from it; ``write`` is the
+        write policy (``HOST_WRITE_POLICIES``, module docstring)."""
+        if write not in HOST_WRITE_POLICIES:
+            raise ValueError(
+                f"host write policy must be one of {HOST_WRITE_POLICIES}, got {write!r}"
+            )
         self.host = host
+        self._host_write = write
 
     # -- queries -------------------------------------------------------------
     @property
@@ -229,6 +247,7 @@ class KVPool:
             if page.ref_count == 0:
                 self._lru.pop(page_id, None)
             page.ref_count += 1
+            page.reused |= page.key is not None
 
     def allocate(self, count: int) -> list[int] | None:
         """``count`` fresh pages with ref count 1, evicting least recently used cached
@@ -237,6 +256,7 @@ class KVPool:
             return None
         taken: list[int] = []
         evicted: list[tuple[int, PageKey, PageKey, bytes]] = []
+        unwritten: list[PageKey] = []  # evicted, not written (the write policy)
         for _ in range(count):
             if not self._free and not self._lru:
                 self._evict_entry(self._entry_to_evict(), offload=True)
@@ -245,16 +265,38 @@ class KVPool:
             else:
                 page_id, _ = self._lru.popitem(last=False)
                 page = self._pages[page_id]
-                evicted.append((page_id, page.key, page.parent, page.tokens))
+                if self._worth_writing(page.key, page.reused, is_entry=False):
+                    evicted.append((page_id, page.key, page.parent, page.tokens))
+                else:
+                    unwritten.append(page.key)
                 self._unkey(page_id)
             page = self._pages[page_id]
             page.ref_count, page.exact = 1, True
             taken.append(page_id)
+        if unwritten:
+            self._report_gone(unwritten)
         if self._evicted is not None:
             self._evicted += evicted
         elif evicted:
             self._gone_for_room(evicted)
         return taken
+
+    def _worth_writing(self, key: PageKey, reused: bool, is_entry: bool) -> bool:
+        """Whether a page or entry evicted for room goes to the host tier, by the write
+        policy; one that does not is remembered, so its next eviction writes it."""
+        if self.host is None:
+            return False
+        if self._host_write == "all" or reused:
+            return True
+        if self.host.has_entry(key) if is_entry else self.host.has_page(key):
+            return True  # already there: made recent, nothing copied
+        if key in self._unwritten:  # its second eviction
+            del self._unwritten[key]
+            return True
+        self._unwritten[key] = None
+        if len(self._unwritten) > self.host.num_slots:
+            self._unwritten.popitem(last=False)
+        return False
 
     def _gone_for_room(self, evicted: list[tuple[int, PageKey, PageKey, bytes]]) -> None:
         """Cached pages evicted for room: written to the host tier (queued before any
@@ -563,7 +605,7 @@ class KVPool:
             self._proven_entry_pages -= len(entry.pages)
         self._clock = max(self._clock, entry.priority)
         entry.listed = False
-        if offload and self.host is not None:
+        if offload and self._worth_writing(key, entry.hits > 0, is_entry=True):
             self._note_dropped(self.host.put_entry(key, entry.pages, entry.num_tokens, entry.hits))
         self.release(entry.pages)
         self._report_gone((key,), entries=True)
@@ -597,5 +639,5 @@ class KVPool:
         assert key is not None
         del self._by_key[key]
         del self._by_chain[(page.parent, page.tokens)]
-        page.key, page.parent, page.tokens = None, b"", b""
+        page.key, page.parent, page.tokens, page.reused = None, b"", b"", False
         return key
