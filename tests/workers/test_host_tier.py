@@ -337,6 +337,26 @@ def test_the_reused_write_policy_writes_what_was_used_again_or_evicted_twice():
     computed(2)  # seen again, computed again: its second eviction writes it
     push_out()
     assert tier.has_page(key(2)) and tier.stats().pages_written == 2
+    # a page's mark goes with its key: the page given out again, under a key never
+    # matched, is evicted unwritten (a pool of one page gives out the same page)
+    solo, solo_tier = KVPool(1, 1), HostTier(PageCopier(kv, 8))
+    solo.attach_host(solo_tier, "reused")
+    [first] = solo.allocate(1)
+    solo.publish(first, key(3), bytes([3]) * 4, b"")
+    solo.release([first])
+    solo.acquire([first])  # matched
+    solo.release([first])
+    [second] = solo.allocate(1)  # evicts key 3: written
+    solo.publish(second, key(4), bytes([4]) * 4, b"")
+    solo.release([second])
+    solo.release(solo.allocate(1))  # evicts key 4, never matched
+    assert solo_tier.has_page(key(3)) and not solo_tier.has_page(key(4))
+    # a key loaded back from the tier and evicted again is only made recent there
+    written = tier.stats().pages_written
+    [loaded] = pool.load_chain(b"", bytes([1]) * 4, 1)
+    pool.release([loaded])
+    push_out()
+    assert tier.has_page(key(1)) and tier.stats().pages_written == written
 
     for k, placed in ((10, True), (11, False)):
         pages = pool.allocate(1)

@@ -42,10 +42,12 @@ and entries back into fresh pages (``reloaded``), under the same keys. An explic
 ``evict`` or ``evict_entry`` writes nothing (the key stays offloaded only where the
 tier held it already). Pinned pages and entries are never evicted, so never leave.
 Which evictions are written is the tier's *write policy* (``attach_host``): ``all``
-writes every one; ``reused`` writes a page only once it has been matched by a request
-after the one that computed it, an entry only once placed, or either on its second
-eviction (the keys evicted unwritten are remembered, as many as the tier has slots), so
-KV seen once costs the tier nothing.
+writes every one; ``reused`` writes a page only once it has been acquired while keyed
+(a request after the one that computed it matched it; also a pin, and a preempted
+request readmitted onto its own pages: those err towards writing) or loaded back from
+the tier, an entry only once placed, or either on its second eviction (the keys evicted
+unwritten are remembered, as many as the tier has slots), so KV seen once costs the
+tier nothing.
 A chain's pages are *loading* until their copy lands (``loading``): no step may use
 them before (the scheduler leaves their requests out), or ``fence_loads`` makes the
 device's compute wait for the copies. Released while loading, they are fenced first,
@@ -155,7 +157,8 @@ class KVPool:
     @contextmanager
     def batching_evictions(self) -> Iterator[None]:
         """Within: the cached pages ``allocate`` evicts are written to the host tier
-        (and reported) together on the way out, one copy instead of one per allocation.
+        (and reported) together on the way out, one copy instead of one per allocation;
+        those the write policy does not write are reported at once.
         Invariant: nothing within writes a page it was given (its new owner's writes
         are queued after the block, behind the copy's gather); the scheduler's running
         requests growing by a page each are the use."""
@@ -286,7 +289,10 @@ class KVPool:
         policy; one that does not is remembered, so its next eviction writes it."""
         if self.host is None:
             return False
-        if self._host_write == "all" or reused:
+        if self._host_write == "all":
+            return True
+        if reused:
+            self._unwritten.pop(key, None)
             return True
         if self.host.has_entry(key) if is_entry else self.host.has_page(key):
             return True  # already there: made recent, nothing copied
@@ -468,6 +474,7 @@ class KVPool:
             self._loading.update(dict.fromkeys(pages, done))
         for page_id, page in zip(pages, found, strict=True):
             self.publish(page_id, page.key, page.tokens, page.parent, EventKind.RELOADED)
+            self._pages[page_id].reused = True  # a request matched it in the tier
         return pages
 
     def land_loads(self) -> None:
@@ -626,6 +633,7 @@ class KVPool:
             self._unkey(page_id)
         if self.host is not None:
             self.host.clear()
+        self._unwritten.clear()
         self._events.append(EventKind.CLEARED)
 
     def drain_events(self) -> list[CacheEvent]:
