@@ -148,12 +148,18 @@ class RunResult:
     open_rate: float | None = None  # open loop: the offered requests/s; None: closed loop
     reuse: str = "exact"  # what every request asked for
     cpu_s: dict[str, float] = field(default_factory=dict)  # process kind -> CPU seconds
+    # the workers' host KV tier: (GiB, write policy), None where off; and the pages the
+    # tiers wrote and loaded during the run
+    host_tier: tuple[float, str] | None = None
+    host_pages: tuple[int, int] = (0, 0)
 
     def summary(self) -> dict:
         return {
             "workers": self.workers,
             "policy": self.policy,
             "reuse": self.reuse,
+            "host_tier": self.host_tier,
+            "host_pages_written_loaded": self.host_pages,
             "open_rate": self.open_rate,
             "answered": len(self.results),
             "errors": self.errors,
@@ -628,7 +634,8 @@ def main() -> None:
         finally:
             kill_cluster(cfg)
         if len(tiers) > 1:
-            writes = f", {host_write} writes" if host_kv_gib and len(args.host_kv_write) > 1 else ""
+            several = len(args.host_kv_write) > 1 or host_write != "all"
+            writes = f", {host_write} writes" if host_kv_gib and several else ""
             for run in measured:
                 run.policy += f", host tier {host_kv_gib:g} GiB{writes}"
         runs += measured
@@ -665,6 +672,9 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
         )
         run.cpu_s = cpu_by_role(cpu_before, cpu_snapshot())
         run.steps = tally_difference(before, await step_tallies(used))
+        if cfg.engine.host_kv_gib > 0:
+            run.host_tier = (cfg.engine.host_kv_gib, cfg.engine.host_kv_write)
+            run.host_pages = host_pages_moved(run)
         run.workers, run.policy, run.reuse = count, policy_name(policy, reuse, args), reuse
         run.label = f"{count} × {run.policy_label}"
         if profile:  # the first replica's profile stands for all (they run alike)
@@ -769,9 +779,7 @@ def summary_line(run: RunResult) -> str:
         f"{run.ttft_ms(0.5, True):.0f}/{run.ttft_ms(0.9, True):.0f}, misses "
         f"{run.ttft_ms(0.5, False):.0f}/{run.ttft_ms(0.9, False):.0f}), "
         f"per worker {run.worker_shares()}"
-        + (", host tier pages written {} / loaded {}".format(*host_pages_moved(run)) if any(
-            tally["host"] != (0, 0) for tally in run.steps.values()
-        ) else "")
+        + (", host tier pages written {} / loaded {}".format(*run.host_pages) if run.host_tier else "")
     )  # fmt: skip
 
 

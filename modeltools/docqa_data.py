@@ -195,12 +195,11 @@ def _world(
 ) -> tuple[list[_Person], list[_Team]]:
     """A world of ``num_docs`` subjects, its people named from ``names`` and its places
     from ``cities``."""
-    pool = names
     num_teams = min(max(1, round(num_docs * rng.uniform(0.3, 0.6))), num_docs - 1)
     num_people = num_docs - num_teams
-    people_names = rng.sample(pool, num_people)
+    people_names = rng.sample(names, num_people)
     team_names = rng.sample(TEAMS, num_teams)
-    absent_people = [n for n in pool if n not in people_names]
+    absent_people = [n for n in names if n not in people_names]
     absent_teams = [n for n in TEAMS if n not in team_names]
     rng.shuffle(absent_people)
     rng.shuffle(absent_teams)

@@ -358,10 +358,10 @@ def heldout_set(
     half = count // 2
     out = []
     for offset, hops, n in ((0, 1, half), (1, 2, count - half)):
-        rng = random.Random(f"docqa/heldout/{style}/{templates}/{seed + offset}")
         if style == "plain":  # the stream docqa_data.generate has always given
             out += docqa_data.generate(seed + offset, n, num_docs, "heldout", hops=hops)
             continue
+        rng = random.Random(f"docqa/heldout/{style}/{templates}/{seed + offset}")
         out += [
             docqa_data.generate_example(
                 rng, num_docs, "heldout", hops, style=style, templates=templates
@@ -372,7 +372,12 @@ def heldout_set(
 
 
 def conversation_set(
-    seed: int, count: int, num_docs: int, turns: int, style: str = "plain", json_replies=False
+    seed: int,
+    count: int,
+    num_docs: int,
+    turns: int,
+    style: str = "plain",
+    json_replies: bool = False,
 ) -> list[DocQAExample]:
     """``count`` held-out conversations of exactly ``turns`` questions over the same
     documents (the first with the documents, the others as later user turns)."""
@@ -779,6 +784,11 @@ def make_docqa_model(
         raise ValueError("answer_weight must be positive and prompt_weight not negative")
     if cfg.guide_weight < 0 or (cfg.guide_weight > 0 and not cfg.answer_space):
         raise ValueError("guide_weight must be 0, or positive with answer_space")
+    for name in ("varied_share", "json_share"):
+        if not 0 <= getattr(cfg, name) <= 1:
+            raise ValueError(
+                f"{name} is a share of conversations in [0, 1], got {getattr(cfg, name)}"
+            )
     out = Path(out_dir)
     check_out_dir(out, overwrite)
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))

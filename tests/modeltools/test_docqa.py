@@ -197,6 +197,9 @@ def test_make_model_docqa_writes_a_loadable_checkpoint(tmp_path, capsys):
     result = llm.chat(ex.messages, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[0]
     assert len(result.token_ids) == 2
     assert main(["make-model", str(tmp_path / "x"), "--steps", "2"]) == 2  # needs --preset docqa
+    capsys.readouterr()
+    assert main(["make-model", str(tmp_path / "y"), *options, "--varied-share", "50"]) == 2
+    assert "varied_share is a share of conversations in [0, 1]" in capsys.readouterr().err
 
 
 def test_follow_ups_are_distinct_questions_of_the_same_split_about_the_same_documents():
@@ -389,3 +392,38 @@ def test_shipped_model_answers_in_the_json_a_schema_asks_for(shipped_llm):
         assert o.finish_reason == "stop", o.text
         reply = json.loads(o.text)
         assert set(reply) == {"answer"} and docqa_data.answer_matches(reply["answer"], ex.answer)
+
+
+def test_the_plain_stream_draws_as_when_the_base_model_was_trained():
+    """The plain style's examples and the tokenizer's training text, as the base model's
+    run drew them (the digest is that stream's): the varied style and JSON replies must
+    not change them, or make-model would build another tokenizer and the recipes in
+    TRAINING.md would not replay."""
+    import hashlib
+    import random
+
+    digest = hashlib.sha256()
+    rng = random.Random(3)
+    examples = [
+        docqa_data.generate_example(rng, rng.randint(2, 16), "train", questions=8, reverse=True)
+        for _ in range(20)
+    ]
+    examples += docqa_data.generate(5, 20, (2, 16)) + docqa_data.generate(6, 20, 8, "heldout")
+    for ex in examples:
+        digest.update(
+            repr((ex.system, ex.documents, ex.question, ex.answer, ex.follow_ups)).encode()
+        )
+    digest.update(repr(docqa_data.tokenizer_texts(0, 20)).encode())
+    assert digest.hexdigest() == "0427855d861cf2d30337865ed5fc0162587892a31b25f6ab784ef24a73e67b50"
+
+
+def test_a_json_reply_is_judged_after_the_opening_the_grammar_forces():
+    """``exact_match`` on JSON replies: the shipped model, which never chooses JSON by
+    itself under a system prompt, is right on every reply token after the '{'."""
+    from modeltools.docqa_train import conversation_set, exact_match, load_for_eval
+
+    model, tokenizer = load_for_eval(SHIPPED, "cpu")
+    examples = conversation_set(3, 8, 8, 1, json_replies=True)
+    assert all(exact_match(model, tokenizer, examples, torch.device("cpu")))
+    logits = model(input_ids=torch.tensor([prompt_ids(tokenizer, examples[0])])).logits
+    assert tokenizer.decode(logits[0, -1].argmax()) != "{"  # the opening is not the model's

@@ -95,7 +95,10 @@ def test_chat_with_the_shipped_model_answers_follow_up_turns():
             child.expect(REUSE)
             reused.append(int(child.match.group(2)))
         assert reused[0] == 0 and 0 < reused[1] < reused[2]  # earlier turns' KV
+        child.sendline("/register")  # there is a system prompt to register: --system's
+        child.expect(r"registered system prompt as [0-9a-f]{64}")
         child.sendline("/quit")
         child.expect(pexpect.EOF)
     finally:
         child.close(force=True)
+    assert child.exitstatus == 0
