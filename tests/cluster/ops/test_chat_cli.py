@@ -90,7 +90,7 @@ def test_chat_with_the_shipped_model_answers_follow_up_turns():
         for question, answer in turns:
             child.expect_exact(PROMPT)
             child.sendline(question)
-            child.expect(rb"assistant> (.*)\r\n")
+            child.expect(rb"assistant> ([^\r\n]*)\r?\n")  # pexpect matches with DOTALL
             assert child.match.group(1).decode().strip() == answer
             child.expect(REUSE)
             reused.append(int(child.match.group(2)))
