@@ -173,12 +173,12 @@ ENGINE_STEP = [
     "workers.engine.model_runner:ModelRunner.run",
     "workers.engine.model_runner:build_inputs",
     "workers.engine.kv_pool:KVPool.allocate",
-    "workers.engine.approximate.chunk_reuse:place_spans",
+    "workers.engine.kv_ops:place_spans",
     "workers.engine.approximate.placement:place_chunk",  # place_spans' copy to the device and launch
     "workers.engine.layers.placement_kernel:place_rows",
     "workers.engine.approximate.chunk_reuse:ChunkReuse.flush",  # a step's admissions' forward
     "workers.engine.model_runner:ModelRunner.repair_selecting_batch",
-    "workers.engine.model_runner:ModelRunner.repair_selecting",
+    "workers.engine.model_runner:ModelRunner._repair_one",
     "workers.engine.graphs.selection:SelectionGraphs.start",
     "workers.engine.graphs.selection:stage_selection",
     "workers.engine.graphs.selection:plan_prefill",  # at a bucket's capture
@@ -208,11 +208,11 @@ ADMISSION_TIMELINE = [
     "workers.engine.approximate.chunk_reuse:ChunkReuse.admit",
     "workers.engine.approximate.chunk_reuse:ChunkReuse.flush",
     "workers.engine.model_runner:ModelRunner.repair_selecting_batch",
-    "workers.engine.model_runner:ModelRunner.repair_selecting",
+    "workers.engine.model_runner:ModelRunner._repair_one",
     "workers.engine.model_runner:build_inputs",
     "workers.engine.graphs.selection:SelectionGraphs.start",
     "workers.engine.graphs.selection:stage_selection",
-    "workers.engine.approximate.chunk_reuse:place_spans",
+    "workers.engine.kv_ops:place_spans",
     "workers.engine.graphs.selection:SelectionGraphs.finish",
     "torch.cuda.graphs:CUDAGraph.replay",
     "workers.engine.graphs.kept:KeptRowsGraphs.run",

@@ -73,9 +73,12 @@ def make_model(
     dtype: str | torch.dtype | None = None,
     shard_size_mb: float = DEFAULT_SHARD_SIZE_MB,
     overwrite: bool = False,
+    weights: bool = True,
 ) -> Path:
     """Writes a random-weight checkpoint into ``out_dir`` and returns its path.
-    Every argument is validated before anything is written.
+    Every argument is validated before anything is written. ``weights=False`` writes
+    the config and tokenizer alone: a model for ``engine.load_format: dummy`` (shapes
+    too large to write, e.g. ``llama3-70b``).
 
     ``preset="docqa"`` trains the doc-QA model instead (``modeltools.docqa_train``, with
     its default training options; qwen3 family only)."""
@@ -94,7 +97,9 @@ def make_model(
     specs = parameter_specs(config, len(tokenizer))
     check_names_against_transformers(config, specs)
     clear_stale_weights(out)
-    write_weights(out, specs, seed, DTYPES[dtype_name(config.dtype)], int(shard_size_mb * 2**20))
+    if weights:
+        dtype_ = DTYPES[dtype_name(config.dtype)]
+        write_weights(out, specs, seed, dtype_, int(shard_size_mb * 2**20))
     write_config(out, config)
     write_generation_config(out, tokenizer, family)
     tokenizer.model_max_length = config.max_position_embeddings

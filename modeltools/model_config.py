@@ -113,6 +113,40 @@ PRESETS: dict[str, Preset] = {
         llama3_original_max_position=8192,
         dtype=torch.bfloat16,
     ),
+    # Qwen3-8B's shapes: decode throughput over GPUs (tensor parallelism, issue figures in
+    # bench/RESULTS.md); with --no-weights for engine.load_format dummy.
+    "qwen3-8b": Preset(
+        hidden_size=4096,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        vocab_size=151936,
+        llama3_original_max_position=8192,
+        dtype=torch.bfloat16,
+    ),
+    # Llama 3 70B's shapes (use --family llama): 141 GB in bf16, more than one H200
+    # holds; written with --no-weights and served with engine.load_format dummy.
+    "llama3-70b": Preset(
+        hidden_size=8192,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=28672,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        vocab_size=128256,
+        llama3_original_max_position=8192,
+        dtype=torch.bfloat16,
+    ),
     # Trained, not random: make_model delegates to modeltools.docqa_train (the tokenizer
     # is the doc-QA one, so vocab_size follows it).
     "docqa": Preset(

@@ -65,6 +65,11 @@ class LLM:
         self._ids = itertools.count()
         self._chunks = ChunkRegistry(self.engine, self._prefill, clock, step_until=self._step_until)
 
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's other ranks (``tensor_parallel_size`` > 1;
+        nothing otherwise); generate nothing after."""
+        self.engine.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -99,6 +99,13 @@ def _add_make_model(subparsers: argparse._SubParsersAction) -> None:
         help="largest safetensors file before the weights are sharded (default 2048)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty directory")
+    p.add_argument(
+        "--no-weights",
+        action="store_true",
+        help="write the config and tokenizer only: a model for engine.load_format dummy "
+        "(random weights made in place at start), for shapes too large to write "
+        "(e.g. --preset llama3-70b --family llama)",
+    )
     t = p.add_argument_group("training (--preset docqa only)")
     for name, kind, text in _TRAIN_OPTIONS:
         t.add_argument("--" + name.replace("_", "-"), dest="train_" + name, type=kind, help=text)
@@ -219,6 +226,8 @@ def _run_make_model(args: argparse.Namespace) -> int:
     if args.preset == "docqa":
         from modeltools.docqa_train import make_docqa_model
 
+        if args.no_weights:
+            raise ValueError("--no-weights writes random-weight presets' configs, not docqa")
         if args.family != "qwen3":
             raise ValueError("preset 'docqa' exists for the qwen3 family only")
         out = make_docqa_model(
@@ -242,9 +251,11 @@ def _run_make_model(args: argparse.Namespace) -> int:
         seed=args.seed,
         overrides=dict(args.overrides),
         overwrite=args.overwrite,
+        weights=not args.no_weights,
         **{k: v for k, v in optional.items() if v is not None},
     )
-    print(f"wrote {args.preset} {args.family} checkpoint (seed {args.seed}) to {out}:")
+    what = "config (no weights: engine.load_format dummy)" if args.no_weights else "checkpoint"
+    print(f"wrote {args.preset} {args.family} {what} (seed {args.seed}) to {out}:")
     for path in sorted(p for p in out.iterdir() if p.is_file()):
         print(f"  {path.name:<40} {path.stat().st_size:>14,} bytes")
     return EXIT_OK

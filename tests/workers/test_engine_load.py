@@ -228,13 +228,13 @@ def test_an_approximate_admission_that_cannot_get_its_pages_queues_no_forward(ti
     # room for the 100 positions up to the last placed chunk, not for the 30-token tail
     others = pool.allocate(pool.num_available - 7)
     forwards = []
-    repair = engine.runner.repair_selecting
+    repair = engine.runner.repair_selecting_batch
 
-    def counted(*args, **kwargs):
-        forwards.append(args[1:3])
-        return repair(*args, **kwargs)
+    def counted(selections, layer):
+        forwards.extend((one.start, one.end) for one in selections)
+        return repair(selections, layer)
 
-    engine.runner.repair_selecting = counted
+    engine.runner.repair_selecting_batch = counted
     prompt = list(range(600, 620)) + docs[0] + docs[1] + list(range(400, 430))
     selecting = ReuseRequest("approximate", first_tokens=0, deviation_ratio=0.1)
     params = SamplingParams(max_tokens=1)

@@ -43,8 +43,10 @@ def setting(default: object, doc: str, **bounds: float) -> object:
     return field(default=default, metadata={"doc": doc, "bounds": bounds})
 
 
-# Set by whoever builds the engine, never by the cluster config's engine section.
-BUILT_BY_CALLER = ("model_dir", "model_id", "tenant_salt")
+# Set by whoever builds the engine, never by the cluster config's engine section
+# (a cluster sets tensor_parallel_size from workers.tensor_parallel_size, beside the
+# GPUs each worker reserves).
+BUILT_BY_CALLER = ("model_dir", "model_id", "tenant_salt", "tensor_parallel_size")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,12 @@ class EngineConfig:
     device: str | None = setting(None, "cuda or cpu; null: cuda where available")
     dtype: Literal["float32", "bfloat16", "float16"] | None = setting(
         None, "null: bfloat16 on cuda, float32 on cpu"
+    )
+    load_format: Literal["safetensors", "dummy"] = setting(
+        "safetensors",
+        "safetensors: the checkpoint's weights; dummy: random weights made in place on the "
+        "device, none read (speed work on shapes too large to write: `chunkserve "
+        "make-model DIR --no-weights`); outputs are gibberish",
     )
     page_size: int = setting(16, "tokens per KV page (a power of two)", gt=0)
     num_pages: int | None = setting(
@@ -77,6 +85,14 @@ class EngineConfig:
         "which evictions the host KV tier keeps: all; or reused, a page once a later "
         "request matched it and an entry once placed, or either on its second eviction "
         "(KV seen once costs no write)",
+    )
+    tensor_parallel_size: int = setting(
+        1,
+        "devices one worker's model is split over (its heads, MLP columns and vocabulary; "
+        "each device holds its KV heads' pages): N ranks, one process each, joined by "
+        "NCCL (gloo on CPU workers). It must divide the model's attention heads and MLP "
+        "size, and divide or be a multiple of its KV heads (then replicated)",
+        ge=1,
     )
     max_num_seqs: int = setting(256, "sequences running at once per worker", gt=0)
     max_num_batched_tokens: int = setting(
@@ -163,6 +179,8 @@ class EngineConfig:
             raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.cpu_kv_cache_bytes < 1:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,11 +45,11 @@ from workers.engine.attention import make_backend
 from workers.engine.attention.base import AttentionShape
 from workers.engine.checkpoint import checkpoint_fingerprint, load_tokenizer
 from workers.engine.config import EngineConfig, resolve_deviation_layer
-from workers.engine.host_tier import WRITE_STAGING_BYTES, HostTier, PageCopier, host_slots
+from workers.engine.host_tier import WRITE_STAGING_BYTES, HostTier, host_slots
 from workers.engine.kv_pool import KVPool
 from workers.engine.model_runner import CarriedTokens, ModelRunner
 from workers.engine.models.config import ModelConfig
-from workers.engine.models.loader import load_model
+from workers.engine.models.loader import load_model, weight_bytes
 from workers.engine.request import ApproximateState, PromptRequest, Sequence
 from workers.engine.reuse import NoReuse, Reuse
 from workers.engine.reuse_info import ReuseInfo
@@ -56,7 +57,12 @@ from workers.engine.sampler import sample_on_device, top_logprobs
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 from workers.engine.structured import Grammars
+from workers.engine.tp.follower import follow
+from workers.engine.tp.group import Followers, RunnerShape
+from workers.engine.tp.shard import SINGLE, Shard, check_divisible
 from workers.engine.workload_tally import WorkloadTally
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,19 +183,54 @@ class Engine:
             config.deviation_layer, self.model_config.num_layers
         )
         self.tokenizer = load_tokenizer(config.model_dir)
-        model = load_model(config.model_dir, self.model_config, self.dtype, self.device)
-        num_pages = config.num_pages or self._auto_num_pages()
+        # the other ranks of a tensor-parallel worker (``tp.group``), loading their shards
+        # while this one loads its own
+        self.followers: Followers | None = None
+        shard = SINGLE
+        world = config.tensor_parallel_size
+        if world > 1:
+            check_divisible(self.model_config, world)
+            self._check_devices(world)
+        if self.device.type == "cuda":
+            self._check_weights_fit(Shard(0, world))
+        if world > 1:
+            self.followers, shard = Followers.start(config, world, self.device, follow)
+        try:
+            self._build(config, shard, reuse_factory)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(
+        self, config: EngineConfig, shard: Shard, reuse_factory: Callable[[Engine], Reuse] | None
+    ) -> None:
+        """The model (this rank's shard), the KV pool, the runner and what uses them."""
+        model = load_model(
+            config.model_dir, self.model_config, self.dtype, self.device, shard,
+            config.load_format,
+        )  # fmt: skip
+        if shard.kv_replicas(self.model_config) > 1:
+            logger.warning(
+                "tensor_parallel_size %d exceeds the model's %d KV heads: each KV head is "
+                "replicated on %d ranks (their KV pages hold the same values)",
+                shard.world, self.model_config.num_kv_heads, shard.kv_replicas(self.model_config),
+            )  # fmt: skip
+        local = model.config  # this rank's heads and MLP columns
+        num_pages = config.num_pages or self._auto_num_pages(local)
         self.pool = KVPool(num_pages, config.page_size, int(config.entry_reserve * num_pages))
         self._tally = WorkloadTally()  # the pool counts entry evictions (``tally``)
         mc = self.model_config
         shape = AttentionShape(
-            mc.num_heads, mc.num_kv_heads, mc.head_dim, config.page_size, self.dtype, self.device
-        )
+            local.num_heads, local.num_kv_heads, mc.head_dim, config.page_size, self.dtype,
+            self.device,
+        )  # fmt: skip
         backend = make_backend(config.attention_backend, shape, config.enable_cascade)
         # Invariant: a lone sequence always fits in the pool, so preemption terminates.
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, num_pages * config.page_size
         )
+        if self.followers is not None:
+            self.followers.build(RunnerShape(num_pages, self.max_model_len))
         self.runner = ModelRunner(
             model,
             backend,
@@ -200,11 +241,14 @@ class Engine:
             config.enable_cuda_graphs,
             config.skinny_matmul,
         )
+        self.runner.followers = self.followers
         if config.host_kv_gib > 0:
+            # the worker's pages whole (every rank's heads): host_kv_gib is the worker's
             page_bytes = ModelRunner.bytes_per_page(mc, config.page_size, self.dtype)
             slots = host_slots(config.host_kv_gib, page_bytes)
-            host = HostTier(PageCopier(self.runner.kv_stack, slots))
-            self.pool.attach_host(host, config.host_kv_write)
+            self.pool.attach_host(
+                HostTier(self.runner.attach_host_copier(slots)), config.host_kv_write
+            )
         if self.runner.device.type == "cuda":
             # The fused sampling kernel compiles on first use: here, not inside the first
             # request's step, whose time the worker's load reports as its prefill rate.
@@ -665,8 +709,37 @@ class Engine:
             )
         return packed
 
-    def _auto_num_pages(self) -> int:
-        per_page = ModelRunner.bytes_per_page(self.model_config, self.config.page_size, self.dtype)
+    def close(self) -> None:
+        """Stop a tensor-parallel worker's other ranks (nothing for one rank); the
+        engine serves nothing after."""
+        if self.followers is not None:
+            self.followers.close()
+
+    def _check_weights_fit(self, shard: Shard) -> None:
+        """ValueError, before anything is allocated, when one rank's weights leave no
+        room for KV in its share of a GPU (``gpu_memory_utilization``)."""
+        need = weight_bytes(self.model_config, self.dtype, shard)
+        total = torch.cuda.mem_get_info(self.device)[1]
+        room = total * self.config.gpu_memory_utilization - 2**30  # activations
+        if need >= room:
+            per = "" if shard.world == 1 else f" per GPU at tensor_parallel_size {shard.world}"
+            raise ValueError(
+                f"the model does not fit: its weights take {need / 2**30:.1f} GiB{per}, and a "
+                f"GPU of {total / 2**30:.1f} GiB has {room / 2**30:.1f} GiB for weights and KV "
+                f"at gpu_memory_utilization {self.config.gpu_memory_utilization}; split it over "
+                "more GPUs (workers.tensor_parallel_size)"
+            )
+
+    def _check_devices(self, world: int) -> None:
+        if self.device.type == "cuda" and torch.cuda.device_count() < world:
+            raise ValueError(
+                f"tensor_parallel_size {world} needs {world} GPUs; this process sees "
+                f"{torch.cuda.device_count()}"
+            )
+
+    def _auto_num_pages(self, local: ModelConfig) -> int:
+        """Pages that fit this rank's KV memory (``local``: its KV heads)."""
+        per_page = ModelRunner.bytes_per_page(local, self.config.page_size, self.dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             reserve = total * (1 - self.config.gpu_memory_utilization)

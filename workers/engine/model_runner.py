@@ -3,10 +3,12 @@ per step, runs the forward pass, returns logits of the sequences that sample."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,10 +20,16 @@ from workers.engine.attention.base import (
     StepGraphs,
 )
 from workers.engine.attention.scattered import ScatteredAttention
+from workers.engine.host_tier import PageCopier
 from workers.engine.layers.skinny_choice import SkinnyChoice
 from workers.engine.layers.skinny_choice import choose as choose_skinny
 from workers.engine.models.decoder import DecoderModel
+from workers.engine.request import ApproximateState
 from workers.engine.scheduler import ScheduledSeq
+from workers.engine.tp.group import Followers, MirroredCopier
+
+if TYPE_CHECKING:
+    from workers.engine.kv_ops import PlaceSpans
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,8 @@ class Selection:
     candidates: np.ndarray
     keep: int
     logits: bool = False
-    place: Callable[[int], None] | None = None
+    # the entries' placement, from the selection layer on (``repair_selecting``)
+    place: PlaceSpans | None = None
 
     def __post_init__(self) -> None:
         # the top-k takes the non-candidates and ``keep`` candidates: at most every row
@@ -69,6 +78,32 @@ class Selection:
         """Rows that go on past the selection layer: all but the candidates, plus the
         ``keep`` candidates kept."""
         return self.end - self.start - len(self.candidates) + self.keep
+
+    def detached(self) -> Selection:
+        """This selection with its sequence as ``SeqView`` (what the other ranks of a
+        tensor-parallel worker are sent)."""
+        return dataclasses.replace(self, seq=SeqView.of(self.seq, self.end))
+
+
+@dataclass
+class SeqView:
+    """What ``build_inputs`` and the selection forward read of a sequence's first
+    ``len(token_ids)`` tokens, without the rest of it."""
+
+    token_ids: list[int]
+    page_ids: array
+    num_prompt_tokens: int
+    packed_prompt: bytes  # the prompt's ids packed (``Sequence.packed_tokens``)
+    approx: ApproximateState = field(default_factory=ApproximateState)
+
+    @classmethod
+    def of(cls, seq, end: int) -> SeqView:
+        prompt = seq.num_prompt_tokens
+        return cls(seq.token_ids[:end], array("i", seq.page_ids), prompt, seq.packed_tokens(prompt))
+
+    def packed_tokens(self, upto: int) -> bytes:
+        assert upto <= self.num_prompt_tokens, "a view packs its prompt only"
+        return self.packed_prompt[: 4 * upto]
 
 
 @dataclass(frozen=True)
@@ -285,6 +320,10 @@ class ModelRunner:
         )
         # what repair_selecting queued since the engine last asked (take_aside)
         self.aside: AsideWork | None = None
+        # a tensor-parallel worker's other ranks, on its rank 0 (``tp.group``): each
+        # operation on the model or the KV tensors is sent to them before it runs here
+        self.followers: Followers | None = None
+        self.host_copier: PageCopier | None = None  # the host KV tier's (``host_copier``)
         # before any graph is captured: graphs bake the projections' path in
         if not skinny_matmul:
             self.skinny = SkinnyChoice(error="off in the engine config")
@@ -321,18 +360,39 @@ class ModelRunner:
         element = torch.empty((), dtype=dtype).element_size()
         return config.num_layers * 2 * page_size * config.num_kv_heads * config.head_dim * element
 
-    @torch.inference_mode()
+    def _mirror(self, method: str, *args) -> None:
+        """Have the other ranks (if any) call ``method(*args)`` on their runners."""
+        if self.followers is not None:
+            self.followers.call(method, *args)
+
     def run(self, batch: list[ScheduledSeq], carried: CarriedTokens | None = None) -> torch.Tensor:
         """Logits [S, vocab] (float32) for the sequences in ``batch`` that sample.
         ``carried``: sampling rows whose last input token is still on the device (the
         previous step's, not yet read back); it is copied in there."""
         inputs = build_inputs(batch, self.page_size)
+        if self.followers is not None:  # the carried tokens follow by broadcast
+            sent = None if carried is None else dataclasses.replace(carried, tokens=None)
+            self._mirror("run_inputs", inputs, sent)
+        return self.run_inputs(inputs, carried)
+
+    @torch.inference_mode()
+    def run_inputs(self, inputs: StepInputs, carried: CarriedTokens | None = None) -> torch.Tensor:
+        """``run`` of a built batch. On a tensor-parallel worker's other ranks,
+        ``carried.tokens`` is None: rank 0's are broadcast."""
         layout = inputs.layout
         input_ids = inputs.input_ids.to(self.device, non_blocking=True)
         if carried is not None:
+            tokens = carried.tokens
+            if self.model.shard.parallel:
+                if tokens is None:
+                    count = int(carried.source_rows.max()) + 1
+                    tokens = torch.empty(count, dtype=torch.int64, device=self.device)
+                else:
+                    tokens = tokens[: int(carried.source_rows.max()) + 1].contiguous()
+                self.model.shard.broadcast(tokens)
             into = inputs.logits_indices[carried.rows].to(self.device, non_blocking=True)
             source = carried.source_rows.to(self.device, non_blocking=True)
-            input_ids[into] = carried.tokens[source]
+            input_ids[into] = tokens[source]
         positions = inputs.positions.to(self.device, non_blocking=True)
         rows = inputs.logits_indices.to(self.device, non_blocking=True)
         if self.graphs is not None:
@@ -345,7 +405,6 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, self.backend, metadata)
         return self.model.compute_logits(hidden[rows])
 
-    @torch.inference_mode()
     def repair_selecting(
         self,
         seq,
@@ -355,7 +414,7 @@ class ModelRunner:
         keep: int,
         layer: int,
         logits: bool = False,
-        place: Callable[[int], None] | None = None,
+        place: PlaceSpans | None = None,
     ) -> torch.Tensor | None:
         """Compute positions ``[start, end)`` of ``seq`` in context, where every position
         below ``start`` holds KV and those in ``candidates`` hold placed KV: the layers
@@ -367,11 +426,19 @@ class ModelRunner:
         capture on first use, which synchronizes).
         ``logits``: also return position ``end - 1``'s logits [1, vocab] (float32; it
         must not be a candidate), so that no step computes it again.
-        ``place(layer)``: queues the placement of the entries' KV (every placed
-        position, all within ``[start, end)``) from ``layer`` on; called once the layers
-        before it are queued (they overwrite every placed position's KV below ``layer``
-        and read no other layer's), so its host work overlaps them."""
+        ``place``: the placement of the entries' KV (every placed position, all within
+        ``[start, end)``), applied from ``layer`` on once the layers before it are queued
+        (they overwrite every placed position's KV below ``layer`` and read no other
+        layer's), so its host work overlaps them."""
         selection = Selection(seq, start, end, candidates, keep, logits, place)
+        return self.repair_selecting_batch([selection], layer)[0]
+
+    @torch.inference_mode()
+    def _repair_one(self, selection: Selection, layer: int) -> torch.Tensor | None:
+        """``repair_selecting`` of one selection, through its CUDA graphs where they
+        are captured."""
+        seq, start, end = selection.seq, selection.start, selection.end
+        candidates, place = selection.candidates, selection.place
         self._note_aside()
         graphs = self.selection_graphs
         early = None  # launched first: the device waits for nothing else here
@@ -385,7 +452,7 @@ class ModelRunner:
             )
         else:
             if place is not None:
-                place(layer)
+                place.apply(self, layer)
             qkv, residual, deviation, positions, slots, table = graphs.finish(early)
         # non-candidates' deviation is +inf: the top-k takes them all, then the keep
         # candidates that deviate most; sorted rows keep positions ascending
@@ -404,7 +471,7 @@ class ModelRunner:
             )
         # rows are sorted by position: the last one is end - 1 (read before the graph's
         # output buffer is reused: later work queues behind this on the one stream)
-        return self.model.compute_logits(hidden[-1:]) if logits else None
+        return self.model.compute_logits(hidden[-1:]) if selection.logits else None
 
     @torch.inference_mode()
     def repair_selecting_batch(
@@ -417,14 +484,10 @@ class ModelRunner:
         logits where asked (else None). One selection takes ``repair_selecting`` (and
         its CUDA graphs); several run eagerly: the projections then read the weights
         once for all of them, which is what makes the batch pay."""
+        if self.followers is not None:
+            self._mirror("repair_selecting_batch", [one.detached() for one in selections], layer)
         if len(selections) == 1:
-            one = selections[0]
-            return [
-                self.repair_selecting(
-                    one.seq, one.start, one.end, one.candidates, one.keep, layer, one.logits,
-                    one.place,
-                )
-            ]  # fmt: skip
+            return [self._repair_one(selections[0], layer)]
         self._note_aside()
         qkv, residual, deviation, positions, slots, tables, page_indptr = self._select_eagerly(
             selections, layer
@@ -485,7 +548,7 @@ class ModelRunner:
         )
         for one in selections:
             if one.place is not None:
-                one.place(layer)
+                one.place.apply(self, layer)
         candidate = np.zeros(len(inputs.positions), dtype=bool)
         offset = 0
         for one in selections:
@@ -521,11 +584,32 @@ class ModelRunner:
         taken, self.aside = self.aside, None
         return taken
 
+    def apply(self, op) -> None:
+        """Run a KV operation (``kv_ops``) on this runner's KV tensors, and on the other
+        ranks' first."""
+        self._mirror("apply", op)
+        op.apply(self)
+
+    def attach_host_copier(self, num_slots: int) -> PageCopier:
+        """The copier between the KV tensors and ``num_slots`` host slots of the host KV
+        tier (``host_tier``): on a tensor-parallel worker, each rank keeps its own KV
+        heads' slots, and rank 0's copier has the others copy as it does."""
+        self._mirror("attach_host_copier", num_slots)
+        self.host_copier = PageCopier(self.kv_stack, num_slots)
+        if self.followers is None:
+            return self.host_copier
+        return MirroredCopier(self.host_copier, self.followers)
+
+    def host_copy(self, method: str, *args) -> None:
+        """``method(*args)`` of this rank's host copier (its part of rank 0's copy)."""
+        getattr(self.host_copier, method)(*args)
+
     def use_admission_graphs(self, layer: int) -> None:
         """Run ``repair_selecting``'s forward through CUDA graphs (captured on first use)
         when it selects at ``layer``, where CUDA graphs are on: its selection pass with
         the FlashInfer backend (``graphs.selection``), its kept rows where the scattered
         kernel runs (``graphs.kept``: CUDA, fused ops)."""
+        self._mirror("use_admission_graphs", layer)
         if self.graphs is None:
             return
         if self.backend.graph_hooks:

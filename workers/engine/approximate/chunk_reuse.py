@@ -53,7 +53,6 @@ counts placed tokens as reused and the repaired ones among them as recomputed.
 
 from __future__ import annotations
 
-import functools
 import sys
 from array import array
 from collections.abc import Callable
@@ -62,7 +61,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from chunkstore.hashing import Namespace, PageKey, packed_position_free_key
-from workers.engine.approximate.placement import place_spans, take_spans
+from workers.engine.kv_ops import PlaceSpans, TakeSpans
 from workers.engine.kv_pool import ChunkEntry, KVPool
 from workers.engine.model_runner import Selection
 from workers.engine.request import Sequence
@@ -211,10 +210,7 @@ class ChunkReuse:
                 taken[key] = (start, stop, pages)
         if not taken:
             return
-        take_spans(
-            self.runner.kv_stack, self.runner.model.rope_cache, seq.page_ids,
-            list(taken.values()), page_size,
-        )  # fmt: skip
+        self.runner.apply(TakeSpans(seq.page_ids, list(taken.values()), page_size))
         for key, (start, stop, pages) in taken.items():  # none stored since the check
             self.pool.store_entry(key, pages, stop - start)
         self.tally.entries_taken += len(taken)
@@ -262,14 +258,8 @@ class ChunkReuse:
                 seq.page_ids, seq.num_computed = array("i"), 0
                 return None
             seq.page_ids.extend(pages)
-            runner = self.runner
-            place = functools.partial(
-                place_spans,
-                runner.kv_stack,
-                runner.model.rope_cache,
-                seq.page_ids,
-                [(start, end, entry.pages) for start, end, entry in hits],
-                page_size,
+            place = PlaceSpans(
+                seq.page_ids, [(start, end, entry.pages) for start, end, entry in hits], page_size
             )
             if keep:  # the forward places the entries between its layers (``flush``)
                 candidates = np.flatnonzero(kept)
@@ -277,7 +267,7 @@ class ChunkReuse:
                 self._deferred.append(_DeferredSelection(selection, [e for _, _, e in hits]))
                 deferred = True
             else:
-                place()
+                self.runner.apply(place)
         finally:
             if not deferred:
                 for _, _, entry in hits:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from chunkstore.hashing import Namespace, PageKey
-from workers.engine.approximate.placement import place_chunk, sequence_slots
+from workers.engine.kv_ops import ShiftToStart
 from workers.engine.request import ApproximateState, Sequence
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.workload_tally import WorkloadTally
@@ -78,14 +78,7 @@ class EntryFills:
         if not self._pool.is_private(fill.page_ids):  # moving rows would corrupt a sharer
             raise RuntimeError("an entry fill's pages must be its own (unkeyed, used once)")
         if context:
-            place_chunk(
-                self._runner.kv_stack,
-                sequence_slots(fill.page_ids, context, context + length, page_size),
-                sequence_slots(fill.page_ids, 0, length, page_size),
-                -context,
-                self._runner.model.rope_cache,
-                page_size,
-            )
+            self._runner.apply(ShiftToStart(fill.page_ids, context, length, page_size))
             keep = -(-length // page_size)
             self._pool.release(fill.page_ids[keep:])
             fill.page_ids = fill.page_ids[:keep]

@@ -27,7 +27,7 @@ from array import array
 
 import numpy as np
 
-from workers.engine.approximate.placement import place_spans
+from workers.engine.kv_ops import PlaceSpans
 from workers.engine.request import Sequence
 from workers.engine.reuse import ExactPrefixReuse, publish_exact_pages
 from workers.engine.reuse_info import ReuseInfo
@@ -77,14 +77,8 @@ class NaivePlacement:
             return False
         entries = [self._entry(c) for c in chunks]
         seq.page_ids.extend(self.pool.allocate(needed) if needed > 0 else [])
-        runner = self.engine.runner
-        place_spans(
-            runner.kv_stack,
-            runner.model.rope_cache,
-            seq.page_ids,
-            [(s, e, entry) for (s, e), entry in zip(spans, entries, strict=True)],
-            page_size,
-        )
+        spans_entries = [(s, e, entry) for (s, e), entry in zip(spans, entries, strict=True)]
+        self.engine.runner.apply(PlaceSpans(seq.page_ids, spans_entries, page_size))
         placed = np.zeros(placed_end, dtype=bool)  # KV taken from an entry, as is
         for start, end in spans:
             placed[start + min(self.recompute_first, end - start) : end] = True

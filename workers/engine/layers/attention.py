@@ -14,6 +14,7 @@ from torch import nn
 from workers.engine.attention.base import AttentionBackend, AttentionMetadata
 from workers.engine.layers.norm import RMSNorm
 from workers.engine.layers.ops import apply_rope, project
+from workers.engine.tp.shard import SINGLE, Shard
 
 if TYPE_CHECKING:
     from workers.engine.layers.tiles import Tiles
@@ -36,8 +37,12 @@ class SelfAttention(nn.Module):
         attention_bias: bool,
         qk_norm: bool,
         rms_norm_eps: float,
+        shard: Shard = SINGLE,
     ) -> None:
+        """Head counts are this rank's (``Shard.local_config``); ``o_proj`` is row
+        parallel: its output is summed over the ranks (rank 0 alone holds a bias)."""
         super().__init__()
+        self.shard = shard
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -79,7 +84,8 @@ class SelfAttention(nn.Module):
         else:
             q, k, v = self.split_qkv(qkv, positions, cos_sin_cache)
             out = backend.forward(q, k, v, kv_cache, metadata)
-        return project(out.reshape(qkv.shape[0], self.q_size), self.o_proj, self.skinny.get("o"))
+        out = project(out.reshape(qkv.shape[0], self.q_size), self.o_proj, self.skinny.get("o"))
+        return self.shard.all_reduce(out)
 
     def split_qkv(
         self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from workers.engine.layers.ops import project, silu_and_mul
+from workers.engine.tp.shard import SINGLE, Shard
 
 if TYPE_CHECKING:
     from workers.engine.layers.tiles import Tiles
@@ -24,8 +25,11 @@ class GatedMLP(nn.Module):
     # with the norm before it)
     skinny: Mapping[str, Tiles] = MappingProxyType({})
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, shard: Shard = SINGLE) -> None:
+        """``intermediate_size``: this rank's columns; ``down_proj`` is row parallel
+        (its output summed over the ranks)."""
         super().__init__()
+        self.shard = shard
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -36,4 +40,4 @@ class GatedMLP(nn.Module):
     def down(self, gated: torch.Tensor) -> torch.Tensor:
         """The down projection of ``silu(gate) * up`` (one-row steps compute that with
         the norm and gate fused in: ``DecoderLayer``)."""
-        return project(gated, self.down_proj, self.skinny.get("down"))
+        return self.shard.all_reduce(project(gated, self.down_proj, self.skinny.get("down")))

@@ -16,6 +16,7 @@ from workers.engine.layers.norm import RMSNorm
 from workers.engine.layers.ops import add_rms_norm
 from workers.engine.layers.rotary import cos_sin_cache
 from workers.engine.models.config import ModelConfig
+from workers.engine.tp.shard import SINGLE, Shard
 
 if TYPE_CHECKING:
     from workers.engine.layers.tiles import Tiles
@@ -27,7 +28,8 @@ class DecoderLayer(nn.Module):
     # Here "qkv" and "gate_up" take the norm before them into the kernel.
     skinny: Mapping[str, Tiles] = MappingProxyType({})
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard = SINGLE) -> None:
+        """``config``: this rank's shape (``Shard.local_config``)."""
         super().__init__()
         self.self_attn = SelfAttention(
             num_heads=config.num_heads,
@@ -37,8 +39,9 @@ class DecoderLayer(nn.Module):
             attention_bias=config.attention_bias,
             qk_norm=config.qk_norm,
             rms_norm_eps=config.rms_norm_eps,
+            shard=shard,
         )
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -94,15 +97,22 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     fused_ops = False  # set by use_fused_ops
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard = SINGLE) -> None:
+        """``config``: the whole model's shape; ``shard``: the part of it this rank
+        holds (``tp.shard``; the whole model by default). ``self.config`` is this
+        rank's shape: its heads, KV heads and MLP columns, the full vocabulary."""
         super().__init__()
         config.validate()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.shard = shard
+        self.config = shard.local_config(config)
+        vocab_rows = shard.vocab_per_rank(config.vocab_size)
+        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(self.config, shard) for _ in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.register_buffer("rope_cache", self.build_rope_cache(), persistent=False)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False)
         self.tie_weights()
 
     def build_rope_cache(self) -> torch.Tensor:
@@ -142,9 +152,22 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] of the new tokens; writes their KV."""
         hidden, residual = self._layers(
-            0, self.embed_tokens(input_ids), None, positions, kv_caches, backend, metadata
+            0, self.embed(input_ids), None, positions, kv_caches, backend, metadata
         )
         return self._final_norm(hidden, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] embeddings. Sharded, each rank looks up the ids in its rows
+        (zeros for the others') and the ranks' lookups are summed: exact, since every
+        id has one nonzero term."""
+        if not self.shard.parallel:
+            return self.embed_tokens(input_ids)
+        first, _ = self.shard.vocab_rows(self.config.vocab_size)
+        local = input_ids - first
+        rows = self.embed_tokens.num_embeddings
+        mine = (local >= 0) & (local < rows)
+        hidden = self.embed_tokens(local.clamp(0, rows - 1)) * mine.unsqueeze(1)
+        return self.shard.all_reduce(hidden)
 
     def _layers(
         self, first: int, hidden, residual, positions, kv_caches, backend, metadata, end=None
@@ -176,7 +199,7 @@ class DecoderModel(nn.Module):
         ``selection_deviation`` takes. No host sync: it runs in a CUDA graph
         (``graphs.selection``)."""
         return self._layers(
-            0, self.embed_tokens(input_ids), None, positions, kv_caches, backend, metadata, layer
+            0, self.embed(input_ids), None, positions, kv_caches, backend, metadata, layer
         )
 
     def selection_deviation(
@@ -195,11 +218,13 @@ class DecoderModel(nn.Module):
         how far the K/V it computes there is from what ``kv_cache`` holds at its rows),
         +inf where not a ``candidate`` (those always go on: a top-k of their number plus
         the candidates to keep takes them all). Nothing is written at ``layer``; its K/V
-        are computed on a copy, so ``qkv`` stays unrotated. No host sync."""
+        are computed on a copy, so ``qkv`` stays unrotated. No host sync. Sharded, each
+        rank's deviation over its KV heads is summed over the ranks, so that every rank
+        selects the same tokens."""
         block = self.layers[layer]
         qkv, residual = block.attention_input(hidden, residual)
         _, k, v = block.self_attn.split_qkv(qkv.clone(), positions, self.rope_cache)
-        deviation = kv_deviation(k, v, kv_cache, kv_rows)
+        deviation = self.shard.all_reduce(kv_deviation(k, v, kv_cache, kv_rows))
         return qkv, residual, deviation.masked_fill(~candidate, float("inf"))
 
     def forward_kept(
@@ -228,7 +253,10 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits. On CUDA the bf16 matmul writes float32 directly, so logits
         keep float32 resolution (bf16 logits tie every 0.125 around |x|~16, which makes
-        greedy choices flip on noise) at the cost of a bf16 matmul."""
+        greedy choices flip on noise) at the cost of a bf16 matmul. Sharded, each rank
+        scores its vocabulary rows and the scores are gathered on every rank."""
         if hidden.is_cuda and hidden.dtype != torch.float32:
-            return torch.mm(hidden, self.lm_head.weight.t(), out_dtype=torch.float32)
-        return self.lm_head(hidden).float()
+            logits = torch.mm(hidden, self.lm_head.weight.t(), out_dtype=torch.float32)
+        else:
+            logits = self.lm_head(hidden).float()
+        return self.shard.gather_vocab(logits, self.config.vocab_size)

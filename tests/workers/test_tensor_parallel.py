@@ -1,0 +1,142 @@
+"""Tensor parallelism on the CPU: a worker split over two ranks (gloo, float32) computes
+what one rank computes: the same logits up to float32 summation order, the same greedy
+tokens, the same reuse (exact prefix hits; approximate entries taken, filled, placed
+and repaired, whose selection sums each rank's deviation) and the same host-tier round
+trips. The sharded layers, the vocabulary split (with a padded last shard) and rank 0
+sending every operation to the other rank are all on the path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+from workers.engine.models.config import ModelConfig
+from workers.engine.reuse_info import ReuseRequest
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.tp.shard import Shard, check_divisible
+
+PAGE = 16
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+DOCS = (37, 48, 33)
+
+# per family: the model's overrides and the engine's, chosen so that between them every
+# path rank 0 sends runs: overlapped steps (tokens carried on the device), entries taken
+# from context and entries filled, immediate and deferred placement, the host tier
+VARIANTS = {
+    "qwen3": ({}, dict(overlap_scheduling=True, num_pages=160)),
+    "llama": (
+        # an odd vocabulary: the last rank's rows are padded
+        dict(vocab_size=1027, tie_word_embeddings=True),
+        dict(entries_from_context=False, num_pages=40, host_kv_gib=0.002),
+    ),
+}
+
+
+def _engine(model, world: int, **overrides) -> Engine:
+    config = dict(page_size=PAGE, device="cpu", min_entry_tokens=32, tensor_parallel_size=world)
+    return Engine(EngineConfig(str(model), **{**config, **overrides}))
+
+
+def _requests(vocab: int):
+    """Groups of (prompt, spans, reuse), in order: concurrent first sights, an exact
+    prefix hit, an approximate first sight, then its documents in other orders after
+    another system prompt, repaired by selection and placed as they are; then the
+    first sights again."""
+    rng = np.random.default_rng(3)
+    draw = lambda n: rng.integers(10, vocab - 1, size=n).tolist()  # noqa: E731
+    systems, docs, question = [draw(23), draw(41)], [draw(n) for n in DOCS], draw(9)
+
+    def layout(system, order):
+        prompt, spans = list(system), []
+        for i in order:
+            spans.append((len(prompt), len(prompt) + DOCS[i]))
+            prompt += docs[i]
+        return prompt + question, tuple(spans)
+
+    plain = [draw(70), draw(55), draw(90)]
+    yield [(p, (), None) for p in plain]
+    yield [(plain[0][:64] + draw(12), (), ReuseRequest("exact"))]
+    approx = [
+        ReuseRequest("approximate", first_tokens=4, deviation_ratio=0.2),
+        ReuseRequest("approximate", first_tokens=4, deviation_ratio=0.2),
+        ReuseRequest("approximate", first_tokens=4, deviation_ratio=0.0),
+    ]
+    for (system, order), reuse in zip(
+        [(systems[0], (0, 1, 2)), (systems[1], (2, 0, 1)), (systems[1], (1, 2, 0))],
+        approx,
+        strict=True,
+    ):
+        prompt, spans = layout(system, order)
+        yield [(prompt, spans, reuse)]
+    # the first ones again: cached on the device, or (a small pool) in the host tier
+    yield [(p, (), ReuseRequest("exact")) for p in plain]
+
+
+def _serve(engine: Engine) -> tuple[list, list[torch.Tensor]]:
+    """Each group of requests at once, to completion: per request its tokens and reuse
+    (mode, reused, recomputed); and every step's logits."""
+    logits: list[torch.Tensor] = []
+    engine.on_logits = lambda seqs, rows: logits.append(rows.clone())
+    results, number = [], 0
+    for group in _requests(engine.model_config.vocab_size):
+        tokens, infos = {}, {}
+        for prompt, spans, reuse in group:
+            rid = f"r{number}"
+            number += 1
+            named = {"placeable": spans} | ({"reuse": reuse} if reuse else {})
+            engine.add_request(rid, prompt, GREEDY, **named)
+            tokens[rid] = []
+        while engine.has_unfinished():  # entry fills run to completion too
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+                reuse = out.reuse
+                infos[out.request_id] = (reuse.mode, reuse.reused_tokens, reuse.recomputed_tokens)
+        results += [(tokens[rid], infos[rid]) for rid in tokens]
+    return results, logits
+
+
+@pytest.mark.parametrize("family", sorted(VARIANTS))
+def test_two_ranks_compute_what_one_computes(family, model_factory):
+    model_overrides, engine_overrides = VARIANTS[family]
+    model = model_factory(family, **model_overrides)
+    one = _engine(model, 1, **engine_overrides)
+    want, want_logits = _serve(one)
+    two = _engine(model, 2, **engine_overrides)
+    try:
+        got, got_logits = _serve(two)
+        tally = two.tally.copy()
+        host = two.pool.host
+        host_counts = None if host is None else host.stats()
+    finally:
+        two.close()
+    assert got == want
+    # the paths this variant is for ran
+    modes = [info[0] for _, info in want]
+    assert modes.count("approximate") == 3 and want[3][1][1] > 0  # the exact hit
+    placed = [info for _, info in want if info[0] == "approximate" and info[1]]
+    assert len(placed) == 2 and all(info[2] > 0 for info in placed)
+    if engine_overrides.get("entries_from_context") is False:
+        assert tally.fills_stored > 0
+    else:
+        assert tally.entries_taken > 0
+    if host_counts is not None:
+        assert host_counts.pages_loaded > 0
+    assert len(got_logits) == len(want_logits)
+    for a, b in zip(want_logits, got_logits, strict=True):
+        assert a.shape == b.shape
+        # float32 sums in another order: 1e-5 of the logits' scale
+        scale = max(1.0, a.abs().max().item())
+        assert (a - b).abs().max().item() <= 1e-5 * scale
+
+
+def test_sizes_that_do_not_divide_the_model_are_refused(tiny_qwen3):
+    config = ModelConfig.from_dir(tiny_qwen3)  # 4 heads, 2 KV heads, MLP 128
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide .*4 attention"):
+        _engine(tiny_qwen3, 3)
+    check_divisible(config, 4)  # 4 ranks: one head each, the 2 KV heads replicated
+    shard = Shard(3, 4)
+    assert shard.kv_replicas(config) == 2 and shard.kv_head_rows(config) == (1, 2)
+    assert shard.local_config(config).num_kv_heads == 1
