@@ -584,7 +584,8 @@ def cluster_config(
             "engine": engine,
             "workers": {
                 "count": count,
-                "num_gpus": args.gpus_per_worker,
+                "num_gpus": args.gpus_per_worker * args.tensor_parallel_size,
+                "tensor_parallel_size": args.tensor_parallel_size,
                 "num_cpus": 1,
                 "max_restarts": 3,
                 "startup_timeout_s": 600,
@@ -624,8 +625,11 @@ def main() -> None:
         actors = ensure_cluster(cfg, args.model, detached=False)
         try:
             infos = wait_ready(actors, cfg.workers.startup_timeout_s)
+            ranks = args.tensor_parallel_size
             print(
-                f"{max(counts)} workers ready in {time.perf_counter() - started:.1f} s "
+                f"{max(counts)} workers"
+                + (f" of {ranks} ranks" if ranks > 1 else "")
+                + f" ready in {time.perf_counter() - started:.1f} s "
                 f"(host KV tier {host_kv_gib:g} GiB); each worker's own start (engine, "
                 "graphs): " + ", ".join(f"{info.startup_s:.1f} s" for info in infos),
                 flush=True,
@@ -949,7 +953,15 @@ def parse_args() -> argparse.Namespace:
         help="router policies to compare, each optionally with router settings: "
         "chunk_aware,recent_route_lease_s=0",
     )
-    ap.add_argument("--gpus-per-worker", type=float, default=1.0, help="0: CPU workers")
+    ap.add_argument(
+        "--gpus-per-worker", type=float, default=1.0, help="per rank of a worker; 0: CPU workers"
+    )
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks per worker, each on a GPU of its own (workers.tensor_parallel_size)",
+    )
     ap.add_argument(
         "--engine",
         choices=("auto", "process", "thread"),

@@ -69,7 +69,18 @@ EngineSection = _engine_section()
 
 class WorkersSection(_Section):
     count: int = Field(1, gt=0, description="worker actors (one engine each)")
-    num_gpus: float = Field(0, ge=0, description="GPUs per worker (1 on GPU clusters)")
+    num_gpus: float = Field(
+        0, ge=0, description="GPUs per worker (1 on GPU clusters; tensor_parallel_size with it)"
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="GPUs one worker's model is split over: the worker reserves them on one "
+        "node (num_gpus must equal it on GPU workers) and runs a process a GPU, joined by "
+        "NCCL; gloo on CPU workers. It must divide the model's attention heads and MLP size "
+        "and divide or be a multiple of its KV heads. To the router and the directory the "
+        "worker is still one holder",
+    )
     num_cpus: float = Field(1, ge=0, description="Ray CPUs reserved per worker")
     resources: dict[str, float] = Field(
         default_factory=dict,
@@ -97,6 +108,16 @@ class WorkersSection(_Section):
     startup_timeout_s: float = Field(
         600, gt=0, description="how long to wait for workers to load their model"
     )
+
+    @model_validator(mode="after")
+    def _a_gpu_per_rank(self) -> WorkersSection:
+        tp = self.tensor_parallel_size
+        if self.num_gpus > 0 and tp > 1 and self.num_gpus != tp:
+            raise ValueError(
+                f"workers.num_gpus ({self.num_gpus:g}) must equal workers.tensor_parallel_size "
+                f"({tp}): each of a worker's {tp} ranks runs on a GPU of its own"
+            )
+        return self
 
     @model_validator(mode="after")
     def _custom_resources_only(self) -> WorkersSection:

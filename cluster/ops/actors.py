@@ -84,6 +84,7 @@ def engine_config(cfg: ClusterConfig, model_dir: Path) -> EngineConfig:
     return EngineConfig(
         model_dir=str(model_dir),
         model_id=cfg.model.name,
+        tensor_parallel_size=cfg.workers.tensor_parallel_size,
         **cfg.engine.model_dump(),
     )
 
@@ -131,7 +132,11 @@ def worker_demand(cfg: ClusterConfig) -> Demand:
         "workers.count",
         {
             "CPU": "workers.num_cpus",
-            "GPU": "workers.num_gpus",
+            # a worker of several ranks takes a GPU a rank, all on one node
+            "GPU": "workers.num_gpus"
+            + (
+                " with workers.tensor_parallel_size" if cfg.workers.tensor_parallel_size > 1 else ""
+            ),
             **{name: "workers.resources" for name in cfg.workers.resources},
         },
     )

@@ -163,3 +163,28 @@ def test_cluster_bench_runs_with_the_host_tier_off_and_on(ray_cluster, tiny_qwen
     off, on = runs["chunk_aware, host tier 0 GiB"], runs["chunk_aware, host tier 0.05 GiB"]
     assert off["answered"] == on["answered"] == 48 and off["errors"] == on["errors"] == []
     assert on["hit_rate"] > off["hit_rate"] + 0.1, (off["hit_rate"], on["hit_rate"])
+
+
+def test_cluster_bench_serves_tensor_parallel_workers_through_a_kill(
+    ray_cluster, tiny_qwen3, tmp_path
+):
+    """Workers of two ranks each (CPU, gloo): to the router and the directory each is
+    one holder; a killed one comes back with both ranks (its engine starts only once
+    every rank has joined) and no request is lost."""
+    out = tmp_path / "runs.json"
+    args = ["--model", str(tiny_qwen3), "--workers", "2", "--gpus-per-worker", "0",
+            "--tensor-parallel-size", "2", "--pages", "300", "--docs", "8",
+            "--system-tokens", "32", "--doc-tokens", "96", "--max-tokens", "3",
+            "--requests-per-worker", "12", "--concurrency", "2", "--engine", "thread",
+            "--policies", "chunk_aware", "--kill", "--kill-at", "0.3",
+            "--json", str(out)]  # fmt: skip
+    done = _run_bench(ray_cluster, args)
+    assert "2 workers of 2 ranks ready" in done.stdout
+    runs = {r["policy"]: r for r in json.loads(out.read_text())}
+    assert set(runs) == {"chunk_aware", "chunk_aware (kill)"}
+    for run in runs.values():
+        assert run["answered"] == 24 and run["errors"] == []
+        assert len(run["requests_per_worker"]) == 2
+    assert runs["chunk_aware"]["hit_rate"] > 0  # each worker's cache, one holder each
+    kill = runs["chunk_aware (kill)"]["kill"]
+    assert kill["epoch_after"] != kill["epoch_before"] and "back_after_s" in kill

@@ -28,8 +28,26 @@ def test_shipped_configs_cover_local_redis_and_h200():
     assert (REPO / by_name["local.yaml"].model.path / "config.json").is_file()  # shipped model
     assert by_name["redis.yaml"].directory.kind == "redis"
     assert by_name["redis.yaml"].workers.count > 1
-    h200 = by_name["h200x8.yaml"]
-    assert h200.workers.count == 8 and h200.workers.num_gpus == 1
+    h200 = by_name["h200x8.yaml"]  # 8 GPUs as 2 workers x 4 ranks
+    workers = h200.workers
+    assert workers.count * workers.num_gpus == 8 and workers.tensor_parallel_size == 4
+
+
+def test_tensor_parallel_workers_take_a_gpu_a_rank(tmp_path):
+    from cluster.ops.actors import engine_config
+
+    with pytest.raises(ValueError, match=r"num_gpus \(1\) must equal .*tensor_parallel_size \(2\)"):
+        load_config(
+            REPO / "configs" / "local.yaml",
+            ["workers.num_gpus=1", "workers.tensor_parallel_size=2"],
+        )
+    cfg = load_config(
+        REPO / "configs" / "local.yaml", ["workers.num_gpus=2", "workers.tensor_parallel_size=2"]
+    )
+    assert engine_config(cfg, tmp_path).tensor_parallel_size == 2
+    # the engine section does not take it: the workers' GPUs go with it
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        load_config(REPO / "configs" / "local.yaml", ["engine.tensor_parallel_size=2"])
 
 
 def test_every_field_is_described():

@@ -18,7 +18,7 @@ import yaml
 from ray import serve
 from ray.util.state import list_actors
 
-from cluster.config import parse_config
+from cluster.config import load_config, parse_config
 from cluster.http.app import AppArgs, app_builder, build_app
 from cluster.ops.actors import (
     Demand,
@@ -92,6 +92,22 @@ def test_gpus_asked_of_a_cpu_cluster():
     problem = placement_problem([worker(2, 1, gpus=1)], [RAY_NODE, RAY_NODE], None)
     assert "2 GPU (2 workers x 1 GPU) but the Ray cluster has 0 GPU in all (2 nodes)" in problem
     assert "workers.num_gpus" in problem and "CPU (" not in problem
+
+
+def test_a_worker_of_more_ranks_than_a_node_has_gpus_is_refused(monkeypatch):
+    """A worker's ranks take a GPU each on one node: 4 ranks do not fit two nodes of 2
+    GPUs (4 GPUs in all), and the refusal names the setting."""
+    from cluster.ops import actors
+
+    monkeypatch.setattr(actors, "find_workers", lambda cfg: {"w": None})
+    cfg = load_config(
+        REPO / "configs" / "local.yaml",
+        ["workers.count=1", "workers.num_gpus=4", "workers.tensor_parallel_size=4"],
+    )
+    nodes = [{"CPU": 8, "GPU": 2}, {"CPU": 8, "GPU": 2}]
+    problem = placement_problem([actors.worker_demand(cfg)], nodes, None)
+    assert "no node has room for 1 worker (each needs 1 CPU, 4 GPU on one node" in problem
+    assert "workers.num_gpus with workers.tensor_parallel_size" in problem
 
 
 def test_every_actor_must_fit_on_one_node():
