@@ -113,6 +113,10 @@ def test_cluster_launcher_has_what_ray_up_requires():
     assert config["head_node_type"] in types
     assert any(t["resources"].get("GPU", 0) > 0 for t in types.values())
     assert all((REPO / local).exists() for local in config["file_mounts"].values())
+    # every node names its image (Ray's default AMI predates H200s): a current GPU AMI
+    for node_type in types.values():
+        image = node_type["node_config"]["ImageId"]
+        assert image.startswith("resolve:ssm:/aws/service/deeplearning/ami/x86_64/"), image
     # Ray's own checks: defaults filled in, then validated against ray-schema.json.
     from ray.autoscaler._private.util import prepare_config, validate_config
 
