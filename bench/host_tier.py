@@ -136,11 +136,15 @@ def measure_idle_tier(
     rounds: int,
     rng: random.Random,
     profile: bool = False,
+    writes: tuple[str, ...] = ("all",),
 ) -> tuple[list[list[object]], float]:
-    llms = {
-        "off": LLM(model, num_pages=pages),
-        "on": LLM(model, num_pages=pages, host_kv_gib=host_gib),
-    }
+    """Output tok/s with the tier off and on (once per write policy in ``writes``:
+    ``engine.host_kv_write``), rounds alternating between them; the rows and the
+    first policy's ratio to off."""
+    llms = {"off": LLM(model, num_pages=pages)}
+    for write in writes:
+        name = "on" if len(writes) == 1 else f"on, {write} writes"
+        llms[name] = LLM(model, num_pages=pages, host_kv_gib=host_gib, host_kv_write=write)
     rates: dict[str, list[float]] = {name: [] for name in llms}
     for llm in llms.values():
         throughput(llm, [_tokens(rng, 1024) for _ in range(32)], 16)  # warm
@@ -152,14 +156,19 @@ def measure_idle_tier(
         for name, llm in llms.items():
             prompts = [_tokens(rng, 1024) for _ in range(requests)]
             print_profile(f"idle tier {name}", lambda: throughput(llm, prompts, 64))  # noqa: B023
-    stats = llms["on"].engine.pool.host.stats()
     rows = [
         [name, " / ".join(f"{r:,.0f}" for r in values), f"{statistics.median(values):,.0f}"]
         for name, values in rates.items()
     ]
-    ratio = statistics.median(rates["on"]) / statistics.median(rates["off"])
-    rows.append(["on / off", "", f"{ratio:.3f} ({stats.pages_written:,} pages written, "
-                 f"{stats.pages_skipped:,} skipped, {stats.hits} hits)"])  # fmt: skip
+    ratios = []
+    for name, llm in llms.items():
+        if name == "off":
+            continue
+        stats = llm.engine.pool.host.stats()
+        ratios.append(statistics.median(rates[name]) / statistics.median(rates["off"]))
+        rows.append([f"{name} / off", "", f"{ratios[-1]:.3f} ({stats.pages_written:,} pages "
+                     f"written, {stats.pages_skipped:,} skipped, {stats.hits} hits)"])  # fmt: skip
+    ratio = ratios[0]
     llms.clear()
     gc.collect()
     if torch.cuda.is_available():
@@ -257,6 +266,13 @@ def main() -> None:
     ap.add_argument(
         "--profile", action="store_true", help="idle tier: one more round of each, profiled"
     )
+    ap.add_argument(
+        "--host-kv-write",
+        nargs="+",
+        default=["all"],
+        choices=("all", "reused"),
+        help="idle tier: the write policies to run (engine.host_kv_write), each against off",
+    )
     args = ap.parse_args()
     parts = set(args.parts or ("ttft", "itl", "idle"))
     if torch.cuda.is_available():
@@ -282,8 +298,9 @@ def main() -> None:
     if "idle" not in parts:
         return
     rows, _ = measure_idle_tier(
-        model, args.pages, args.host_kv_gib, args.requests, args.rounds, rng, args.profile
-    )
+        model, args.pages, args.host_kv_gib, args.requests, args.rounds, rng, args.profile,
+        tuple(args.host_kv_write),
+    )  # fmt: skip
     print_table(
         f"idle tier: {args.requests} unique 1,024-token prompts, 64 out, {args.pages}-page pool",
         ["tier", "output tok/s a round", "median"],
