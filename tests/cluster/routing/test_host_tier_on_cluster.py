@@ -6,6 +6,7 @@ and ``chunkserve status`` show the tier's pages, hits, bytes and load time."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -18,7 +19,9 @@ from tests.cluster.routing.test_redis_cluster import LEASE_TTL_S, Probe, post, s
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
-SYSTEM = "You are the archivist of the Harbor Analytics handbook and quote it. " * 6
+POLL_S = 0.2  # router.poll_interval_s: how old the router's view of worker loads may be
+SENTENCE = "You are the archivist of the Harbor Analytics handbook and quote it. "
+SYSTEM = SENTENCE * 6
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,7 @@ def app(start_app, tiny_qwen3, redis_server, ray_cluster):
             },
         },
         # no route memory: only the directory's answer sends a request back home
-        router={"poll_interval_s": 0.2, "recent_route_lease_s": 0.0},
+        router={"poll_interval_s": POLL_S, "recent_route_lease_s": 0.0},
         server={"num_replicas": 1, "default_max_tokens": 4},
     )
     app = start_app(config)
@@ -66,10 +69,21 @@ def host_tokens(probe: Probe, messages: list[dict]) -> dict[str, int]:
 def test_a_prefix_pushed_to_host_memory_is_routed_home_and_loaded_back(app, probe):
     home = post(app, chat("Q: who keeps the archive?"), max_tokens=4).worker
     assert probe.wait_held(chat("Q: next?"), home)
-    # distinct prompts, 8 x ~27 pages on each worker's 48: the prefix leaves the device
+    # Floods open with most of the system prompt, so the router sends them where those
+    # pages are (home), then go on with ~20 pages of their own on home's 48: the system
+    # prompt's last pages leave the device. Each waits for the router's load view to
+    # show home idle again (three polls), lest home look busy and a flood go by load
+    # (floods with nothing in common went 15 of 16 to the other worker).
+    routed = []
     for n in range(16):
-        flood = f"Flood {n}: an unrelated request about invoices, region {n}. " * 16
-        post(app, [{"role": "user", "content": flood}], max_tokens=2)
+        time.sleep(3 * POLL_S)
+        flood = SENTENCE * 5 + f"Flood {n}: an unrelated request about invoices, region {n}. " * 12
+        routed.append(
+            post(
+                app, [{"role": "system", "content": flood}, {"role": "user", "content": "Q"}], 2
+            ).worker
+        )
+    assert routed.count(home) >= 12, routed
     assert wait_until(lambda: host_tokens(probe, chat("Q: x?")).get(home, 0) > 0, 10)
     held = probe.holders(chat("Q: x?"))
     assert set(held) == {home}  # the other worker never saw it
