@@ -50,7 +50,10 @@ def test_two_ranks_answer_the_docqa_questions_as_one():
     examples = generate(5, 20, 8, "heldout", 1) + generate(6, 20, 8, "heldout", 2)
     answers = []
     for world in (1, 2):
-        engine = Engine(EngineConfig(str(DOCQA), device="cuda", tensor_parallel_size=world))
+        # pages given: the first engine's memory is still held when the second sizes its pool
+        engine = Engine(
+            EngineConfig(str(DOCQA), device="cuda", tensor_parallel_size=world, num_pages=4096)
+        )
         try:
             answers.append(_answers(engine, examples))
         finally:
@@ -65,7 +68,7 @@ def test_a_model_larger_than_one_gpu_serves_on_two(llama_70b):
     engine = Engine(
         EngineConfig(
             str(llama_70b), device="cuda", load_format="dummy", tensor_parallel_size=2,
-            max_model_len=4096,
+            max_model_len=4096, max_num_seqs=8, num_pages=2048,
         )
     )  # fmt: skip
     try:

@@ -714,6 +714,9 @@ class Engine:
         engine serves nothing after."""
         if self.followers is not None:
             self.followers.close()
+            # rank 0's end of the group: aborted, so that neither this nor the
+            # interpreter's exit waits on NCCL for ranks that are gone
+            self.runner.model.shard.close()
 
     def _check_weights_fit(self, shard: Shard) -> None:
         """ValueError, before anything is allocated, when one rank's weights leave no

@@ -16,11 +16,14 @@ operation to the others before it runs it: ``tp.group``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from workers.engine.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 def check_divisible(config: ModelConfig, world: int) -> None:
@@ -115,6 +118,16 @@ class Shard:
         self.group._allgather_base(gathered, local.contiguous()).wait()  # rank-major
         by_rank = gathered.view(self.world, rows, per).permute(1, 0, 2)
         return by_rank.reshape(rows, self.world * per)[:, :vocab_size]
+
+    def close(self) -> None:
+        """Release the group once every rank is done with it (NCCL's ``abort``, so no
+        destructor waits for ranks that exited; gloo's needs nothing)."""
+        if not self.parallel or self.group.name() != "nccl":
+            return
+        try:
+            self.group.abort()
+        except Exception:  # noqa: BLE001 - closing: say so, and go on closing
+            logger.warning("aborting rank %d's NCCL group failed", self.rank, exc_info=True)
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``tensor`` on every rank (in place)."""
