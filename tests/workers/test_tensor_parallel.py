@@ -140,3 +140,54 @@ def test_sizes_that_do_not_divide_the_model_are_refused(tiny_qwen3):
     shard = Shard(3, 4)
     assert shard.kv_replicas(config) == 2 and shard.kv_head_rows(config) == (1, 2)
     assert shard.local_config(config).num_kv_heads == 1
+
+
+def test_attention_biases_load_whole_and_sharded(model_factory, tmp_path):
+    """A checkpoint with q/k/v/o biases (``attention_bias``; make-model writes none):
+    one rank's logits match transformers', and two ranks' (q/k/v biases split by head,
+    o's on rank 0 alone) match one rank's."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "biased"
+    shutil.copytree(model_factory("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["attention_bias"] = True
+    (path / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(path / "model.safetensors"))
+    generator = torch.Generator().manual_seed(1)
+    for i in range(config["num_hidden_layers"]):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            rows = tensors[f"model.layers.{i}.self_attn.{name}.weight"].shape[0]
+            bias = torch.randn(rows, generator=generator) * 0.5
+            tensors[f"model.layers.{i}.self_attn.{name}.bias"] = bias
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    prompt = list(range(10, 60))
+    with torch.no_grad():
+        reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        want = reference(torch.tensor([prompt])).logits[0, -1]
+    logits = {}
+    for world in (1, 2):
+        engine = _engine(path, world, num_pages=64)
+        seen = []
+        engine.on_logits = lambda seqs, rows, seen=seen: seen.append(rows.clone())
+        try:
+            engine.add_request("r", prompt, SamplingParams(max_tokens=1, temperature=0))
+            while engine.has_unfinished():
+                engine.step()
+        finally:
+            engine.close()
+        logits[world] = seen[0][0]
+    scale = want.abs().max().item()
+    assert (logits[1] - want).abs().max().item() <= 1e-4 * scale
+    assert (logits[2] - logits[1]).abs().max().item() <= 1e-5 * scale
+
+
+def test_a_rank_that_fails_to_start_fails_the_engine_with_its_reason(tiny_qwen3):
+    """Rank 0 waits for the other ranks to load and build; an engine that cannot start
+    raises what went wrong (not a secondary error from closing) and leaves no rank."""
+    with pytest.raises(ValueError, match="not enough memory for the KV cache"):
+        _engine(tiny_qwen3, 2, cpu_kv_cache_bytes=1)

@@ -58,7 +58,7 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, Scheduler, SchedulerLimits
 from workers.engine.structured import Grammars
 from workers.engine.tp.follower import follow
-from workers.engine.tp.group import Followers, RunnerShape
+from workers.engine.tp.group import BUILT, Followers, RunnerShape
 from workers.engine.tp.shard import SINGLE, Shard, check_divisible
 from workers.engine.workload_tally import WorkloadTally
 
@@ -186,7 +186,7 @@ class Engine:
         # the other ranks of a tensor-parallel worker (``tp.group``), loading their shards
         # while this one loads its own
         self.followers: Followers | None = None
-        shard = SINGLE
+        self._shard = shard = SINGLE
         world = config.tensor_parallel_size
         if world > 1:
             check_divisible(self.model_config, world)
@@ -195,6 +195,7 @@ class Engine:
             self._check_weights_fit(Shard(0, world))
         if world > 1:
             self.followers, shard = Followers.start(config, world, self.device, follow)
+            self._shard = shard
         try:
             self._build(config, shard, reuse_factory)
         except BaseException:
@@ -242,9 +243,14 @@ class Engine:
             config.skinny_matmul,
         )
         self.runner.followers = self.followers
+        if self.followers is not None:
+            self.followers.expect(BUILT)
         if config.host_kv_gib > 0:
-            # the worker's pages whole (every rank's heads): host_kv_gib is the worker's
-            page_bytes = ModelRunner.bytes_per_page(mc, config.page_size, self.dtype)
+            # a page's bytes over every rank (replicated KV heads counted on each rank
+            # that holds them): host_kv_gib is the worker's host memory
+            page_bytes = shard.world * ModelRunner.bytes_per_page(
+                local, config.page_size, self.dtype
+            )
             slots = host_slots(config.host_kv_gib, page_bytes)
             self.pool.attach_host(
                 HostTier(self.runner.attach_host_copier(slots)), config.host_kv_write
@@ -716,7 +722,7 @@ class Engine:
             self.followers.close()
             # rank 0's end of the group: aborted, so that neither this nor the
             # interpreter's exit waits on NCCL for ranks that are gone
-            self.runner.model.shard.close()
+            self._shard.close()
 
     def _check_weights_fit(self, shard: Shard) -> None:
         """ValueError, before anything is allocated, when one rank's weights leave no

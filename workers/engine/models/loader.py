@@ -207,7 +207,7 @@ def _check_complete(params: dict[str, torch.Tensor], loaded: set[str], config: M
     for name in params:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        if name.endswith("qkv_proj.weight"):
+        if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):  # q, k and v parts
             parts = [f"{name}#{i}" for i in range(3)]
         elif name.endswith("gate_up_proj.weight"):
             parts = [f"{name}#{i}" for i in range(2)]

@@ -15,20 +15,33 @@ from workers.engine.attention.base import AttentionShape
 from workers.engine.model_runner import ModelRunner
 from workers.engine.models.config import ModelConfig
 from workers.engine.models.loader import load_model
-from workers.engine.tp.group import STARTED, RunnerShape, process_group
+from workers.engine.tp.group import (
+    BUILT,
+    FAILED,
+    LOADED,
+    STARTED,
+    RunnerShape,
+    group_store,
+    process_group,
+)
 from workers.engine.tp.shard import Shard
 
 logger = logging.getLogger(__name__)
 
 
 def follow(conn: Connection, config, rank: int, world: int, port: int, threads: int) -> None:
-    """A rank other than 0: load this rank's shard, join the group, build the runner
-    when rank 0 says, then run each call rank 0 sends until its pipe closes."""
+    """A rank other than 0: join the group at rank 0's store (``port``), load this
+    rank's shard, build the runner when rank 0 says, then run each call rank 0 sends
+    until its pipe closes; saying each stage on the pipe (``tp.group``), or why it
+    failed. Its end of the group is aborted on the way out, so no teardown waits for a
+    rank 0 that is gone."""
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(threads)
     conn.send_bytes(STARTED)
+    runner = None
     try:
         runner = _Follower(config, rank, world, port)
+        conn.send_bytes(LOADED)
         while True:
             try:
                 message = conn.recv_bytes()
@@ -36,9 +49,19 @@ def follow(conn: Connection, config, rank: int, world: int, port: int, threads: 
                 return  # rank 0 closed the pipe or is gone
             method, args = pickle.loads(message)
             runner.call(method, args)
+            if method == "__build__":
+                conn.send_bytes(BUILT)
     except Exception:
-        logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
+        why = traceback.format_exc()
+        logger.error("tensor-parallel rank %d failed:\n%s", rank, why)
+        try:
+            conn.send_bytes(FAILED + why.encode())
+        except OSError:
+            pass  # rank 0 is gone: the log has it
         raise SystemExit(1) from None
+    finally:
+        if runner is not None:
+            runner.shard.close()
 
 
 class _Follower:
@@ -47,13 +70,13 @@ class _Follower:
     def __init__(self, config, rank: int, world: int, port: int) -> None:
         self.config = config
         device = config.resolved_device()
-        if device.type == "cuda":
-            device = torch.device("cuda", rank)
+        if device.type == "cuda":  # rank 0's GPU, then the next ones
+            device = torch.device("cuda", (device.index or 0) + rank)
             torch.cuda.set_device(device)
         self.device = device
         dtype = config.resolved_dtype()
         model_config = ModelConfig.from_dir(config.model_dir)
-        group = process_group(port, rank, world, device)
+        group = process_group(group_store(port, rank, world), rank, world, device)
         self.shard = Shard(rank, world, group)
         self.model = load_model(
             config.model_dir, model_config, dtype, device, self.shard, config.load_format

@@ -9,11 +9,17 @@ collectives (``tp.shard``) meet in the same order. A step's input tokens still o
 0's device (overlapped steps) reach the others by broadcast inside the step. The
 other ranks sample nothing: rank 0 alone turns logits into tokens.
 
+Start: rank 0 serves the group's store and starts the others; each says on its pipe
+that it started, loaded its shard and built its runner, and rank 0 waits for each stage
+(``Followers.expect``), so an engine is ready only once every rank is, and a rank that
+fails while starting fails the engine with its traceback.
+
 Lifetime: the other ranks exit when rank 0 closes their pipes (``Followers.close``) or
-when its process is gone (their pipe's end reads EOF), and they are daemonic children.
-A rank that fails reports why on its pipe and exits; rank 0's next collective then
-fails (the group's timeout bounds it), so the worker fails as a whole and is restarted
-with all its ranks.
+when its process is gone (their pipe's end reads EOF), and they are daemonic children;
+each aborts its end of an NCCL group on the way out. A rank that fails later reports
+why on its pipe and exits; rank 0's next send or collective then fails (the group's
+timeout, ``GROUP_TIMEOUT``, bounds it), so the worker fails as a whole and is
+restarted with all its ranks.
 """
 
 from __future__ import annotations
@@ -22,7 +28,6 @@ import datetime
 import logging
 import multiprocessing
 import pickle
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,7 +45,12 @@ logger = logging.getLogger(__name__)
 GROUP_TIMEOUT = datetime.timedelta(seconds=120)
 # how long rank 0 waits for the others to start (a process each, importing torch)
 START_TIMEOUT_S = 300.0
-STARTED = b"started"  # a rank's first message, before it joins the group
+# ... and to load their shards (a 70B model's half from disk) and build their runners
+LOAD_TIMEOUT_S = 1800.0
+# What a rank other than 0 says on its pipe, in order: started (about to join the
+# group), loaded (its shard), built (its runner, after rank 0's ``build``); or, at any
+# point, FAILED followed by its traceback, before it exits.
+STARTED, LOADED, BUILT, FAILED = b"started", b"loaded", b"built", b"failed:"
 
 
 @dataclass(frozen=True)
@@ -51,29 +61,32 @@ class RunnerShape:
     max_model_len: int
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def process_group(port: int, rank: int, world: int, device: torch.device):
-    """The ranks' process group (NCCL on CUDA, gloo on the CPU), met at rank 0's store."""
-    store = dist.TCPStore(
+def group_store(port: int, rank: int, world: int) -> dist.TCPStore:
+    """Where the ranks meet: rank 0 serves it (``port`` 0: a free port, taken by the
+    store itself, so nothing else can take it between choosing and binding)."""
+    return dist.TCPStore(
         "127.0.0.1", port, world, rank == 0, timeout=GROUP_TIMEOUT, wait_for_workers=False
     )
+
+
+def process_group(store: dist.TCPStore, rank: int, world: int, device: torch.device):
+    """The ranks' process group: NCCL on CUDA, gloo on the CPU, both with
+    ``GROUP_TIMEOUT``."""
     if device.type == "cuda":
-        return dist.ProcessGroupNCCL(store, rank, world)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = GROUP_TIMEOUT
+        return dist.ProcessGroupNCCL(store, rank, world, options)
     return dist.ProcessGroupGloo(store, rank, world, GROUP_TIMEOUT)
 
 
 class Followers:
     """Rank 0's handle on ranks 1..N-1 of a worker (module docstring)."""
 
-    def __init__(self, conns: list[Connection], processes: list) -> None:
+    def __init__(self, conns: list[Connection], processes: list, store) -> None:
         self.world = len(conns) + 1
         self._conns = conns
         self._processes = processes
+        self._store = store  # rank 0 serves it for as long as the group lives
         self.closed = False
 
     @classmethod
@@ -83,45 +96,56 @@ class Followers:
         """Start ranks 1..``world``-1 for engine ``config``, each running ``follow``
         (``tp.follower.follow``), and join them; returns the handle and rank 0's shard.
         They load their shards while rank 0 loads its own."""
-        port = _free_port()
+        store = group_store(0, 0, world)
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
-        conns, processes = [], []
-        for rank in range(1, world):
-            mine, theirs = context.Pipe()
-            process = context.Process(
-                target=follow,
-                args=(theirs, config, rank, world, port, torch.get_num_threads()),
-                name=f"chunkserve-tp-rank{rank}",
-                daemon=True,
-            )
-            process.start()
-            theirs.close()
-            conns.append(mine)
-            processes.append(process)
-        followers = cls(conns, processes)
+        followers = cls([], [], store)
         try:
-            followers._wait_started()
-            group = process_group(port, 0, world, device)
+            for rank in range(1, world):
+                mine, theirs = context.Pipe()
+                process = context.Process(
+                    target=follow,
+                    args=(theirs, config, rank, world, store.port, torch.get_num_threads()),
+                    name=f"chunkserve-tp-rank{rank}",
+                    daemon=True,
+                )
+                process.start()
+                theirs.close()
+                followers._conns.append(mine)
+                followers._processes.append(process)
+            followers.expect(STARTED, START_TIMEOUT_S)
+            group = process_group(store, 0, world, device)
         except BaseException:
             followers.close()
             raise
         return followers, Shard(0, world, group)
 
-    def _wait_started(self) -> None:
-        """Wait until every other rank has started (imported, about to join the
-        group); RuntimeError naming a rank that exited first."""
-        deadline = time.monotonic() + START_TIMEOUT_S
+    def expect(self, what: bytes, timeout_s: float = LOAD_TIMEOUT_S) -> None:
+        """Wait until every other rank has said ``what`` on its pipe; RuntimeError
+        naming a rank that failed (with its traceback) or exited first."""
+        deadline = time.monotonic() + timeout_s
+        name = what.decode()
         for rank, (conn, process) in enumerate(zip(self._conns, self._processes, strict=True), 1):
             while not conn.poll(0.2):
                 if not process.is_alive():
                     raise RuntimeError(
-                        f"tensor-parallel rank {rank} exited (code {process.exitcode}) "
-                        "before joining; its log says why"
+                        f"tensor-parallel rank {rank} exited (code {process.exitcode}) before "
+                        f"it {name}"
                     )
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"tensor-parallel rank {rank} did not start")
-            if conn.recv_bytes() != STARTED:
-                raise RuntimeError(f"tensor-parallel rank {rank} sent an unexpected message")
+                    raise RuntimeError(f"tensor-parallel rank {rank} has not {name} after "
+                                       f"{timeout_s:.0f} s")  # fmt: skip
+            try:
+                message = conn.recv_bytes()
+            except (EOFError, OSError):
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} closed its pipe before it {name}"
+                ) from None
+            if message.startswith(FAILED):
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} failed:\n{message[len(FAILED) :].decode()}"
+                )
+            if message != what:
+                raise RuntimeError(f"tensor-parallel rank {rank} said {message[:40]!r}, not {name}")
 
     def call(self, method: str, *args) -> None:
         """Have every other rank call ``runner.method(*args)``."""
@@ -130,8 +154,10 @@ class Followers:
             conn.send_bytes(message)
 
     def build(self, shape: RunnerShape) -> None:
-        """Have the other ranks build their runners (they capture CUDA graphs, whose
-        collectives meet rank 0's: call this just before rank 0 builds its own)."""
+        """Have the other ranks build their runners, once they have loaded their
+        shards (they capture CUDA graphs, whose collectives meet rank 0's: call this
+        just before rank 0 builds its own, then ``expect(BUILT)``)."""
+        self.expect(LOADED)
         self.call("__build__", shape)
 
     def close(self) -> None:
