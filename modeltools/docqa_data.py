@@ -291,8 +291,10 @@ def generate_example(
     several turns); with 1 the random stream is the one it has always been. ``reverse``
     lets follow-ups also be ``REVERSE`` questions (the first question never is).
     ``style`` "varied" writes documents and questions in ``docqa_phrasing``'s templates
-    of the ``templates`` split ("train" or "heldout"), and names people and places
-    from the extra lists too; "plain" (the default) draws exactly as it always has.
+    of the ``templates`` split ("train" or "heldout"; "composed": training's
+    templates and phrasings composed from parts, never a held-out one), and names people
+    and places from the extra lists too; "plain" (the default) draws exactly as it
+    always has.
     ``json_replies``: every reply is the JSON object ``reply_text`` writes."""
     if questions < 1:
         raise ValueError(f"questions must be at least 1, got {questions}")
@@ -304,8 +306,10 @@ def generate_example(
         raise ValueError(f"split must be train or heldout, got {split!r}")
     if style not in docqa_phrasing.STYLES:
         raise ValueError(f"style must be one of {docqa_phrasing.STYLES}, got {style!r}")
-    if templates not in docqa_phrasing.TEMPLATE_SPLITS:
-        raise ValueError(f"templates must be train or heldout, got {templates!r}")
+    if templates not in docqa_phrasing.TEMPLATE_CHOICES:
+        raise ValueError(
+            f"templates must be one of {docqa_phrasing.TEMPLATE_CHOICES}, got {templates!r}"
+        )
     varied = style == "varied"
     names = (*PEOPLE, *docqa_phrasing.EXTRA_PEOPLE) if varied else PEOPLE
     cities = (*CITIES, *docqa_phrasing.EXTRA_CITIES) if varied else CITIES

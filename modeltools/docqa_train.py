@@ -103,6 +103,9 @@ class TrainConfig:
     # share of training conversations phrased in docqa_phrasing's varied templates
     # (their training split), with names and places from outside the entity lists
     varied_share: float = 0.0
+    # the varied conversations' phrasings: "train" (docqa_phrasing's training templates)
+    # or "composed" (those, and facts and questions composed from parts)
+    varied_templates: str = "train"
     json_share: float = 0.0  # share of conversations whose replies are {"answer": ...}
     seed: int = 0
 
@@ -333,6 +336,7 @@ def training_example(rng: random.Random, num_docs: int, cfg: TrainConfig) -> Doc
         questions=cfg.turns,
         reverse=cfg.reverse,
         style=style,
+        templates=cfg.varied_templates if style == "varied" else "train",
         json_replies=as_json,
     )
 
@@ -779,6 +783,8 @@ def make_docqa_model(
         raise ValueError("answer_weight must be positive and prompt_weight not negative")
     if cfg.guide_weight < 0 or (cfg.guide_weight > 0 and not cfg.answer_space):
         raise ValueError("guide_weight must be 0, or positive with answer_space")
+    if cfg.varied_templates not in ("train", "composed"):
+        raise ValueError(f"varied_templates is train or composed, got {cfg.varied_templates!r}")
     for name in ("varied_share", "json_share"):
         if not 0 <= getattr(cfg, name) <= 1:
             raise ValueError(
@@ -844,12 +850,36 @@ def load_for_eval(model_dir: str | Path, device: str | None = None):
     return model, AutoTokenizer.from_pretrained(model_dir)
 
 
+def _option_type(field) -> Callable[[str], object]:
+    """How the command line parses a ``TrainConfig`` field."""
+    kind = {"time_budget_s": float, "num_workers": int}.get(field.name)
+    if kind is None and field.default is not None:
+        kind = type(field.default)
+    if kind is bool:
+        return lambda text: {"true": True, "false": False}[text.lower()]
+    return kind or str
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m modeltools.docqa_train eval DIR [--docs 8] [--examples 400]``."""
+    """``python -m modeltools.docqa_train eval DIR [--docs 8] [--examples 400]``, or
+    ``train DIR [--FIELD VALUE ...]``: ``make_docqa_model`` with any ``TrainConfig``
+    field (``chunkserve make-model --preset docqa`` takes most of them)."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m modeltools.docqa_train")
     sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="train the doc-QA model (make-model --preset docqa)")
+    t.add_argument("dir")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--overwrite", action="store_true")
+    for f in fields(TrainConfig):
+        if f.name != "seed":
+            t.add_argument(
+                "--" + f.name.replace("_", "-"),
+                dest="train_" + f.name,
+                type=_option_type(f),
+                metavar=f.name.upper(),
+            )
     e = sub.add_parser("eval", help="held-out exact match of a checkpoint (transformers)")
     e.add_argument("dir")
     e.add_argument("--docs", type=int, nargs="+", default=[4, 8, 16])
@@ -865,6 +895,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     e.add_argument("--device")
     args = p.parse_args(argv)
+    if args.cmd == "train":
+        options = {
+            k.removeprefix("train_"): v
+            for k, v in vars(args).items()
+            if k.startswith("train_") and v is not None
+        }
+        make_docqa_model(args.dir, args.seed, overwrite=args.overwrite, **options)
+        return 0
     model, tokenizer = load_for_eval(args.dir, args.device)
     dev = next(model.parameters()).device
     space = answer_space_of(args.dir)

@@ -188,6 +188,13 @@ _TRAIN_OPTIONS = (
         "names from outside the entity lists (modeltools/docqa_phrasing.py; default 0)",
     ),
     (
+        "varied_templates",
+        str,
+        "the varied conversations' phrasings: train (the training templates) or composed "
+        "(those, and facts and questions composed from parts; never a held-out one) "
+        "(default train)",
+    ),
+    (
         "json_share",
         float,
         'share of conversations whose replies are the JSON object {"answer": ...} (default 0)',

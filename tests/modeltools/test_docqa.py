@@ -202,6 +202,24 @@ def test_make_model_docqa_writes_a_loadable_checkpoint(tmp_path, capsys):
     assert "varied_share is a share of conversations in [0, 1]" in capsys.readouterr().err
 
 
+def test_docqa_train_takes_every_training_option(tmp_path):
+    """``python -m modeltools.docqa_train train``: any ``TrainConfig`` field, here the
+    composed phrasings ``make-model`` has no option for; a bad value is refused."""
+    from modeltools.docqa_train import main
+
+    out = tmp_path / "composed"
+    options = ["--steps", "1", "--batch-size", "2", "--eval-examples", "2",
+               "--final-eval-examples", "2", "--device", "cpu", "--turns", "2",
+               "--varied-share", "1", "--varied-templates", "composed", "--answer-space", "true"]  # fmt: skip
+    assert main(["train", str(out), "--seed", "3", *options]) == 0
+    summary = json.loads((out / "training.json").read_text())
+    assert summary["seed"] == 3 and summary["steps_done"] == 1
+    assert summary["config"]["varied_templates"] == "composed"
+    assert summary["config"]["varied_share"] == 1.0 and summary["config"]["answer_space"] is True
+    with pytest.raises(ValueError, match="varied_templates"):
+        main(["train", str(tmp_path / "bad"), *options[:-4], "--varied-templates", "heldout"])
+
+
 def test_follow_ups_are_distinct_questions_of_the_same_split_about_the_same_documents():
     import random
 
@@ -335,6 +353,119 @@ def test_varied_documents_name_one_subject_and_distractors_name_nothing():
             assert len(subjects) == 1, doc  # every fact sentence names the one subject
             extra |= set(body.split()) & set(docqa_phrasing.EXTRA_PEOPLE)
     assert extra  # names from outside the plain lists appear
+
+
+def _heldout_patterns() -> tuple[list, list]:
+    """Every held-out template as a regular expression (slots: any text), the fact
+    templates to search sentences with, the question templates to match questions."""
+    import re
+
+    from modeltools import docqa_phrasing
+
+    def pattern(template: str):
+        parts = re.split(r"\{\w\}", template.rstrip("?."))
+        return re.compile(".+?".join(re.escape(p) for p in parts), re.IGNORECASE)
+
+    def held(lists):
+        return [pattern(t) for ts in lists for i, t in enumerate(ts) if i % 5 == 4]
+
+    facts = held([*docqa_phrasing.PERSON_FACTS.values(), *docqa_phrasing.TEAM_FACTS.values()])
+    return facts, held(docqa_phrasing.QUESTIONS.values())
+
+
+def _composed_conversations(count: int, seed: int = 0) -> list[DocQAExample]:
+    import random
+
+    rng = random.Random(f"composed/{seed}")
+    return [
+        docqa_data.generate_example(
+            rng, rng.randint(2, 16), "train", questions=8, style="varied", templates="composed"
+        )
+        for _ in range(count)
+    ]
+
+
+def _bare(question: str) -> str:
+    for prefix in ("Question: ", "Q: "):
+        question = question.removeprefix(prefix)
+    return question
+
+
+def test_composed_phrasings_never_produce_a_heldout_template():
+    """Training's composed phrasings: no held-out template (fact or question, any
+    values), and no word that makes a held-out template a phrasing of its own."""
+    from modeltools import docqa_phrasing
+    from modeltools.docqa_phrasing import HELDOUT_FACT_WORDS, HELDOUT_QUESTION_WORDS, _words
+
+    assert {"resident", "calls", "stationed"} <= HELDOUT_FACT_WORDS
+    assert {"found", "tell", "that"} <= HELDOUT_QUESTION_WORDS
+    facts, questions = _heldout_patterns()
+    # the checks find what they look for: every held-out template is caught
+    for templates in docqa_phrasing.QUESTIONS.values():
+        text = templates[4].format(s="Mira")
+        assert any(q.fullmatch(text.rstrip("?.")) for q in questions), text
+    sentence = docqa_phrasing.PERSON_FACTS["city"][9].format(n="Mira", c="Oslo")
+    assert any(f.search(sentence) for f in facts) and _words(sentence) & HELDOUT_FACT_WORDS
+    asked, stated = set(), set()
+    for ex in _composed_conversations(600):
+        for question in [ex.question, *(q for q, _ in ex.follow_ups)]:
+            bare = _bare(question)
+            asked.add(bare)
+            assert not any(q.fullmatch(bare.rstrip("?.")) for q in questions), question
+            assert not _words(bare) & HELDOUT_QUESTION_WORDS, question
+        for doc in ex.documents:
+            stated.add(doc)
+            assert not any(f.search(doc) for f in facts), doc
+            assert not _words(doc) & HELDOUT_FACT_WORDS, doc
+    assert len(asked) > 2000 and len(stated) > 5000  # thousands of phrasings, not eight
+
+
+def test_composed_documents_state_each_fact_of_one_subject_and_questions_ask_it():
+    """Composed documents: every fact sentence names the document's one subject first,
+    the answer is stated in the last gold document, and the conversations tokenize as
+    the engine renders them; every composed question names its subject."""
+    from transformers import AutoTokenizer
+
+    from modeltools import docqa_phrasing
+
+    check_tokenization(AutoTokenizer.from_pretrained(SHIPPED), _composed_conversations(10, 1))
+    distractors = {*docqa_phrasing.DISTRACTORS, *docqa_phrasing.EXTRA_DISTRACTORS}
+    headers = [h for h in (*docqa_phrasing.HEADERS, *docqa_phrasing.EXTRA_HEADERS) if h]
+    for ex in _composed_conversations(300, 2):
+        assert ex.answer in ex.documents[ex.gold[-1]]
+        assert ex.combo[1] in ex.question
+        for doc in ex.documents:
+            body = doc.strip()
+            for header in headers:
+                body = body.removeprefix(header)
+            facts = [s for s in body.rstrip(".").split(". ") if s + "." not in distractors]
+            assert 1 <= len(facts) <= 2, doc
+            first = facts[0].replace("'s ", " ").split()
+            subject = " ".join(first[:2]) if first[0] == "The" else first[0]
+            assert all(f.replace("'s ", " ").startswith(subject + " ") for f in facts), doc
+
+
+def test_the_training_stream_composes_phrasings_only_where_asked():
+    import random
+
+    from modeltools import docqa_phrasing
+    from modeltools.docqa_train import TrainConfig, training_example
+
+    def frames(cfg):
+        rng = random.Random(5)
+        out = set()
+        for _ in range(300):
+            ex = training_example(rng, 8, cfg)
+            out.add(_bare(ex.question).replace(ex.combo[1], "{s}"))
+        return out
+
+    templates = {t for ts in docqa_phrasing.QUESTIONS.values() for t in ts}
+    templates |= set(docqa_data.QUESTIONS.values())
+    assert frames(TrainConfig(varied_share=0.5)) <= templates
+    composed = frames(TrainConfig(varied_share=0.5, varied_templates="composed"))
+    assert len(composed - templates) > 50
+    # no varied share: the plain stream, whatever the option says
+    assert frames(TrainConfig()) == frames(TrainConfig(varied_templates="composed"))
 
 
 def test_json_replies_tokenize_as_the_engine_renders_them(shipped_tokenizer):
