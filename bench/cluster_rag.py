@@ -1037,6 +1037,8 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     if args.pages is None:
         args.pages = default_pages(args.docs, args.doc_tokens)
+    if args.tensor_parallel_size > 1 and args.gpus_per_worker not in (0, 1):
+        ap.error("--tensor-parallel-size takes a whole GPU a rank: --gpus-per-worker 1 (or 0)")
     return args
 
 
