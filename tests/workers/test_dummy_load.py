@@ -21,6 +21,7 @@ def no_weights(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("dummy"), preset="tiny", weights=False)
 
 
+@pytest.mark.integration  # the 2-rank engine's ranks are processes
 def test_a_config_without_weights_serves_with_load_format_dummy(no_weights):
     assert not list(no_weights.glob("*.safetensors"))
     with pytest.raises(ValueError, match="has no model.safetensors"):

@@ -98,6 +98,7 @@ def _serve(engine: Engine) -> tuple[list, list[torch.Tensor]]:
     return results, logits
 
 
+@pytest.mark.integration  # ranks are processes
 @pytest.mark.parametrize("family", sorted(VARIANTS))
 def test_two_ranks_compute_what_one_computes(family, model_factory):
     model_overrides, engine_overrides = VARIANTS[family]
@@ -142,6 +143,7 @@ def test_sizes_that_do_not_divide_the_model_are_refused(tiny_qwen3):
     assert shard.local_config(config).num_kv_heads == 1
 
 
+@pytest.mark.integration
 def test_attention_biases_load_whole_and_sharded(model_factory, tmp_path):
     """A checkpoint with q/k/v/o biases (``attention_bias``; make-model writes none):
     one rank's logits match transformers', and two ranks' (q/k/v biases split by head,
@@ -186,6 +188,7 @@ def test_attention_biases_load_whole_and_sharded(model_factory, tmp_path):
     assert (logits[2] - logits[1]).abs().max().item() <= 1e-5 * scale
 
 
+@pytest.mark.integration
 def test_a_rank_that_fails_to_start_fails_the_engine_with_its_reason(tiny_qwen3):
     """Rank 0 waits for the other ranks to load and build; an engine that cannot start
     raises what went wrong (not a secondary error from closing) and leaves no rank."""
