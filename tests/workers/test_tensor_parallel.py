@@ -125,6 +125,13 @@ def test_two_ranks_compute_what_one_computes(family, model_factory):
         assert tally.entries_taken > 0
     if host_counts is not None:
         assert host_counts.pages_loaded > 0
+        # the same pages moved, and their bytes counted over both ranks' heads
+        alone = one.pool.host.stats()
+        assert (host_counts.pages_written, host_counts.pages_loaded) == (
+            alone.pages_written,
+            alone.pages_loaded,
+        )
+        assert host_counts.bytes_written == alone.bytes_written > 0
     assert len(got_logits) == len(want_logits)
     for a, b in zip(want_logits, got_logits, strict=True):
         assert a.shape == b.shape

@@ -83,11 +83,15 @@ class Followers:
     """Rank 0's handle on ranks 1..N-1 of a worker (module docstring)."""
 
     def __init__(self, conns: list[Connection], processes: list, store) -> None:
-        self.world = len(conns) + 1
         self._conns = conns
         self._processes = processes
         self._store = store  # rank 0 serves it for as long as the group lives
         self.closed = False
+
+    @property
+    def world(self) -> int:
+        """Ranks in all, rank 0 included."""
+        return len(self._conns) + 1
 
     @classmethod
     def start(
