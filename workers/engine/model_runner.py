@@ -383,12 +383,12 @@ class ModelRunner:
         input_ids = inputs.input_ids.to(self.device, non_blocking=True)
         if carried is not None:
             tokens = carried.tokens
-            if self.model.shard.parallel:
+            if self.model.shard.parallel:  # the rows read, broadcast from rank 0
+                count = int(carried.source_rows.max()) + 1
                 if tokens is None:
-                    count = int(carried.source_rows.max()) + 1
                     tokens = torch.empty(count, dtype=torch.int64, device=self.device)
                 else:
-                    tokens = tokens[: int(carried.source_rows.max()) + 1].contiguous()
+                    tokens = tokens[:count].contiguous()
                 self.model.shard.broadcast(tokens)
             into = inputs.logits_indices[carried.rows].to(self.device, non_blocking=True)
             source = carried.source_rows.to(self.device, non_blocking=True)

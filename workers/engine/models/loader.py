@@ -60,10 +60,6 @@ def load_model(
         return model.eval()
     if load_format != "safetensors":
         raise ValueError(f"load_format must be safetensors or dummy, got {load_format!r}")
-    if shard.parallel:  # padding rows past the vocabulary score and embed nothing
-        with torch.no_grad():
-            model.embed_tokens.weight.zero_()
-            model.lm_head.weight.zero_()
     params = dict(model.named_parameters(remove_duplicate=False))
     local = model.config
     loaded: set[str] = set()
@@ -129,6 +125,8 @@ def _read_part(stored, target: str, part: int, config: ModelConfig, shard: Shard
 
 
 def _padded_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` with zero rows after it up to ``rows``: the last rank's vocabulary
+    rows past the end, which then score and embed nothing."""
     if tensor.shape[0] == rows:
         return tensor
     padded = torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype)
