@@ -13,6 +13,7 @@ in this process, its variants in turns.
   decoders' inter-token p99 is compared with the same arrivals hitting device memory.
 
     python bench/host_tier.py [--model DIR] [--trials 7] [--host-kv-gib 8] [--parts ttft]
+        [--load-format dummy]
 """
 
 from __future__ import annotations
@@ -137,14 +138,18 @@ def measure_idle_tier(
     rng: random.Random,
     profile: bool = False,
     writes: tuple[str, ...] = ("all",),
+    load_format: str = "safetensors",
 ) -> tuple[list[list[object]], float]:
     """Output tok/s with the tier off and on (once per write policy in ``writes``:
     ``engine.host_kv_write``), rounds alternating between them; the rows and the
     first policy's ratio to off."""
-    llms = {"off": LLM(model, num_pages=pages)}
+    llms = {"off": LLM(model, num_pages=pages, load_format=load_format)}
     for write in writes:
         name = "on" if len(writes) == 1 else f"on, {write} writes"
-        llms[name] = LLM(model, num_pages=pages, host_kv_gib=host_gib, host_kv_write=write)
+        llms[name] = LLM(
+            model, num_pages=pages, host_kv_gib=host_gib, host_kv_write=write,
+            load_format=load_format,
+        )  # fmt: skip
     rates: dict[str, list[float]] = {name: [] for name in llms}
     for llm in llms.values():
         throughput(llm, [_tokens(rng, 1024) for _ in range(32)], 16)  # warm
@@ -256,6 +261,13 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--host-kv-gib", type=float, default=8.0)
+    ap.add_argument(
+        "--load-format",
+        default="safetensors",
+        choices=("safetensors", "dummy"),
+        help="dummy: random weights made in place (a checkpoint of config files only, "
+        "`make-model --no-weights`)",
+    )
     ap.add_argument("--pages", type=int, default=4096, help="device pool, idle-tier run")
     ap.add_argument("--requests", type=int, default=512, help="idle-tier run, a round")
     ap.add_argument("--rounds", type=int, default=2)
@@ -279,7 +291,9 @@ def main() -> None:
         print(device_line())
     rng = random.Random(0)
     model = bench_model(args.model)
-    llm = LLM(model, num_pages=16384, host_kv_gib=args.host_kv_gib)
+    llm = LLM(
+        model, num_pages=16384, host_kv_gib=args.host_kv_gib, load_format=args.load_format
+    )
     if "ttft" in parts:
         print_table(
             f"TTFT, {SYSTEM} + {DOCS} x {DOC} + {QUESTION} tokens ({args.trials} trials)",
@@ -299,7 +313,7 @@ def main() -> None:
         return
     rows, _ = measure_idle_tier(
         model, args.pages, args.host_kv_gib, args.requests, args.rounds, rng, args.profile,
-        tuple(args.host_kv_write),
+        tuple(args.host_kv_write), args.load_format,
     )  # fmt: skip
     print_table(
         f"idle tier: {args.requests} unique 1,024-token prompts, 64 out, {args.pages}-page pool",

@@ -72,3 +72,26 @@ def test_evictions_beyond_the_staging_bound_are_dropped_not_waited_for():
     tier.load_pages(found, list(range(COPY_BATCH_PAGES)))
     torch.cuda.synchronize()
     assert torch.equal(kv[:, :COPY_BATCH_PAGES], before[:, :COPY_BATCH_PAGES])
+
+
+def test_a_prefix_loads_while_another_request_steps(qwen3_06b):
+    """Admitted beside another request, a host hit's prefix loads while the other steps
+    (its request waits out of the steps until the load lands), and the pages come back
+    byte for byte."""
+    llm = LLM(qwen3_06b, page_size=16, num_pages=1024, host_kv_gib=1.0)
+    engine, pool = llm.engine, llm.engine.pool
+    (other,), (prompt,) = _prompts(1, 200, seed=6), _prompts(1, 200, seed=5)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm.generate([prompt], params)
+    root = engine.namespace().root_key
+    pages = pool.match_chain(root, pack_tokens(prompt), len(prompt) // 16)
+    written = [engine.runner.kv_stack[:, p].clone() for p in pages]
+    _push_out(engine)
+    loads = pool.host.stats().hits
+    both = llm.generate([other, prompt], params)  # ``other`` is admitted first: a miss
+    assert pool.host.stats().hits == loads + 1
+    cached = min(len(pages), (len(prompt) - 1) // 16) * 16  # one token is computed
+    assert (both[0].num_cached_tokens, both[1].num_cached_tokens) == (0, cached)
+    back = pool.match_chain(root, pack_tokens(prompt), len(pages))
+    for page, before in zip(back, written, strict=True):
+        assert torch.equal(engine.runner.kv_stack[:, page], before)
