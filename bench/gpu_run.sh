@@ -5,7 +5,10 @@
 #   bash bench/gpu_run.sh run CMD...  # CMD with the same setup (PYTHONPATH, model, $CHUNKSERVE_QWEN3_06B)
 #   bash bench/gpu_run.sh tests     # GPU tests (first FlashInfer JIT compiles happen here)
 #   bash bench/gpu_run.sh tp        # tensor parallelism on the machine's GPUs (2 or more):
-#                                   # bench/tensor_parallel.py and its GPU tests
+#                                   # bench/tensor_parallel.py and its GPU tests; TP_PARTS
+#                                   # picks among "qwen3 llama tests" (all by default: on a
+#                                   # fresh machine more than one 600 s call holds, so give
+#                                   # one part a call)
 #   bash bench/gpu_run.sh bench     # benchmarks, tables printed last
 #   bash bench/gpu_run.sh cluster   # bench/cluster_rag.py on Ray (needs both ray halves)
 #   bash bench/gpu_run.sh approx    # approximate reuse: speed, its profile, reuse quality
@@ -86,12 +89,15 @@ case "${1:-all}" in
       [ -f /tmp/chunkserve-bench/$preset/config.json ] || python3 -m cluster.ops.cli make-model \
         /tmp/chunkserve-bench/$preset --preset $preset --family $family --no-weights >/dev/null
     done
-    python3 bench/tensor_parallel.py --model /tmp/chunkserve-bench/qwen3-8b --sizes 1 2 \
-      2>&1 | grep -v Warning | tee "$out/tp_qwen3_8b.txt"
-    python3 bench/tensor_parallel.py --model /tmp/chunkserve-bench/llama3-70b --sizes 1 2 \
-      --batch 64 2>&1 | grep -v Warning | tee "$out/tp_llama3_70b.txt"
-    python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py -q -p no:cacheprovider 2>&1 \
-      | tee "$out/tp_tests.txt" ;;
+    parts=" ${TP_PARTS:-qwen3 llama tests} "
+    [[ $parts == *" qwen3 "* ]] && python3 bench/tensor_parallel.py \
+      --model /tmp/chunkserve-bench/qwen3-8b --sizes 1 2 2>&1 | grep -v Warning \
+      | tee "$out/tp_qwen3_8b.txt"
+    [[ $parts == *" llama "* ]] && python3 bench/tensor_parallel.py \
+      --model /tmp/chunkserve-bench/llama3-70b --sizes 1 2 --batch 64 2>&1 \
+      | grep -v Warning | tee "$out/tp_llama3_70b.txt"
+    [[ $parts == *" tests "* ]] && python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py \
+      -q -p no:cacheprovider 2>&1 | tee "$out/tp_tests.txt" ;;
   bench)
     # THROUGHPUT_ARGS, e.g. "--peer-requests 0": skip the slow transformers comparison
     for b in ${BENCHES:-decode_kernel cascade chunk_reuse latency throughput}; do

@@ -291,9 +291,7 @@ def main() -> None:
         print(device_line())
     rng = random.Random(0)
     model = bench_model(args.model)
-    llm = LLM(
-        model, num_pages=16384, host_kv_gib=args.host_kv_gib, load_format=args.load_format
-    )
+    llm = LLM(model, num_pages=16384, host_kv_gib=args.host_kv_gib, load_format=args.load_format)
     if "ttft" in parts:
         print_table(
             f"TTFT, {SYSTEM} + {DOCS} x {DOC} + {QUESTION} tokens ({args.trials} trials)",

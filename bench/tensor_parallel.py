@@ -65,13 +65,17 @@ def measure(args: argparse.Namespace, world: int) -> dict:
         max_model_len=args.context + args.steps + 16,
         num_pages=args.pages,
     )
+    began = time.perf_counter()
+    print(f"{world} rank(s): starting the engine", flush=True)
     try:
         engine = Engine(config)
     except ValueError as refused:
         return {"ranks": world, "refused": str(refused)}
+    print(f"{world} rank(s): started in {time.perf_counter() - began:.0f} s", flush=True)
     try:
         decode_step_ms(engine, 1, args.context, 4)  # warm up (graphs, kernels)
         one = decode_step_ms(engine, 1, args.context, args.steps)
+        print(f"{world} rank(s): batch-1 step {one:.3f} ms", flush=True)
         many = decode_step_ms(engine, args.batch, args.context, args.steps)
     finally:
         engine.close()
