@@ -490,6 +490,12 @@ CITY_OF_PERSON = (
     "Which city is {xp} address in?",
     "Where is {xp} flat?",
     "Where is {xp} house?",
+    "Give the city where {x} lives.",
+    "State the city {x} lives in.",
+    "Say where {x} lives.",
+    "Give {xp} city.",
+    "State {xp} city.",
+    "Please give the city of {x}.",
 )
 CITY_OF_TEAM = (
     "Where is {x} based?",
@@ -519,6 +525,13 @@ CITY_OF_TEAM = (
     "What is {xp} city?",
     "Which city is {xp} base?",
     "Where are {xp} offices?",
+    "Give the city where {x} is based.",
+    "State where {x} is based.",
+    "Say which city {x} is in.",
+    "Give the base of {x}.",
+    "Give {xp} city.",
+    "State {xp} base.",
+    "Please give the city of {x}.",
 )
 AGE_OF = (
     "How old is {x}?",
@@ -537,6 +550,13 @@ AGE_OF = (
     "How old is {x} these days?",
     "Do you know {xp} age?",
     "What's {xp} age?",
+    "State the age of {x}.",
+    "Say how old {x} is.",
+    "Give {xp} age.",
+    "State {xp} age.",
+    "Say {xp} age.",
+    "Please give the age of {x}.",
+    "Give the number of years {x} has.",
 )
 TEAM_OF = (
     "Which team does {x} work in?",
@@ -562,6 +582,21 @@ TEAM_OF = (
     "What team is {x} a part of?",
     "Which team counts {x} as a member?",
     "What is the team of {x}?",
+    "Give the team of {x}.",
+    "State the team of {x}.",
+    "Say the team of {x}.",
+    "Which is the team of {x}?",
+    "Please give the team of {x}.",
+    "Say which team {x} is on.",
+    "State which team {x} is part of.",
+    "Give {xp} team.",
+    "State {xp} team.",
+    "Which team is {x} in?",
+    "What team is {x} in?",
+    "In which team does {x} work?",
+    "What team does {x} play for?",
+    "What is the team {x} plays for?",
+    "{x} plays for which team?",
 )
 LEADER_OF = (
     "Who leads {x}?", "Who is the lead of {x}?", "Who heads {x}?", "Who runs {x}?",
@@ -572,6 +607,10 @@ LEADER_OF = (
     "{x} reports to whom?", "Do you know who leads {x}?", "Any idea who runs {x}?",
     "Who is the chief of {x}?", "Who's the leader of {x}?", "Who guides {x}?",
     "Whom does {x} answer to?",
+    "Give the leader of {x}.", "State who leads {x}.", "Say who runs {x}.",
+    "Give the head of {x}.", "State the boss of {x}.", "Please give the leader of {x}.",
+    "Who is {xp} head?", "Who is {xp} boss?", "Who is {xp} chief?", "Who is {xp} manager?",
+    "Give {xp} leader.", "State {xp} head.",
 )  # fmt: skip
 PERSON_REFS = (("{s}", "{s}'s"),)
 TEAM_REFS = (("the {s} team", "the {s} team's"),)
@@ -581,6 +620,7 @@ TEAM_OF_PERSON_REFS = tuple(
         "the team of {s}", "{s}'s team", "the team {s} is part of", "the team {s} is a member of",
         "the team {s} belongs to", "the team {s} joined", "the team {s} is in",
         "the team employing {s}", "the team with {s} in it",
+        "the team {s} plays for",
     )
 )  # fmt: skip
 LEADER_REFS = tuple(

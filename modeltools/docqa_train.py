@@ -107,6 +107,11 @@ class TrainConfig:
     # or "composed" (those, and facts and questions composed from parts)
     varied_templates: str = "train"
     json_share: float = 0.0  # share of conversations whose replies are {"answer": ...}
+    # whether a JSON reply's opening token ("{") is a training target. The JSON grammar
+    # of ``response_format`` forces it at inference, so by default it is left out of the
+    # loss: the model then never learns to choose the JSON form unprompted (runs before
+    # this option trained it; true replays them)
+    json_opening_loss: bool = False
     seed: int = 0
 
 
@@ -261,11 +266,14 @@ def encode_batch(
     prompt_weight: float = 1.0,
     answer_space: bool = True,
     guides: GuideFinder | None = None,
+    json_opening: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input ids, target ids, loss weights, attention guides), right-padded; targets are
     the next tokens, weighted ``answer_weight`` in answers (end tokens included), else
     ``prompt_weight``; guides as ``docqa_guides.guide_tensor`` (none without a finder,
-    and none for examples the finder cannot read: varied phrasings, JSON replies)."""
+    and none for examples the finder cannot read: varied phrasings, JSON replies).
+    ``json_opening`` False: the first token of every JSON reply (the "{" the grammar
+    forces) weighs 0, so that it is no target."""
     seqs, weights, guide_rows = [], [], []
     batch = _batch_ids(tokenizer, examples, answer_space)
     for ex, segments in zip(examples, batch, strict=True):
@@ -275,6 +283,8 @@ def encode_batch(
         for ids, is_answer in segments:
             seq += ids
             w += [answer_weight if is_answer else prompt_weight] * len(ids)
+            if is_answer and ex.json_replies and not json_opening:
+                w[len(w) - len(ids)] = 0.0
         seqs.append(seq)
         weights.append(w[1:])  # weight of predicting token i+1 from position i
     length = -(-(max(len(s) for s in seqs) - 1) // 16) * 16  # a multiple of 16
@@ -319,6 +329,7 @@ class _Batches(torch.utils.data.IterableDataset):
                 self.cfg.prompt_weight,
                 self.cfg.answer_space,
                 self.guides,
+                self.cfg.json_opening_loss,
             )
             step += workers
 
@@ -833,6 +844,57 @@ def _load_weights(model: torch.nn.Module, source: Path) -> None:
     model.load_state_dict({k: v.float() for k, v in state.items()})
 
 
+def blend_checkpoints(
+    out_dir: str | Path,
+    tuned: str | Path,
+    base: str | Path,
+    weight: float,
+    eval_examples: int = 2000,
+    device: str | None = None,
+    overwrite: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """Writes ``weight`` x ``tuned``'s weights + (1 - weight) x ``base``'s to ``out_dir``
+    (``tuned`` fine-tuned from ``base``: a point on the line between them, which can keep
+    what the fine-tune gained and what it lost), with ``tuned``'s other files, then runs
+    training's final evaluation on it (``eval_examples`` as ``final_eval_examples``;
+    float32, on ``device``, the CPU by default). training.json is ``tuned``'s, with the
+    blend's evaluation as ``heldout``, ``tuned``'s as ``tuned_heldout``, the weight
+    under ``blend`` and ``base``'s training.json under ``base``."""
+    if not 0 <= weight <= 1:
+        raise ValueError(f"weight is a share in [0, 1], got {weight}")
+    tuned, base, out = Path(tuned), Path(base), Path(out_dir)
+    check_out_dir(out, overwrite)
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    a, b = load_file(tuned / "model.safetensors"), load_file(base / "model.safetensors")
+    if {k: v.shape for k, v in a.items()} != {k: v.shape for k, v in b.items()}:
+        raise ValueError(f"{tuned} and {base} are not checkpoints of one shape")
+    clear_stale_weights(out)
+    for f in tuned.iterdir():
+        if f.is_file() and f.name not in ("model.safetensors", "training.json"):
+            (out / f.name).write_bytes(f.read_bytes())
+    state = {
+        k: (weight * v.float() + (1 - weight) * b[k].float()).to(v.dtype).contiguous()
+        for k, v in a.items()
+    }
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    summary = json.loads((tuned / "training.json").read_text())
+    model, tokenizer = load_for_eval(out, device or "cpu")
+    dev = next(model.parameters()).device
+    cfg = TrainConfig(final_eval_examples=eval_examples, answer_space=answer_space_of(tuned))
+    log(f"blend: {weight} x {tuned} + {1 - weight:.2f} x {base}")
+    heldout = final_evaluation(model, tokenizer, cfg, dev, log)
+    summary = {
+        **summary,
+        "tuned_heldout": summary.get("heldout"),
+        "heldout": heldout,
+        "blend": {"weight": weight, "device": str(dev), "dtype": "float32"},
+        "base": json.loads((base / "training.json").read_text()),
+    }
+    (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return out
+
+
 def answer_space_of(model_dir: str | Path) -> bool:
     """Whether the checkpoint's replies start with a space (its training.json says)."""
     info = Path(model_dir) / "training.json"
@@ -861,9 +923,10 @@ def _option_type(field) -> Callable[[str], object]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m modeltools.docqa_train eval DIR [--docs 8] [--examples 400]``, or
+    """``python -m modeltools.docqa_train eval DIR [--docs 8] [--examples 400]``,
     ``train DIR [--FIELD VALUE ...]``: ``make_docqa_model`` with any ``TrainConfig``
-    field (``chunkserve make-model --preset docqa`` takes most of them)."""
+    field (``chunkserve make-model --preset docqa`` takes most of them), or ``blend DIR
+    TUNED BASE --weight W``: ``blend_checkpoints``."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m modeltools.docqa_train")
@@ -880,6 +943,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 type=_option_type(f),
                 metavar=f.name.upper(),
             )
+    b = sub.add_parser(
+        "blend", help="weight x TUNED + (1 - weight) x BASE, evaluated as training's end"
+    )
+    b.add_argument("dir")
+    b.add_argument("tuned")
+    b.add_argument("base")
+    b.add_argument("--weight", type=float, required=True, help="TUNED's share")
+    b.add_argument("--final-eval-examples", type=int, default=2000)
+    b.add_argument("--device")
+    b.add_argument("--overwrite", action="store_true")
     e = sub.add_parser("eval", help="held-out exact match of a checkpoint (transformers)")
     e.add_argument("dir")
     e.add_argument("--docs", type=int, nargs="+", default=[4, 8, 16])
@@ -902,6 +975,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if k.startswith("train_") and v is not None
         }
         make_docqa_model(args.dir, args.seed, overwrite=args.overwrite, **options)
+        return 0
+    if args.cmd == "blend":
+        blend_checkpoints(
+            args.dir, args.tuned, args.base, args.weight, args.final_eval_examples,
+            args.device, args.overwrite,
+        )  # fmt: skip
         return 0
     model, tokenizer = load_for_eval(args.dir, args.device)
     dev = next(model.parameters()).device

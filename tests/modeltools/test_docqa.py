@@ -558,3 +558,109 @@ def test_a_json_reply_is_judged_after_the_opening_the_grammar_forces():
     assert all(exact_match(model, tokenizer, examples, torch.device("cpu")))
     logits = model(input_ids=torch.tensor([prompt_ids(tokenizer, examples[0])])).logits
     assert tokenizer.decode(logits[0, -1].argmax()) != "{"  # the opening is not the model's
+
+
+def test_training_leaves_the_json_opening_out_of_the_loss(shipped_tokenizer):
+    """Training batches weigh the "{" that opens each JSON reply 0 (the grammar forces it,
+    so the model never learns to choose the form); every other reply token, and plain
+    replies' first tokens, keep the answer weight. ``json_opening`` true (exact_match's
+    encoding) keeps the opening a target."""
+    import random
+
+    from modeltools.docqa_train import TrainConfig, _Batches, encode_batch
+
+    rng = random.Random(8)
+    examples = [
+        docqa_data.generate_example(
+            rng, rng.randint(2, 8), "train", questions=3, json_replies=i % 2 == 0
+        )
+        for i in range(8)
+    ]
+    opening = shipped_tokenizer.convert_tokens_to_ids("{")
+    _, targets, kept, _ = encode_batch(shipped_tokenizer, examples, 5.0, 0.1)
+    _, _, masked, _ = encode_batch(shipped_tokenizer, examples, 5.0, 0.1, json_opening=False)
+    for row, ex in enumerate(examples):
+        replies = 1 + len(ex.follow_ups)
+        is_opening = (targets[row] == opening) & (kept[row] == 5.0)
+        assert int(is_opening.sum()) == (replies if ex.json_replies else 0)
+        assert (masked[row][is_opening] == 0).all()
+        assert torch.equal(masked[row][~is_opening], kept[row][~is_opening])
+        answered = int((kept[row] == 5.0).sum())
+        assert int((masked[row] == 5.0).sum()) == answered - int(is_opening.sum())
+    assert TrainConfig().json_opening_loss is False
+    cfg = TrainConfig(batch_size=16, json_share=0.5, guide_weight=0.0)
+    _, targets, weights, _ = next(iter(_Batches(shipped_tokenizer, cfg)))
+    assert (targets == opening).any() and not (weights[targets == opening] > 0.1).any()
+    trained = TrainConfig(batch_size=16, json_share=0.5, guide_weight=0.0, json_opening_loss=True)
+    _, targets, weights, _ = next(iter(_Batches(shipped_tokenizer, trained)))
+    assert (weights[targets == opening] == trained.answer_weight).any()
+
+
+def test_every_composed_question_part_avoids_the_heldout_templates():
+    """Each frame with each subject phrase of its kind (every pair, not a sample): no
+    word only held-out templates have; the one pairs that spell a held-out template are
+    exactly it (``composed_question`` draws again there). The imperative and possessive
+    frames are among the parts."""
+    from modeltools import docqa_phrasing
+    from modeltools.docqa_phrasing import HELDOUT_QUESTION_WORDS, _words, heldout_questions
+
+    _, questions = _heldout_patterns()
+    spelled, asked = set(), set()
+    for frames, refs in docqa_phrasing.COMPOSED_QUESTIONS.values():
+        for frame in frames:
+            for ref, possessive in refs:
+                if possessive is None and "{xp}" in frame:
+                    continue
+                text = frame.format(x=ref, xp=possessive or "").format(s="Mira")
+                asked.add(text)
+                assert not _words(text) & HELDOUT_QUESTION_WORDS, text
+                if any(q.fullmatch(text.rstrip("?.")) for q in questions):
+                    assert text.lower().rstrip("?.") in heldout_questions("Mira"), text
+                    spelled.add(text)
+    assert len(spelled) <= 2, spelled
+    for expected in (
+        "Give the team of Mira.",
+        "State Mira's age.",
+        "Who is the Mira team's head?",
+        "Where is the team Mira plays for based?",
+    ):
+        assert expected in asked
+    samples = _composed_conversations(600)
+    drawn = {_bare(q) for ex in samples for q in [ex.question, *(q for q, _ in ex.follow_ups)]}
+    assert any(q.startswith(("Give ", "State ", "Say ")) for q in drawn)
+    import re
+
+    assert any(
+        re.fullmatch(r"Who is the \w+ team's (head|boss|chief|manager)\??", q) for q in drawn
+    )
+
+
+def test_blend_writes_the_weighted_mean_of_two_checkpoints(tmp_path):
+    """``docqa_train blend``: weight x TUNED + (1 - weight) x BASE, tensor by tensor, the
+    tuned checkpoint's other files, and training.json with the blend's evaluation."""
+    from safetensors.torch import load_file, save_file
+
+    from modeltools.docqa_train import main
+
+    tuned = tmp_path / "tuned"
+    tuned.mkdir()
+    for f in SHIPPED.iterdir():
+        if f.is_file() and f.suffix != ".md":
+            (tuned / f.name).write_bytes(f.read_bytes())
+    base = load_file(SHIPPED / "model.safetensors")
+    shifted = {k: (v.float() + 0.5).to(v.dtype) for k, v in base.items()}
+    save_file(shifted, tuned / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "blend"
+    args = ["blend", str(out), str(tuned), str(SHIPPED), "--weight", "0.75"]
+    assert main([*args, "--final-eval-examples", "2", "--device", "cpu"]) == 0
+    blended = load_file(out / "model.safetensors")
+    for k, v in base.items():
+        expected = (0.75 * shifted[k].float() + 0.25 * v.float()).to(v.dtype)
+        assert blended[k].dtype == v.dtype and torch.equal(blended[k], expected), k
+    assert (out / "tokenizer.json").read_bytes() == (SHIPPED / "tokenizer.json").read_bytes()
+    summary = json.loads((out / "training.json").read_text())
+    assert summary["blend"]["weight"] == 0.75 and summary["config"]["answer_space"]
+    assert summary["heldout"]["8docs"]["examples"] == 2 and "8docs, json" in summary["heldout"]
+    assert summary["base"] == json.loads((SHIPPED / "training.json").read_text())
+    with pytest.raises(ValueError, match="weight"):
+        main(["blend", str(tmp_path / "bad"), str(tuned), str(SHIPPED), "--weight", "1.5"])
