@@ -199,6 +199,13 @@ _TRAIN_OPTIONS = (
         float,
         'share of conversations whose replies are the JSON object {"answer": ...} (default 0)',
     ),
+    (
+        "json_opening_loss",
+        lambda text: _parse_bool("--json-opening-loss", text),
+        "true: the '{' opening a JSON reply is trained too, so the model may open one "
+        "unasked; false leaves it to the grammar of response_format, which supplies it "
+        "(default false)",
+    ),
 )
 
 
