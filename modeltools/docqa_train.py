@@ -40,7 +40,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
 from modeltools import docqa_data
-from modeltools.docqa_config import TrainConfig
+from modeltools.docqa_config import TrainConfig, add_train_arguments, train_overrides
 from modeltools.docqa_data import DocQAExample
 from modeltools.docqa_guides import GuideFinder, guide_heads, guide_loss, guide_tensor
 from modeltools.model_config import (
@@ -858,20 +858,10 @@ def load_for_eval(model_dir: str | Path, device: str | None = None):
     return model, AutoTokenizer.from_pretrained(model_dir)
 
 
-def _option_type(field) -> Callable[[str], object]:
-    """How the command line parses a ``TrainConfig`` field."""
-    kind = {"time_budget_s": float, "num_workers": int}.get(field.name)
-    if kind is None and field.default is not None:
-        kind = type(field.default)
-    if kind is bool:
-        return lambda text: {"true": True, "false": False}[text.lower()]
-    return kind or str
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m modeltools.docqa_train eval DIR [--docs 8] [--examples 400]``,
     ``train DIR [--FIELD VALUE ...]``: ``make_docqa_model`` with any ``TrainConfig``
-    field (``chunkserve make-model --preset docqa`` takes most of them), or ``blend DIR
+    field (``chunkserve make-model --preset docqa`` takes the same), or ``blend DIR
     TUNED BASE --weight W``: ``blend_checkpoints``."""
     import argparse
 
@@ -881,14 +871,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("dir")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--overwrite", action="store_true")
-    for f in fields(TrainConfig):
-        if f.name != "seed":
-            t.add_argument(
-                "--" + f.name.replace("_", "-"),
-                dest="train_" + f.name,
-                type=_option_type(f),
-                metavar=f.name.upper(),
-            )
+    add_train_arguments(t)
     b = sub.add_parser(
         "blend", help="weight x TUNED + (1 - weight) x BASE, evaluated as training's end"
     )
@@ -915,12 +898,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("--device")
     args = p.parse_args(argv)
     if args.cmd == "train":
-        options = {
-            k.removeprefix("train_"): v
-            for k, v in vars(args).items()
-            if k.startswith("train_") and v is not None
-        }
-        make_docqa_model(args.dir, args.seed, overwrite=args.overwrite, **options)
+        make_docqa_model(args.dir, args.seed, overwrite=args.overwrite, **train_overrides(args))
         return 0
     if args.cmd == "blend":
         blend_checkpoints(

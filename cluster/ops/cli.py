@@ -18,6 +18,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from modeltools.docqa_config import add_train_arguments, train_overrides
+
 EXIT_OK = 0
 EXIT_UNREACHABLE = 1
 EXIT_USAGE = 2
@@ -106,116 +108,8 @@ def _add_make_model(subparsers: argparse._SubParsersAction) -> None:
         "(random weights made in place at start), for shapes too large to write "
         "(e.g. --preset llama3-70b --family llama)",
     )
-    t = p.add_argument_group("training (--preset docqa only)")
-    for name, kind, text in _TRAIN_OPTIONS:
-        t.add_argument("--" + name.replace("_", "-"), dest="train_" + name, type=kind, help=text)
+    add_train_arguments(p.add_argument_group("training (--preset docqa only)"))
     p.set_defaults(handler=_run_make_model)
-
-
-_TRAIN_OPTIONS = (
-    ("steps", int, "optimizer steps (default 12000)"),
-    ("batch_size", int, "conversations per step (default 128)"),
-    ("lr", float, "peak learning rate (default 1e-3; warmup then cosine)"),
-    ("warmup_steps", int, "learning-rate warmup steps (default 300)"),
-    ("weight_decay", float, "AdamW weight decay of matrices (default 0.1)"),
-    ("answer_weight", float, "loss weight of answer and end tokens (default 5)"),
-    (
-        "prompt_weight",
-        float,
-        "loss weight of every other token; 0 trains on answers only (default 0.1)",
-    ),
-    (
-        "turns",
-        int,
-        "questions per training conversation, the later ones as follow-up turns over the "
-        "same documents (default 8)",
-    ),
-    (
-        "reverse",
-        lambda text: _parse_bool("--reverse", text),
-        "true: follow-ups may also ask a value for its subject ('Who lives in Oslo?'), "
-        "which trains the binding forward questions need (default false)",
-    ),
-    (
-        "answer_space",
-        lambda text: _parse_bool("--answer-space", text),
-        "true: replies start with a space (' Oslo'), the token the documents hold, so "
-        "answering is copying a document token (default true)",
-    ),
-    (
-        "guide_weight",
-        float,
-        "weight of the attention-guide loss that teaches four heads to bind values to "
-        "their subjects and look answers up (needs --answer-space true; 0: none; default 1)",
-    ),
-    ("lr_schedule", str, "wsd (warmup, constant, linear decay) or cosine (default wsd)"),
-    ("decay_frac", float, "share of steps the wsd schedule decays over (default 0.2)"),
-    ("min_lr_ratio", float, "final learning rate over the peak (default 0.05)"),
-    (
-        "curriculum",
-        str,
-        "gated (documents grow 4 -> 16 by 2 as held-out accuracy passes "
-        "--gate-accuracy), linear, or a schedule STEP:DOCS,... to replay (default gated)",
-    ),
-    ("curriculum_start", int, "gated: max documents per example at the start (default 4)"),
-    (
-        "gate_accuracy",
-        float,
-        "gated: accuracy at the current max that adds 2 documents (default 0.9)",
-    ),
-    ("gate_every", int, "gated: steps between gate checks (default 250)"),
-    ("gate_examples", int, "gated: held-out examples per gate check (default 256)"),
-    (
-        "curriculum_frac",
-        float,
-        "linear: share of steps over which documents grow 4 -> 16; gated: "
-        "share (of steps, or of --time-budget-s) by which a floor rising from --floor-start-frac "
-        "reaches 16 (default 0.8)",
-    ),
-    ("floor_start_frac", float, "gated: share where the floor starts rising from 4 (default 0.45)"),
-    ("eval_every", int, "steps between held-out evaluations (default 500)"),
-    ("eval_examples", int, "held-out examples per evaluation (default 512)"),
-    ("final_eval_examples", int, "held-out 8-document examples at the end (default 2000)"),
-    ("log_every", int, "steps between loss lines (default 100)"),
-    ("time_budget_s", float, "fit the number of steps to this many seconds of training"),
-    ("device", str, "cuda or cpu (default: cuda where available)"),
-    ("num_workers", int, "data-loader processes (default: up to 8 on cuda, else 0)"),
-    ("init_from", str, "continue from this checkpoint's weights"),
-    (
-        "varied_share",
-        float,
-        "share of conversations phrased in varied templates, with distractor sentences and "
-        "names from outside the entity lists (modeltools/docqa_phrasing.py; default 0)",
-    ),
-    (
-        "varied_templates",
-        str,
-        "the varied conversations' phrasings: train (the training templates) or composed "
-        "(those, and facts and questions composed from parts; never a held-out one) "
-        "(default train)",
-    ),
-    (
-        "json_share",
-        float,
-        'share of conversations whose replies are the JSON object {"answer": ...} (default 0)',
-    ),
-    (
-        "json_opening_loss",
-        lambda text: _parse_bool("--json-opening-loss", text),
-        "true: the '{' opening a JSON reply is trained too, so the model may open one "
-        "unasked; false leaves it to the grammar of response_format, which supplies it "
-        "(default false)",
-    ),
-)
-
-
-def _parse_bool(option: str, text: str) -> bool:
-    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(
-        text.lower()
-    )
-    if value is None:
-        raise argparse.ArgumentTypeError(f"{option} takes true or false, got {text!r}")
-    return value
 
 
 def _parse_assignment(text: str) -> tuple[str, object]:
@@ -232,11 +126,7 @@ def _run_make_model(args: argparse.Namespace) -> int:
     from modeltools.make_model import make_model
 
     optional = {"dtype": args.dtype, "shard_size_mb": args.shard_size_mb}
-    training = {
-        name: getattr(args, "train_" + name)
-        for name, _, _ in _TRAIN_OPTIONS
-        if getattr(args, "train_" + name) is not None
-    }
+    training = train_overrides(args)
     if args.preset == "docqa":
         from modeltools.docqa_train import make_docqa_model
 

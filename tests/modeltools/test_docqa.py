@@ -204,7 +204,7 @@ def test_make_model_docqa_writes_a_loadable_checkpoint(tmp_path, capsys):
 
 def test_docqa_train_takes_every_training_option(tmp_path):
     """``python -m modeltools.docqa_train train``: any ``TrainConfig`` field, here the
-    composed phrasings ``make-model`` has no option for; a bad value is refused."""
+    composed phrasings; a bad value is refused."""
     from modeltools.docqa_train import main
 
     out = tmp_path / "composed"
@@ -218,6 +218,37 @@ def test_docqa_train_takes_every_training_option(tmp_path):
     assert summary["config"]["varied_share"] == 1.0 and summary["config"]["answer_space"] is True
     with pytest.raises(ValueError, match="varied_templates"):
         main(["train", str(tmp_path / "bad"), *options[:-4], "--varied-templates", "heldout"])
+
+
+def test_both_training_command_lines_take_every_field_alike():
+    """``chunkserve make-model --preset docqa`` and ``python -m modeltools.docqa_train
+    train`` take every ``TrainConfig`` field but the seed, typed as the field (numbers
+    where the default is None, true / false for flags), from one table; an unknown
+    truth value is refused."""
+    import argparse
+    from dataclasses import fields
+
+    from cluster.ops.cli import build_parser
+    from modeltools.docqa_config import TrainConfig, add_train_arguments, train_overrides
+
+    given = {"time_budget_s": "12.5", "num_workers": "3", "device": "cpu",
+             "init_from": "/ckpt", "reverse": "yes", "json_opening_loss": "true",
+             "answer_space": "false"}  # fmt: skip
+    expected = {"time_budget_s": 12.5, "num_workers": 3, "device": "cpu",
+                "init_from": "/ckpt", "reverse": True, "json_opening_loss": True,
+                "answer_space": False}  # fmt: skip
+    for f in fields(TrainConfig):
+        if f.name not in given and f.name != "seed":
+            value = f.default * 2 if not isinstance(f.default, str) else f.default + "x"
+            given[f.name], expected[f.name] = str(value), value
+    argv = [part for name, text in given.items() for part in ("--" + name.replace("_", "-"), text)]
+    cli = build_parser().parse_args(["make-model", "/tmp/docqa", "--preset", "docqa", *argv])
+    train = argparse.ArgumentParser()
+    add_train_arguments(train)
+    assert train_overrides(cli) == train_overrides(train.parse_args(argv)) == expected
+    assert set(expected) == {f.name for f in fields(TrainConfig)} - {"seed"}
+    with pytest.raises(SystemExit):
+        train.parse_args(["--reverse", "maybe"])
 
 
 def test_follow_ups_are_distinct_questions_of_the_same_split_about_the_same_documents():
