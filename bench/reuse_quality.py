@@ -16,7 +16,9 @@ Modes (one engine each, same device and dtype):
   Entries (``--entries``) are ``context`` (the default, what the engine does): taken
   from a first sight of each prompt's documents in the reverse order after another
   system prompt, as computed there; or ``filled``: computed before the batch after the
-  entry context ``--entry-system-prompt``. Repair:
+  entry context ``--entry-system-prompt``. Below the deviation layer, the placed tokens
+  not recomputed keep the KV the selecting forward computed there (``--low-layers
+  context``, the default) or take the entries' own (``entries``). Repair:
   the first k tokens of each document and the share r
   of placed tokens deviating most at the engine's deviation layer (``--deviation-layer``;
   layer 3 by default) are recomputed. Cached system-prompt
@@ -121,6 +123,7 @@ def make_engine(
     dtype: str | None = None,
     deviation_layer: int | None = None,
     entries_from_context: bool = True,
+    placed_low_layers: str = "context",
 ) -> Engine:
     config = EngineConfig(
         model,
@@ -132,6 +135,7 @@ def make_engine(
         page_size=16,
         entry_system_prompt=entry_system_prompt,
         entries_from_context=entries_from_context,
+        placed_low_layers=placed_low_layers,
         min_entry_tokens=1,  # doc-QA documents have 14-17 tokens: every one is kept
     )
     if mode == "naive":
@@ -244,6 +248,7 @@ def evaluate(
     dtype: str | None = None,
     deviation_layer: int | None = None,
     entries: str = "context",
+    low_layers: str = "context",
 ) -> dict:
     """Every (mode, hops, docs) row, plus exact-vs-full token mismatches."""
     if entries not in ("context", "filled"):
@@ -256,7 +261,7 @@ def evaluate(
         engines = {mode: make_engine(model, mode, device, num_pages, dtype=dtype) for mode in MODES}
         engines["approximate"] = make_engine(
             model, "exact", device, num_pages, entry_system_prompt, dtype, deviation_layer,
-            entries_from_context=entries == "context",
+            entries_from_context=entries == "context", placed_low_layers=low_layers,
         )  # fmt: skip
         selection = (
             engines["approximate"].deviation_layer,
@@ -389,6 +394,14 @@ def main(argv: list[str] | None = None) -> int:
         help="approximate rows: entries taken from a first sight in another context "
         "(what the engine does by default), or filled after the entry context",
     )
+    parser.add_argument(
+        "--low-layers",
+        choices=("context", "entries"),
+        default="context",
+        help="approximate rows: the KV of placed tokens not recomputed below the deviation "
+        "layer, as the selecting forward computed it in this prompt (the default) or the "
+        "entries' own (EngineConfig.placed_low_layers)",
+    )
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     if args.entry_system_prompt == "none":
@@ -417,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         deviation_layer=args.deviation_layer,
         entries=args.entries,
+        low_layers=args.low_layers,
     )
     result["meta"] = {
         "model": str(args.model),
@@ -425,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         "positions": args.positions,
         "entry_system_prompt": args.entry_system_prompt,
         "entries": args.entries,
+        "low_layers": args.low_layers,
         "device": args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
         "dtype": args.dtype,
         "seconds": round(time.perf_counter() - started, 1),

@@ -436,6 +436,57 @@ def test_selecting_at_a_deeper_layer_keeps_in_context_kv_below_it(model_factory)
     np.testing.assert_allclose(got_lp, want_lp, atol=1e-4)
 
 
+def test_low_layers_from_entries_keep_in_context_kv_only_where_recomputed(model_factory):
+    """With ``placed_low_layers`` ``entries``, a placed token the selection does not
+    recompute holds its entry's KV in every layer, below the selection layer too (as
+    placement alone gives); a recomputed one holds this context's KV below it (as plain
+    prefill gives)."""
+    model = model_factory("qwen3", num_hidden_layers=4)
+    entries = _engine(model, deviation_layer=2, placed_low_layers="entries")
+    placed_only = _engine(model, deviation_layer=2)
+    plain = _engine(model, enable_reuse=False)
+    vocab = entries.model_config.vocab_size
+    rng = np.random.default_rng(5)
+    draw = lambda n: rng.integers(10, vocab - 1, size=n).tolist()  # noqa: E731
+    docs, question = [draw(n) for n in DOCS], draw(9)
+    for engine in (entries, placed_only):
+        for doc in docs:
+            engine.fill_entry(doc)
+        while engine.has_unfinished():
+            engine.step()
+    prompt, spans = _layout(draw(29), docs, question)
+    two_steps = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    runs = {
+        "entries": (entries, ReuseRequest("approximate", 0, 0.1)),
+        "placed": (placed_only, ReuseRequest("approximate", 0, 0.0)),
+        "plain": (plain, None),
+    }
+    seqs = {}
+    for name, (engine, reuse) in runs.items():
+        if reuse is None:
+            engine.add_request(name, prompt, two_steps)
+        else:
+            engine.add_request(name, prompt, two_steps, placeable=tuple(spans), reuse=reuse)
+        seqs[name] = engine._sequences[name]
+        engine.step()  # admitted and prefilled: the pages are still the sequence's
+        assert seqs[name].num_output_tokens == 1
+    placed = np.concatenate([np.arange(s, e) for s, e in spans])
+
+    def same(name, other, layer):
+        ours = _kv(runs[name][0], seqs[name], layer, placed)
+        theirs = _kv(runs[other][0], seqs[other], layer, placed)
+        return np.abs(ours - theirs).reshape(len(placed), -1).max(1) < 1e-4
+
+    recomputed = same("entries", "plain", 2)  # selected at layer 2: its input in context
+    assert recomputed.sum() == round(0.1 * len(placed))
+    for layer in range(4):
+        assert same("entries", "placed", layer)[~recomputed].all()
+    for layer in range(2):
+        assert same("entries", "plain", layer)[recomputed].all()
+    # layer 0's KV is the token's at its position, whatever precedes it; layer 1's is not
+    assert not same("entries", "plain", 1)[~recomputed].any()
+
+
 def test_short_chunks_are_computed_not_kept(model, parts):
     engine = _engine(model, min_entry_tokens=40)  # only the 48-token document qualifies
     prompt, spans = _layout(parts["systems"][0], parts["docs"], parts["question"])

@@ -143,6 +143,14 @@ class EngineConfig:
         "bench/reuse_quality.py --deviation-layer",
         ge=1,
     )
+    placed_low_layers: Literal["context", "entries"] = setting(
+        "context",
+        "approximate reuse: the KV of placed positions that are not recomputed, in the "
+        "layers below deviation_layer: context (what the selecting forward computed there "
+        "in this prompt, kept) or entries (the chunk entries' own, placed as in the layers "
+        "above: the numerics of placement without per-request copies; measure it with "
+        "bench/reuse_quality.py --low-layers)",
+    )
     pin_quota_tokens: int | None = setting(
         None,
         "registered chunks: the most tokens one tenant (API key) may pin per worker; "

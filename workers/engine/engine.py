@@ -149,6 +149,7 @@ def default_reuse(engine: Engine) -> Reuse:
         engine.tally,
         engine.config.entries_from_context,
         engine.config.batch_admissions,
+        engine.config.placed_low_layers == "entries",
     )
 
 

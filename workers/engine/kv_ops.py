@@ -27,14 +27,19 @@ Span = tuple[int, int, Sequence[int]]
 @dataclass(frozen=True)
 class PlaceSpans:
     """``place_spans``: entries into a sequence at their spans, keys rotated by each
-    span's start. ``apply(runner, first_layer)`` places the layers from
-    ``first_layer`` on (``ModelRunner.repair_selecting`` places between its layers)."""
+    span's start. ``apply(runner, first_layer, end_layer)`` places the layers from
+    ``first_layer`` up to ``end_layer`` (``ModelRunner.repair_selecting`` places between
+    its layers). ``below_selection``: the positions a selecting forward does not
+    recompute also take the entries' KV in the layers below the selection layer,
+    instead of keeping what that forward computed there (``EngineConfig
+    .placed_low_layers``)."""
 
     page_table: Sequence[int]
     spans: Sequence[Span]
     page_size: int
+    below_selection: bool = False
 
-    def apply(self, runner, first_layer: int = 0) -> None:
+    def apply(self, runner, first_layer: int = 0, end_layer: int | None = None) -> None:
         place_spans(
             runner.kv_stack,
             runner.model.rope_cache,
@@ -42,6 +47,7 @@ class PlaceSpans:
             self.spans,
             self.page_size,
             first_layer,
+            end_layer,
         )
 
 

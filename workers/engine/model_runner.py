@@ -469,6 +469,7 @@ class ModelRunner:
             hidden = self.model.forward_kept(
                 qkv, residual, positions, self.kv_caches, layer, self.scattered, metadata
             )
+        self._place_below([selection], layer, slots)
         # rows are sorted by position: the last one is end - 1 (read before the graph's
         # output buffer is reused: later work queues behind this on the one stream)
         return self.model.compute_logits(hidden[-1:]) if selection.logits else None
@@ -515,6 +516,7 @@ class ModelRunner:
             self.scattered,
             self.scattered.batch_metadata(positions, slots, tables, segments),
         )
+        self._place_below(selections, layer, slots)
         # each sequence's rows ascend by position: its last is its end - 1
         wanted = [i for i, one in enumerate(selections) if one.logits]
         out: list[torch.Tensor | None] = [None] * len(selections)
@@ -524,6 +526,21 @@ class ModelRunner:
             for row, i in enumerate(wanted):
                 out[i] = logits[row : row + 1]
         return out
+
+    def _place_below(self, selections: list[Selection], layer: int, kept: torch.Tensor) -> None:
+        """Where a selection's placement asks for it (``PlaceSpans.below_selection``),
+        its entries' KV in the layers below ``layer`` at the positions not recomputed:
+        the placement over every position of those layers, then the recomputed rows'
+        in-context KV (slots ``kept``, of every selection) put back."""
+        places = [one.place for one in selections if one.place and one.place.below_selection]
+        if not places:
+            return
+        pages, offsets = kept // self.page_size, kept % self.page_size
+        low = self.kv_stack[:layer]
+        computed = low[:, pages, :, offsets].clone()  # [rows, layers, 2, heads, dim]
+        for place in places:
+            place.apply(self, 0, layer)
+        low[:, pages, :, offsets] = computed
 
     def _select_eagerly(self, selections: list[Selection], layer: int):
         """The selecting forward up to the top-k, without graphs: the layers before

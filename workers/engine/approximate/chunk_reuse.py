@@ -28,7 +28,9 @@ Admission of an approximate request:
    ``ModelRunner.repair_selecting_batch``; nothing waits for it): the layers
    before ``deviation_layer`` run over all of them, keeping the KV they write (those
    layers of the placed tokens are in-context KV, so entries are placed only from
-   that layer on, queued while the device runs the layers below it); at that layer
+   that layer on, queued while the device runs the layers below it; with
+   ``EngineConfig.placed_low_layers`` ``entries`` the tokens not recomputed take the
+   entries' KV in those layers too, once the forward is queued); at that layer
    the deviating tokens
    are chosen on the device, and only they and the positions not placed (an unmatched
    system prompt, first tokens, missed chunks) go on through the rest of the model,
@@ -92,6 +94,7 @@ class ChunkReuse:
         tally: WorkloadTally | None = None,
         entries_from_context: bool = True,
         batch_admissions: bool = True,
+        low_layers_from_entries: bool = False,
     ) -> None:
         self.tally = WorkloadTally() if tally is None else tally
         self.pool = pool
@@ -100,6 +103,7 @@ class ChunkReuse:
         self.min_entry_tokens = min_entry_tokens
         self.entries_from_context = entries_from_context
         self.batch_admissions = batch_admissions
+        self.low_layers_from_entries = low_layers_from_entries  # PlaceSpans.below_selection
         self.deviation_layer = deviation_layer
         self._exact = ExactPrefixReuse(pool)
         # selection forwards of this scheduling pass's admissions, queued by ``flush``
@@ -259,7 +263,10 @@ class ChunkReuse:
                 return None
             seq.page_ids.extend(pages)
             place = PlaceSpans(
-                seq.page_ids, [(start, end, entry.pages) for start, end, entry in hits], page_size
+                seq.page_ids,
+                [(start, end, entry.pages) for start, end, entry in hits],
+                page_size,
+                self.low_layers_from_entries,
             )
             if keep:  # the forward places the entries between its layers (``flush``)
                 candidates = np.flatnonzero(kept)

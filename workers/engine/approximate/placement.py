@@ -189,19 +189,21 @@ def place_spans(
     spans: Sequence[tuple[int, int, Sequence[int]]],
     page_size: int,
     first_layer: int = 0,
+    end_layer: int | None = None,
 ) -> None:
     """Place several entries into one sequence at once: for each ``(start, end,
     entry_pages)``, the entry's tokens ``[0, end - start)`` (held in ``entry_pages``)
     go to positions ``[start, end)`` of the sequence whose pages are ``page_table``,
-    keys rotated by ``start``, in the layers from ``first_layer`` on (the layers
-    below it are left as they are: a caller that computes them there anyway need not
-    place them). One ``place_chunk`` call over the stacked cache; entry
+    keys rotated by ``start``, in the layers from ``first_layer`` up to ``end_layer``
+    (default: the last; the layers below ``first_layer`` are left as they are: a
+    caller that computes them there anyway need not place them). One ``place_chunk`` call over the stacked cache; entry
     pages are never the sequence's own, so sources and destinations are disjoint.
     This runs on every approximate admission, before its first step."""
     if not spans:
         return
     entry_slots, in_sequence, starts = _span_slots(page_table, spans, page_size)
-    _move_rows(kv_stack, cos_sin_cache, entry_slots, in_sequence, starts, page_size, first_layer)
+    layers = kv_stack[first_layer:end_layer]  # contiguous: a slice of the outermost dimension
+    _move_rows(layers, cos_sin_cache, entry_slots, in_sequence, starts, page_size)
 
 
 def take_spans(
@@ -219,7 +221,7 @@ def take_spans(
     if not spans:
         return
     entry_slots, in_sequence, starts = _span_slots(page_table, spans, page_size)
-    _move_rows(kv_stack, cos_sin_cache, in_sequence, entry_slots, -starts, page_size, 0)
+    _move_rows(kv_stack, cos_sin_cache, in_sequence, entry_slots, -starts, page_size)
 
 
 def _span_slots(
@@ -248,23 +250,21 @@ def _span_slots(
 
 
 def _move_rows(
-    kv_stack: torch.Tensor,
+    layers: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     src: np.ndarray,
     dst: np.ndarray,
     delta: np.ndarray,
     page_size: int,
-    first_layer: int,
 ) -> None:
-    """Disjoint slots ``src`` -> ``dst`` in the layers from ``first_layer`` on, keys
+    """Disjoint slots ``src`` -> ``dst`` in ``layers`` (of a stacked cache), keys
     rotated by ``delta``. The three index arrays reach the device in one copy, from
     pinned memory on CUDA (torch's caching host allocator keeps the block until the
     copy ran; a pageable copy of these ~100 KB took a few hundred microseconds of host
     time)."""
-    moves = torch.empty((3, len(src)), dtype=torch.int64, pin_memory=kv_stack.is_cuda)
+    moves = torch.empty((3, len(src)), dtype=torch.int64, pin_memory=layers.is_cuda)
     np.stack((src, dst, delta), out=moves.numpy())
-    moves = moves.to(kv_stack.device, non_blocking=True)
-    layers = kv_stack[first_layer:]  # contiguous: a slice of the outermost dimension
+    moves = moves.to(layers.device, non_blocking=True)
     place_chunk(layers, moves[0], moves[1], moves[2], cos_sin_cache, page_size, disjoint=True)
 
 
