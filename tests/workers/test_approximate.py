@@ -384,6 +384,23 @@ def _kv(engine, seq, layer, positions) -> np.ndarray:
     return engine.runner.kv_caches[layer][pages, :, positions % PAGE].numpy()
 
 
+def _filled_layout(engines: list[Engine], seed: int):
+    """Documents of ``DOCS`` lengths filled as entries in each of ``engines``, and a
+    prompt placing them after a fresh system prompt: ``(prompt, spans, docs,
+    question, draw)``, ``draw(n)`` giving n more random tokens."""
+    vocab = engines[0].model_config.vocab_size
+    rng = np.random.default_rng(seed)
+    draw = lambda n: rng.integers(10, vocab - 1, size=n).tolist()  # noqa: E731
+    docs, question = [draw(n) for n in DOCS], draw(9)
+    for engine in engines:
+        for doc in docs:
+            engine.fill_entry(doc)
+        while engine.has_unfinished():
+            engine.step()
+    prompt, spans = _layout(draw(29), docs, question)
+    return prompt, spans, docs, question, draw
+
+
 def test_selecting_at_a_deeper_layer_keeps_in_context_kv_below_it(model_factory):
     """With ``deviation_layer`` L, the layers below L of every placed token hold the KV
     this context gives (what plain prefill computes there); layer L and above of the
@@ -393,15 +410,7 @@ def test_selecting_at_a_deeper_layer_keeps_in_context_kv_below_it(model_factory)
     engine = _engine(model, deviation_layer=2)
     plain = _engine(model, enable_reuse=False)
     assert engine.reuse.deviation_layer == 2
-    vocab = engine.model_config.vocab_size
-    rng = np.random.default_rng(3)
-    draw = lambda n: rng.integers(10, vocab - 1, size=n).tolist()  # noqa: E731
-    docs, question = [draw(n) for n in DOCS], draw(9)
-    for doc in docs:
-        engine.fill_entry(doc)
-    while engine.has_unfinished():
-        engine.step()
-    prompt, spans = _layout(draw(29), docs, question)
+    prompt, spans, docs, question, draw = _filled_layout([engine], seed=3)
     two_steps = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     engine.add_request(
         "approx",
@@ -445,16 +454,7 @@ def test_low_layers_from_entries_keep_in_context_kv_only_where_recomputed(model_
     entries = _engine(model, deviation_layer=2, placed_low_layers="entries")
     placed_only = _engine(model, deviation_layer=2)
     plain = _engine(model, enable_reuse=False)
-    vocab = entries.model_config.vocab_size
-    rng = np.random.default_rng(5)
-    draw = lambda n: rng.integers(10, vocab - 1, size=n).tolist()  # noqa: E731
-    docs, question = [draw(n) for n in DOCS], draw(9)
-    for engine in (entries, placed_only):
-        for doc in docs:
-            engine.fill_entry(doc)
-        while engine.has_unfinished():
-            engine.step()
-    prompt, spans = _layout(draw(29), docs, question)
+    prompt, spans, _, _, _ = _filled_layout([entries, placed_only], seed=5)
     two_steps = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     runs = {
         "entries": (entries, ReuseRequest("approximate", 0, 0.1)),
