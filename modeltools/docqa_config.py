@@ -138,7 +138,7 @@ def add_train_arguments(group: argparse._ActionsContainer) -> None:
         # the annotation's first type (``from __future__`` leaves it a string)
         kind = _TYPES[str(f.type).split("|")[0].strip()]
         help = f.metadata["help"]
-        if f.default is not None and "(default" not in help:
+        if f.default is not None:  # a None default's help says what None means
             shown = str(f.default).lower() if kind is bool else f.default
             help += f" (default {shown})"
         group.add_argument(

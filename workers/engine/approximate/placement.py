@@ -196,9 +196,10 @@ def place_spans(
     go to positions ``[start, end)`` of the sequence whose pages are ``page_table``,
     keys rotated by ``start``, in the layers from ``first_layer`` up to ``end_layer``
     (default: the last; the layers below ``first_layer`` are left as they are: a
-    caller that computes them there anyway need not place them). One ``place_chunk`` call over the stacked cache; entry
-    pages are never the sequence's own, so sources and destinations are disjoint.
-    This runs on every approximate admission, before its first step."""
+    caller that computes them there anyway need not place them). One ``place_chunk``
+    call over those layers of the stacked cache; entry pages are never the sequence's
+    own, so sources and destinations are disjoint. This runs on every approximate
+    admission, before its first step."""
     if not spans:
         return
     entry_slots, in_sequence, starts = _span_slots(page_table, spans, page_size)
