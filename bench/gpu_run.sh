@@ -9,6 +9,9 @@
 #                                   # picks among "qwen3 llama tests" (all by default: on a
 #                                   # fresh machine more than one 600 s call holds, so give
 #                                   # one part a call)
+#   bash bench/gpu_run.sh tpserve   # tensor parallelism through Ray (needs ray and .whl-http):
+#                                   # Llama 3 70B's shapes on 2 ranks through the HTTP app,
+#                                   # then a 2-rank worker killed mid-load (cluster_rag --kill)
 #   bash bench/gpu_run.sh bench     # benchmarks, tables printed last
 #   bash bench/gpu_run.sh cluster   # bench/cluster_rag.py on Ray (needs both ray halves)
 #   bash bench/gpu_run.sh approx    # approximate reuse: speed, its profile, reuse quality
@@ -98,6 +101,20 @@ case "${1:-all}" in
       | grep -v Warning | tee "$out/tp_llama3_70b.txt"
     [[ $parts == *" tests "* ]] && python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py \
       -q -p no:cacheprovider 2>&1 | tee "$out/tp_tests.txt" ;;
+  tpserve)
+    [ -f /tmp/chunkserve-bench/llama3-70b/config.json ] || python3 -m cluster.ops.cli make-model \
+      /tmp/chunkserve-bench/llama3-70b --preset llama3-70b --family llama --no-weights >/dev/null
+    PATH="/tmp/site/.redis/bin:$PATH" RAY_AUTH_MODE=disabled python3 bench/http_rag.py \
+      --model /tmp/chunkserve-bench/llama3-70b --load-format dummy --workers 1 \
+      --gpus-per-worker 1 --tensor-parallel-size 2 --replicas 1 --client-processes 1 \
+      --requests 48 --warmup 2 --concurrency 8 --docs 16 --doc-tokens 512 --system-tokens 128 \
+      --max-tokens 16 --pages 2048 --json "$out/http_tp_70b.json" \
+      --serve-log "$out/http_tp_70b_serve.log" 2>&1 | grep -v -e Warning -e '^(' \
+      | tee "$out/http_tp_70b.txt"
+    RAY_AUTH_MODE=disabled python3 bench/cluster_rag.py --model $model --workers 1 \
+      --gpus-per-worker 1 --tensor-parallel-size 2 --policies chunk_aware \
+      --requests-per-worker "${KILL_REQUESTS:-1000}" --kill 2>&1 | grep -v -e Warning -e '^(' \
+      | tee "$out/tp_kill.txt" ;;
   bench)
     # THROUGHPUT_ARGS, e.g. "--peer-requests 0": skip the slow transformers comparison
     for b in ${BENCHES:-decode_kernel cascade chunk_reuse latency throughput}; do

@@ -196,7 +196,9 @@ def config_overrides(
         "model.path": str(args.model),
         "model.make_if_missing": "null",
         "workers.count": args.workers,
-        "workers.num_gpus": args.gpus_per_worker,
+        "workers.num_gpus": args.gpus_per_worker * args.tensor_parallel_size,
+        "workers.tensor_parallel_size": args.tensor_parallel_size,
+        "engine.load_format": args.load_format,
         "workers.num_cpus": args.worker_cpus,
         "workers.startup_timeout_s": args.startup_timeout_s,
         "directory.redis.url": redis_url,
@@ -531,6 +533,8 @@ def summarize(
         "ingress": ingress,
         "workers": args.workers,
         "gpus_per_worker": args.gpus_per_worker,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "load_format": args.load_format,
         "router_replicas": args.replicas,
         "concurrency": args.concurrency,
         "client_processes": args.client_processes,
@@ -571,7 +575,8 @@ def summary_line(summary: dict) -> str:
     per_worker = "/".join(str(n) for n in summary["requests_per_worker"].values())
     hit = summary["metrics"].get("cache_hit_rate")
     return (
-        f"http_rag: {summary['workers']} worker(s) x {summary['gpus_per_worker']} GPU, "
+        f"http_rag: {summary['workers']} worker(s) x {summary['gpus_per_worker']} GPU"
+        f" x {summary['tensor_parallel_size']} rank(s), "
         f"{summary['router_replicas']} router replicas ({summary['ingress']}), {summary['concurrency']} clients "
         f"in {summary['client_processes']} process(es): "
         f"{summary['requests']} requests, {summary['errors']} errors, "
@@ -750,7 +755,7 @@ def run_router_path(args, env: dict) -> dict:
         cmd = [
             sys.executable, str(REPO / "bench/cluster_rag.py"), "--model", str(args.model),
             "--workers", str(args.workers), "--gpus-per-worker", str(args.gpus_per_worker),
-            "--policies", "chunk_aware", "--reuse", args.reuse, "--docs", str(args.docs),
+            "--tensor-parallel-size", str(args.tensor_parallel_size), "--policies", "chunk_aware", "--reuse", args.reuse, "--docs", str(args.docs),
             "--docs-per-request", str(args.docs_per_request), "--systems", str(args.systems),
             "--zipf", str(args.zipf), "--system-tokens", str(args.system_tokens),
             "--doc-tokens", str(args.doc_tokens), "--max-tokens", str(args.max_tokens),
@@ -795,7 +800,22 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, required=True, help="checkpoint directory")
     ap.add_argument("--workers", type=int, default=1, help="worker actors")
-    ap.add_argument("--gpus-per-worker", type=float, default=1.0, help="0: CPU workers")
+    ap.add_argument(
+        "--gpus-per-worker", type=float, default=1.0, help="per rank of a worker; 0: CPU workers"
+    )
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks per worker, each on a GPU of its own (workers.tensor_parallel_size)",
+    )
+    ap.add_argument(
+        "--load-format",
+        choices=("safetensors", "dummy"),
+        default="safetensors",
+        help="dummy: random weights made in place (engine.load_format), for a checkpoint "
+        "of config and tokenizer only (make-model --no-weights)",
+    )
     ap.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs per worker")
     ap.add_argument(
         "--replicas", type=int, help="router (HTTP ingress) replicas (default: max(2, workers))"
@@ -859,7 +879,12 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     ap.add_argument("--serve-log", type=Path, help="chunkserve serve's output (default: /tmp)")
     ap.add_argument("--json", type=Path, help="also write the JSON summary here")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.tensor_parallel_size > 1 and args.gpus_per_worker not in (0, 1):
+        ap.error("--tensor-parallel-size takes a whole GPU a rank: --gpus-per-worker 1 (or 0)")
+    if args.router_path and args.load_format != "safetensors":
+        ap.error("--router-path runs bench/cluster_rag.py, which loads safetensors only")
+    return args
 
 
 if __name__ == "__main__":

@@ -11,8 +11,10 @@ own check, with its message), not skipped silently."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -74,6 +76,7 @@ def measure(args: argparse.Namespace, world: int) -> dict:
     print(f"{world} rank(s): started in {time.perf_counter() - began:.0f} s", flush=True)
     try:
         decode_step_ms(engine, 1, args.context, 4)  # warm up (graphs, kernels)
+        print(f"{world} rank(s): warmed up", flush=True)
         one = decode_step_ms(engine, 1, args.context, args.steps)
         print(f"{world} rank(s): batch-1 step {one:.3f} ms", flush=True)
         many = decode_step_ms(engine, args.batch, args.context, args.steps)
@@ -97,6 +100,7 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     ap.add_argument("--pages", type=int, default=None, help="KV pages a rank (default: auto)")
     args = ap.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: where it is
     print(device_line() if torch.cuda.is_available() else "cpu", flush=True)
     results = []
     for world in args.sizes:

@@ -3,8 +3,10 @@ its KV heads' pages, and a loop running what rank 0 sends."""
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import pickle
+import signal
 import traceback
 from multiprocessing.connection import Connection
 
@@ -36,6 +38,9 @@ def follow(conn: Connection, config, rank: int, world: int, port: int, threads: 
     failed. Its end of the group is aborted on the way out, so no teardown waits for a
     rank 0 that is gone."""
     logging.basicConfig(level=logging.WARNING)
+    # `kill -USR1 PID` prints where each of this rank's threads is (a rank that seems
+    # stuck, say, in a collective the others never reached)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(threads)
     conn.send_bytes(STARTED)
     runner = None
