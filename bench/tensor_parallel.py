@@ -17,6 +17,7 @@ import random
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -80,6 +81,9 @@ def measure(args: argparse.Namespace, world: int) -> dict:
         one = decode_step_ms(engine, 1, args.context, args.steps)
         print(f"{world} rank(s): batch-1 step {one:.3f} ms", flush=True)
         many = decode_step_ms(engine, args.batch, args.context, args.steps)
+    except BaseException:
+        traceback.print_exc()  # now: closing a broken group can take minutes
+        raise
     finally:
         engine.close()
         del engine
@@ -100,6 +104,7 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     ap.add_argument("--pages", type=int, default=None, help="KV pages a rank (default: auto)")
     args = ap.parse_args()
+    faulthandler.enable()  # a fatal signal prints where it struck
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: where it is
     print(device_line() if torch.cuda.is_available() else "cpu", flush=True)
     results = []

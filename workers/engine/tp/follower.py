@@ -41,6 +41,7 @@ def follow(conn: Connection, config, rank: int, world: int, port: int, threads: 
     # `kill -USR1 PID` prints where each of this rank's threads is (a rank that seems
     # stuck, say, in a collective the others never reached)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.enable()  # and a fatal signal, where it struck
     torch.set_num_threads(threads)
     conn.send_bytes(STARTED)
     runner = None
