@@ -100,6 +100,16 @@ def measure_ttft(llm: LLM, trials: int, rng: random.Random) -> list[list[object]
     return rows
 
 
+def profile_ttft(llm: LLM, rng: random.Random) -> None:
+    """One device hit and one host hit of a fresh prefix, profiled."""
+    prefix = _tokens(rng, SYSTEM + DOCS * DOC)
+    llm.engine.pool.clear()
+    ttft(llm, prefix + _tokens(rng, QUESTION))
+    print_profile("device hit", lambda: ttft(llm, prefix + _tokens(rng, QUESTION)))
+    push_out(llm.engine)
+    print_profile("host hit", lambda: ttft(llm, prefix + _tokens(rng, QUESTION)))
+
+
 def throughput(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     _sync()
@@ -276,7 +286,10 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=8, help="steps between arrivals")
     ap.add_argument("--parts", nargs="+", choices=("ttft", "itl", "idle"), default=None)
     ap.add_argument(
-        "--profile", action="store_true", help="idle tier: one more round of each, profiled"
+        "--profile",
+        action="store_true",
+        help="TTFT: a device hit and a host hit, profiled; idle tier: one more round of "
+        "each, profiled",
     )
     ap.add_argument(
         "--host-kv-write",
@@ -298,6 +311,8 @@ def main() -> None:
             ["kind", "ms median (min-max)", "x miss", "cached tokens"],
             measure_ttft(llm, args.trials, rng),
         )
+        if args.profile:
+            profile_ttft(llm, rng)
     if "itl" in parts:
         print_table(
             f"{args.decoders} decoders, {args.loads} arrivals one every {args.every} steps "
