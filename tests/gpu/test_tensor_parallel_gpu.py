@@ -80,3 +80,32 @@ def test_a_model_larger_than_one_gpu_serves_on_two(llama_70b):
         assert len(tokens) == 8
     finally:
         engine.close()
+
+
+@TWO_GPUS
+def test_two_ranks_load_prefixes_from_host_memory_as_one():
+    """Host hits on two ranks: each rank loads its KV heads' pages unfenced and waits
+    for them only once rank 0 lands the load (``tp.group.FollowingCopier``), several
+    loads in flight while other requests step. The answers are one rank's, right."""
+    from tests.workers.test_host_tier import _push_out
+
+    examples = generate(7, 12, 8, "heldout", 1)
+    answers, loaded = [], []
+    for world in (1, 2):
+        engine = Engine(
+            EngineConfig(
+                str(DOCQA), device="cuda", tensor_parallel_size=world, num_pages=4096,
+                host_kv_gib=1.0,
+            )
+        )  # fmt: skip
+        try:
+            _answers(engine, examples)
+            _push_out(engine)  # every cached page to host memory
+            answers.append(_answers(engine, examples))
+            loaded.append(engine.pool.host.stats().pages_loaded)
+        finally:
+            engine.close()
+    assert answers[0] == answers[1]
+    assert loaded[0] == loaded[1] > 0
+    right = sum(answer_matches(a, ex.answer) for a, ex in zip(answers[1], examples, strict=True))
+    assert right >= 9

@@ -220,6 +220,11 @@ class PageCopier:
         self._timing.append((begin, end))
         return end
 
+    def landed(self, events) -> None:
+        """The pool's unfenced loads that ``events`` end have landed; nothing to do on
+        one rank (a tensor-parallel worker's ``tp.group.MirroredCopier`` has the other
+        ranks wait for theirs)."""
+
     def fence(self) -> None:
         """The compute stream waits for every copy queued so far."""
         if self._stream is not None:

@@ -484,6 +484,7 @@ class KVPool:
             landed = {done for done in set(self._loading.values()) if done.query()}
             if landed:
                 self._loading = {p: d for p, d in self._loading.items() if d not in landed}
+                self.host.copier.landed(landed)
 
     def loading(self, page_ids: Sequence[int]) -> bool:
         """Whether a load into any of ``page_ids`` was still copying at the last

@@ -617,14 +617,6 @@ class ModelRunner:
             return self.host_copier
         return MirroredCopier(self.host_copier, self.followers)
 
-    def host_copy(self, method: str, *args) -> None:
-        """``method(*args)`` of this rank's host copier (its part of rank 0's copy);
-        then the copies it has finished are let go of (rank 0's own bookkeeping, which
-        these ranks never run, would do it)."""
-        getattr(self.host_copier, method)(*args)
-        self.host_copier.writable()
-        self.host_copier.resolve_timing()
-
     def use_admission_graphs(self, layer: int) -> None:
         """Run ``repair_selecting``'s forward through CUDA graphs (captured on first use)
         when it selects at ``layer``, where CUDA graphs are on: its selection pass with

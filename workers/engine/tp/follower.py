@@ -22,6 +22,7 @@ from workers.engine.tp.group import (
     FAILED,
     LOADED,
     STARTED,
+    FollowingCopier,
     RunnerShape,
     group_store,
     process_group,
@@ -93,13 +94,19 @@ class _Follower:
         )
         self.backend = make_backend(config.attention_backend, shape, config.enable_cascade)
         self.runner = None
+        self.copier: FollowingCopier | None = None  # once the host tier is attached
 
     def call(self, method: str, args: tuple) -> None:
         if method == "__build__":
             self._build(*args)
             return
         with torch.inference_mode():
+            if method == "host_copy":
+                self.copier.call(*args)
+                return
             getattr(self.runner, method)(*args)
+        if method == "attach_host_copier":
+            self.copier = FollowingCopier(self.runner.host_copier)
         if self.runner.aside is not None:  # counted on rank 0 alone
             self.runner.take_aside()
 

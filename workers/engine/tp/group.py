@@ -29,6 +29,7 @@ import logging
 import multiprocessing
 import pickle
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -183,11 +184,21 @@ class Followers:
 class MirroredCopier:
     """Rank 0's host-tier copier on a tensor-parallel worker: each copy is sent to the
     other ranks (each copies its KV heads between its pages and its host slots) before
-    it runs here; what is only read (sizes, timing) is rank 0's."""
+    it runs here; what is only read (sizes, timing) is rank 0's.
+
+    Loads rank 0 does not fence (a host hit's, which the pool tracks until it lands)
+    are not fenced on the other ranks either, so they overlap the other requests'
+    steps there too. Each such load has a number, counted alike on every rank (they
+    receive the same reads in the same order); when rank 0's pool lands loads
+    (``landed``), the other ranks' compute waits for their copy of the latest of them
+    (``FollowingCopier.land``) before any step rank 0 sends after, which is the first
+    that may read those pages."""
 
     def __init__(self, local, followers: Followers) -> None:
         self._local = local
         self._followers = followers
+        self._unfenced = 0  # unfenced loads sent so far
+        self._number: dict[object, int] = {}  # rank 0's event of a load -> its number
 
     def __getattr__(self, name: str):
         return getattr(self._local, name)
@@ -202,11 +213,64 @@ class MirroredCopier:
         self._local.write(pages, slots)
 
     def read(self, slots, pages, fence: bool = True):
-        # the other ranks' compute waits for their copy: rank 0's fence decides when
-        # anything reads the pages, and they run nothing rank 0 does not
-        self._followers.call("host_copy", "read", list(slots), list(pages), True)
-        return self._local.read(slots, pages, fence)
+        self._followers.call("host_copy", "read", list(slots), list(pages), fence)
+        done = self._local.read(slots, pages, fence)
+        if not fence:
+            self._unfenced += 1
+            if done is None:  # done already here (CPU): no landing will name it
+                self._followers.call("host_copy", "land", self._unfenced)
+            else:
+                self._number[done] = self._unfenced
+        return done
+
+    def landed(self, events) -> None:
+        """Rank 0's loads that ``events`` end have landed: the other ranks' compute
+        waits for theirs before the next step."""
+        numbers = [self._number.pop(event) for event in events if event in self._number]
+        if numbers:
+            self._followers.call("host_copy", "land", max(numbers))
 
     def fence(self) -> None:
         self._followers.call("host_copy", "fence")
         self._local.fence()
+        self._number.clear()
+
+
+class FollowingCopier:
+    """A rank other than 0's host-tier copier: runs the copies rank 0's
+    ``MirroredCopier`` sends, keeping its unfenced loads until rank 0 lands them."""
+
+    def __init__(self, local) -> None:
+        self._local = local
+        self._unfenced = 0
+        self._loads: deque[tuple[int, object]] = deque()  # (number, event or None)
+
+    def call(self, method: str, *args) -> None:
+        """``method(*args)``; then the writes and timings finished are let go of (rank
+        0's own bookkeeping, which this rank never runs, would do it)."""
+        getattr(self, method)(*args)
+        self._local.writable()
+        self._local.resolve_timing()
+
+    def write(self, pages, slots) -> None:
+        self._local.write(pages, slots)
+
+    def read(self, slots, pages, fence: bool) -> None:
+        done = self._local.read(slots, pages, fence)
+        if not fence:
+            self._unfenced += 1
+            self._loads.append((self._unfenced, done))
+
+    def land(self, upto: int) -> None:
+        """Rank 0 landed its loads up to number ``upto``: this rank's compute waits for
+        its copies of them (the copy stream runs them in order: the last one's event
+        covers the others)."""
+        last = None
+        while self._loads and self._loads[0][0] <= upto:
+            last = self._loads.popleft()[1]
+        if last is not None:
+            torch.cuda.current_stream(self._local.device).wait_event(last)
+
+    def fence(self) -> None:
+        self._local.fence()
+        self._loads.clear()
