@@ -304,6 +304,21 @@ def test_the_copier_moves_more_pages_than_one_batch_to_scattered_slots():
     assert not kv[:, untouched].any()
 
 
+def test_a_chain_written_tail_first_loads_in_one_copy_a_batch():
+    """The pool evicts a sequence's tail before its head, so a chain's slots descend in
+    the chain's order: the load still copies each batch's run of slots at once."""
+    kv = torch.randn(2, 2 * COPY_BATCH_PAGES, 2, 4, 1, 2)
+    copier = PageCopier(kv, 2 * COPY_BATCH_PAGES)
+    chain = list(range(COPY_BATCH_PAGES))
+    copier.write(chain[::-1], list(range(COPY_BATCH_PAGES)))  # tail first
+    assert copier.host_copies == 1
+    before = kv[:, chain].clone()
+    into = list(range(COPY_BATCH_PAGES, 2 * COPY_BATCH_PAGES))
+    copier.read(list(range(COPY_BATCH_PAGES))[::-1], into)  # the chain's order
+    assert copier.host_copies == 2
+    assert torch.equal(kv[:, into], before)
+
+
 def test_the_reused_write_policy_writes_what_was_used_again_or_evicted_twice():
     """``engine.host_kv_write: reused``: a page evicted before any later request
     matched it, or an entry never placed, is not written (reported removed); matched or

@@ -142,6 +142,7 @@ class PageCopier:
         self.staging_pages = max(COPY_BATCH_PAGES, staging_bytes // self.bytes_per_slot)
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self.load_s = 0.0  # resolved loads' time
+        self.host_copies = 0  # copies to or from host slots issued (a run of slots each)
         self._timing: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self._writes: deque[tuple[torch.cuda.Event, int]] = deque()  # (end, pages)
         self._pages_in_flight = 0  # pages of the writes in ``_writes``
@@ -187,6 +188,7 @@ class PageCopier:
 
     def _copy_out(self, staged: torch.Tensor, slots: Sequence[int]) -> None:
         for at, first, count in _runs(slots):
+            self.host_copies += 1
             self.host[first : first + count].copy_(
                 staged[at : at + count], non_blocking=self._stream is not None
             )
@@ -199,6 +201,11 @@ class PageCopier:
         done (None: done already, on CPU)."""
         if not slots:
             return None
+        # in slot order, each run of consecutive slots one copy: a chain's pages are
+        # written tail first (the pool frees a sequence's tail before its head), so in
+        # the chain's order its slots descend, a copy each (14 us of host time apiece)
+        order = np.argsort(np.asarray(slots), kind="stable")
+        slots, pages = [slots[i] for i in order], [pages[i] for i in order]
         started = time.perf_counter()
         with self._on_copy_stream(fence) as (begin, end):
             for start in range(0, len(slots), COPY_BATCH_PAGES):
@@ -210,6 +217,7 @@ class PageCopier:
                     device=self.device,
                 )
                 for at, first, count in _runs(slots[batch]):
+                    self.host_copies += 1
                     staged[at : at + count].copy_(
                         self.host[first : first + count], non_blocking=self._stream is not None
                     )
