@@ -140,6 +140,38 @@ def test_two_ranks_compute_what_one_computes(family, model_factory):
         assert (a - b).abs().max().item() <= 1e-5 * scale
 
 
+def test_a_step_message_reaches_the_other_ranks_as_sent():
+    """``wire_dumps`` sends CPU tensors as numpy arrays: values, dtypes and shapes
+    arrive as sent, views and non-contiguous tensors included; bfloat16 and device
+    tensors keep torch's own pickling."""
+    import pickle
+
+    from workers.engine.tp.group import wire_dumps
+
+    base = torch.arange(24, dtype=torch.int64).reshape(4, 6)
+    sent = {
+        "ids": torch.tensor([5, 7, 9], dtype=torch.int64),
+        "table": torch.arange(10, dtype=torch.int32),
+        "mask": torch.tensor([True, False, True]),
+        "scores": torch.randn(3, 5),
+        "view": base[1:3, 2:5],  # a view: only its values travel
+        "transposed": base.t(),
+        "scalar": torch.tensor(3.5),
+        "bf16": torch.randn(4, dtype=torch.bfloat16),
+        "array": np.arange(4),
+    }
+    got = pickle.loads(wire_dumps(("run_inputs", (sent, None))))
+    assert got[0] == "run_inputs" and got[1][1] is None
+    for key, value in sent.items():
+        back = got[1][0][key]
+        if isinstance(value, np.ndarray):
+            assert np.array_equal(back, value)
+            continue
+        assert back.dtype == value.dtype and back.shape == value.shape, key
+        assert torch.equal(back, value), key
+    assert len(wire_dumps(sent["view"])) < len(pickle.dumps(sent["view"]))
+
+
 def test_sizes_that_do_not_divide_the_model_are_refused(tiny_qwen3):
     config = ModelConfig.from_dir(tiny_qwen3)  # 4 heads, 2 KV heads, MLP 128
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide .*4 attention"):

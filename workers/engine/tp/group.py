@@ -25,6 +25,7 @@ restarted with all its ranks.
 from __future__ import annotations
 
 import datetime
+import io
 import logging
 import multiprocessing
 import pickle
@@ -52,6 +53,34 @@ LOAD_TIMEOUT_S = 1800.0
 # group), loaded (its shard), built (its runner, after rank 0's ``build``); or, at any
 # point, FAILED followed by its traceback, before it exits.
 STARTED, LOADED, BUILT, FAILED = b"started", b"loaded", b"built", b"failed:"
+
+
+def wire_dumps(message) -> bytes:
+    """``message`` pickled for the other ranks (``pickle.loads`` reads it), its CPU
+    tensors as numpy arrays: torch's own pickling of a tensor costs about 100 times
+    more, and a step's inputs go out every step (on the 2-core VM a decode step's
+    message took 1.0-1.3 ms to pickle and 1.4-1.8 ms to read, against 90 and 45 us)."""
+    out = io.BytesIO()
+    _WirePickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    return out.getvalue()
+
+
+def _tensor_from_numpy(array) -> torch.Tensor:
+    return torch.from_numpy(array)
+
+
+class _WirePickler(pickle.Pickler):
+    def reducer_override(self, obj):
+        # numpy has no bfloat16, and a tensor on a device or needing grad keeps
+        # torch's own reduction
+        if (
+            type(obj) is torch.Tensor
+            and obj.device.type == "cpu"
+            and obj.dtype != torch.bfloat16
+            and not obj.requires_grad
+        ):
+            return _tensor_from_numpy, (obj.numpy(),)
+        return NotImplemented
 
 
 @dataclass(frozen=True)
@@ -154,7 +183,7 @@ class Followers:
 
     def call(self, method: str, *args) -> None:
         """Have every other rank call ``runner.method(*args)``."""
-        message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        message = wire_dumps((method, args))
         for conn in self._conns:
             conn.send_bytes(message)
 
