@@ -404,12 +404,16 @@ class HostTier:
     @contextmanager
     def holding(self, slots: Sequence[int]) -> Iterator[None]:
         """Within: ``slots`` are never taken for room (a load reads them)."""
-        self._held.update(slots)
+        held = self._held
+        held.update(slots)
         try:
             yield
         finally:
-            self._held.subtract(slots)
-            self._held += Counter()  # drops the zeros
+            for slot in slots:  # no zero stays (not the whole Counter rebuilt: a load's)
+                if held[slot] == 1:
+                    del held[slot]
+                else:
+                    held[slot] -= 1
 
     def load_pages(
         self, found: Sequence[HostPage], pages: Sequence[int], fence: bool = True
