@@ -942,6 +942,24 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
         )
 
 
+def add_worker_gpu_arguments(ap: argparse.ArgumentParser) -> None:
+    """--gpus-per-worker and --tensor-parallel-size (``check_worker_gpu_arguments``)."""
+    ap.add_argument(
+        "--gpus-per-worker", type=float, default=1.0, help="per rank of a worker; 0: CPU workers"
+    )
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks per worker, each on a GPU of its own (workers.tensor_parallel_size)",
+    )
+
+
+def check_worker_gpu_arguments(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.tensor_parallel_size > 1 and args.gpus_per_worker not in (0, 1):
+        ap.error("--tensor-parallel-size takes a whole GPU a rank: --gpus-per-worker 1 (or 0)")
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, required=True, help="checkpoint directory")
@@ -953,15 +971,7 @@ def parse_args() -> argparse.Namespace:
         help="router policies to compare, each optionally with router settings: "
         "chunk_aware,recent_route_lease_s=0",
     )
-    ap.add_argument(
-        "--gpus-per-worker", type=float, default=1.0, help="per rank of a worker; 0: CPU workers"
-    )
-    ap.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="ranks per worker, each on a GPU of its own (workers.tensor_parallel_size)",
-    )
+    add_worker_gpu_arguments(ap)
     ap.add_argument(
         "--engine",
         choices=("auto", "process", "thread"),
@@ -1037,8 +1047,7 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     if args.pages is None:
         args.pages = default_pages(args.docs, args.doc_tokens)
-    if args.tensor_parallel_size > 1 and args.gpus_per_worker not in (0, 1):
-        ap.error("--tensor-parallel-size takes a whole GPU a rank: --gpus-per-worker 1 (or 0)")
+    check_worker_gpu_arguments(ap, args)
     return args
 
 

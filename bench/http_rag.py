@@ -57,6 +57,8 @@ sys.path.insert(0, str(REPO))
 from bench.cluster_rag import (  # noqa: E402
     MODEL_NAME,
     TextMaker,
+    add_worker_gpu_arguments,
+    check_worker_gpu_arguments,
     default_pages,
     make_bodies,
     ttft_quantile_ms,
@@ -800,15 +802,7 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, required=True, help="checkpoint directory")
     ap.add_argument("--workers", type=int, default=1, help="worker actors")
-    ap.add_argument(
-        "--gpus-per-worker", type=float, default=1.0, help="per rank of a worker; 0: CPU workers"
-    )
-    ap.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="ranks per worker, each on a GPU of its own (workers.tensor_parallel_size)",
-    )
+    add_worker_gpu_arguments(ap)
     ap.add_argument(
         "--load-format",
         choices=("safetensors", "dummy"),
@@ -880,8 +874,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--serve-log", type=Path, help="chunkserve serve's output (default: /tmp)")
     ap.add_argument("--json", type=Path, help="also write the JSON summary here")
     args = ap.parse_args()
-    if args.tensor_parallel_size > 1 and args.gpus_per_worker not in (0, 1):
-        ap.error("--tensor-parallel-size takes a whole GPU a rank: --gpus-per-worker 1 (or 0)")
+    check_worker_gpu_arguments(ap, args)
     if args.router_path and args.load_format != "safetensors":
         ap.error("--router-path runs bench/cluster_rag.py, which loads safetensors only")
     return args
