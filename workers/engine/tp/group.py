@@ -3,10 +3,11 @@ bookkeeping, reuse, sampling); ranks 1..N-1 are processes it starts, each holdin
 shard of the model and its KV heads' pages, running what rank 0 sends.
 
 Protocol: rank 0's ``ModelRunner`` sends each operation on the model or the KV tensors
-(``Followers.call``: a method name and its arguments, pickled, over one pipe a rank)
-before it runs the operation itself; every rank then runs the same forwards, so their
-collectives (``tp.shard``) meet in the same order. A step's input tokens still on rank
-0's device (overlapped steps) reach the others by broadcast inside the step. The
+(``Followers.call``: a method name and its arguments, pickled by ``wire_dumps``, over
+one pipe a rank) before it runs the operation itself; every rank then runs the same
+forwards, so their collectives (``tp.shard``) meet in the same order. A step's input
+tokens still on rank 0's device (overlapped steps) reach the others by broadcast inside
+the step. The
 other ranks sample nothing: rank 0 alone turns logits into tokens.
 
 Start: rank 0 serves the group's store and starts the others; each says on its pipe
