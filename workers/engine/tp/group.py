@@ -7,8 +7,7 @@ Protocol: rank 0's ``ModelRunner`` sends each operation on the model or the KV t
 one pipe a rank) before it runs the operation itself; every rank then runs the same
 forwards, so their collectives (``tp.shard``) meet in the same order. A step's input
 tokens still on rank 0's device (overlapped steps) reach the others by broadcast inside
-the step. The
-other ranks sample nothing: rank 0 alone turns logits into tokens.
+the step. The other ranks sample nothing: rank 0 alone turns logits into tokens.
 
 Start: rank 0 serves the group's store and starts the others; each says on its pipe
 that it started, loaded its shard and built its runner, and rank 0 waits for each stage
