@@ -757,7 +757,8 @@ def run_router_path(args, env: dict) -> dict:
         cmd = [
             sys.executable, str(REPO / "bench/cluster_rag.py"), "--model", str(args.model),
             "--workers", str(args.workers), "--gpus-per-worker", str(args.gpus_per_worker),
-            "--tensor-parallel-size", str(args.tensor_parallel_size), "--policies", "chunk_aware", "--reuse", args.reuse, "--docs", str(args.docs),
+            "--tensor-parallel-size", str(args.tensor_parallel_size),
+            "--policies", "chunk_aware", "--reuse", args.reuse, "--docs", str(args.docs),
             "--docs-per-request", str(args.docs_per_request), "--systems", str(args.systems),
             "--zipf", str(args.zipf), "--system-tokens", str(args.system_tokens),
             "--doc-tokens", str(args.doc_tokens), "--max-tokens", str(args.max_tokens),

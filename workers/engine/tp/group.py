@@ -217,16 +217,17 @@ class MirroredCopier:
 
     Loads rank 0 does not fence (a host hit's, which the pool tracks until it lands)
     are not fenced on the other ranks either, so they overlap the other requests'
-    steps there too. Each such load has a number, counted alike on every rank (they
-    receive the same reads in the same order); when rank 0's pool lands loads
-    (``landed``), the other ranks' compute waits for their copy of the latest of them
-    (``FollowingCopier.land``) before any step rank 0 sends after, which is the first
-    that may read those pages."""
+    steps there too. Each such load with an event (a CUDA one; a CPU load is done when
+    it returns, on every rank) has a number, counted alike on every rank (they receive
+    the same reads in the same order, on devices of one type); when rank 0's pool lands
+    loads (``landed``), the other ranks' compute waits for their copy of the latest of
+    them (``FollowingCopier.land``) before any step rank 0 sends after, which is the
+    first that may read those pages."""
 
     def __init__(self, local, followers: Followers) -> None:
         self._local = local
         self._followers = followers
-        self._unfenced = 0  # unfenced loads sent so far
+        self._unfenced = 0  # unfenced loads with an event sent so far
         self._number: dict[object, int] = {}  # rank 0's event of a load -> its number
 
     def __getattr__(self, name: str):
@@ -244,12 +245,9 @@ class MirroredCopier:
     def read(self, slots, pages, fence: bool = True):
         self._followers.call("host_copy", "read", list(slots), list(pages), fence)
         done = self._local.read(slots, pages, fence)
-        if not fence:
+        if not fence and done is not None:
             self._unfenced += 1
-            if done is None:  # done already here (CPU): no landing will name it
-                self._followers.call("host_copy", "land", self._unfenced)
-            else:
-                self._number[done] = self._unfenced
+            self._number[done] = self._unfenced
         return done
 
     def landed(self, events) -> None:
@@ -272,7 +270,7 @@ class FollowingCopier:
     def __init__(self, local) -> None:
         self._local = local
         self._unfenced = 0
-        self._loads: deque[tuple[int, object]] = deque()  # (number, event or None)
+        self._loads: deque[tuple[int, torch.cuda.Event]] = deque()  # (number, its end)
 
     def call(self, method: str, *args) -> None:
         """``method(*args)``; then the writes and timings finished are let go of (rank
@@ -286,7 +284,7 @@ class FollowingCopier:
 
     def read(self, slots, pages, fence: bool) -> None:
         done = self._local.read(slots, pages, fence)
-        if not fence:
+        if not fence and done is not None:
             self._unfenced += 1
             self._loads.append((self._unfenced, done))
 
