@@ -571,7 +571,7 @@ def cluster_config(
     args: argparse.Namespace, count: int, host_kv_gib: float = 0.0, host_write: str = "all"
 ) -> ClusterConfig:
     engine = {"page_size": PAGE_SIZE, "num_pages": args.pages, "host_kv_gib": host_kv_gib}
-    engine["host_kv_write"] = host_write
+    engine |= {"host_kv_write": host_write, "load_format": args.load_format}
     if args.gpus_per_worker > 0:
         engine |= {"device": "cuda", "dtype": "bfloat16", "attention_backend": "flashinfer"}
         engine |= {"gpu_memory_utilization": 0.9 * args.gpus_per_worker}
@@ -943,7 +943,8 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
 
 
 def add_worker_gpu_arguments(ap: argparse.ArgumentParser) -> None:
-    """--gpus-per-worker and --tensor-parallel-size (``check_worker_gpu_arguments``)."""
+    """--gpus-per-worker, --tensor-parallel-size (``check_worker_gpu_arguments``) and
+    --load-format."""
     ap.add_argument(
         "--gpus-per-worker", type=float, default=1.0, help="per rank of a worker; 0: CPU workers"
     )
@@ -952,6 +953,13 @@ def add_worker_gpu_arguments(ap: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="ranks per worker, each on a GPU of its own (workers.tensor_parallel_size)",
+    )
+    ap.add_argument(
+        "--load-format",
+        choices=("safetensors", "dummy"),
+        default="safetensors",
+        help="dummy: random weights made in place (engine.load_format), for a checkpoint "
+        "of config and tokenizer only (make-model --no-weights)",
     )
 
 

@@ -758,7 +758,7 @@ def run_router_path(args, env: dict) -> dict:
             sys.executable, str(REPO / "bench/cluster_rag.py"), "--model", str(args.model),
             "--workers", str(args.workers), "--gpus-per-worker", str(args.gpus_per_worker),
             "--tensor-parallel-size", str(args.tensor_parallel_size),
-            "--policies", "chunk_aware", "--reuse", args.reuse, "--docs", str(args.docs),
+            "--load-format", args.load_format, "--policies", "chunk_aware", "--reuse", args.reuse, "--docs", str(args.docs),
             "--docs-per-request", str(args.docs_per_request), "--systems", str(args.systems),
             "--zipf", str(args.zipf), "--system-tokens", str(args.system_tokens),
             "--doc-tokens", str(args.doc_tokens), "--max-tokens", str(args.max_tokens),
@@ -804,13 +804,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--model", type=Path, required=True, help="checkpoint directory")
     ap.add_argument("--workers", type=int, default=1, help="worker actors")
     add_worker_gpu_arguments(ap)
-    ap.add_argument(
-        "--load-format",
-        choices=("safetensors", "dummy"),
-        default="safetensors",
-        help="dummy: random weights made in place (engine.load_format), for a checkpoint "
-        "of config and tokenizer only (make-model --no-weights)",
-    )
     ap.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs per worker")
     ap.add_argument(
         "--replicas", type=int, help="router (HTTP ingress) replicas (default: max(2, workers))"
@@ -876,8 +869,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--json", type=Path, help="also write the JSON summary here")
     args = ap.parse_args()
     check_worker_gpu_arguments(ap, args)
-    if args.router_path and args.load_format != "safetensors":
-        ap.error("--router-path runs bench/cluster_rag.py, which loads safetensors only")
     return args
 
 

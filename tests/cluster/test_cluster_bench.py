@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from modeltools.make_model import make_model
 from tests.chunkstore.testkit import wait_until
 from tests.cluster.conftest import REPO
 
@@ -167,16 +168,16 @@ def test_cluster_bench_runs_with_the_host_tier_off_and_on(ray_cluster, tiny_qwen
     assert on["hit_rate"] > off["hit_rate"] + 0.1, (off["hit_rate"], on["hit_rate"])
 
 
-def test_cluster_bench_serves_tensor_parallel_workers_through_a_kill(
-    ray_cluster, tiny_qwen3, tmp_path
-):
-    """Workers of two ranks each (CPU, gloo): to the router and the directory each is
-    one holder; a killed one comes back with both ranks (its engine starts only once
-    every rank has joined) and no request is lost."""
+def test_cluster_bench_serves_tensor_parallel_workers_through_a_kill(ray_cluster, tmp_path):
+    """Workers of two ranks each (CPU, gloo) on a checkpoint without weights
+    (``--load-format dummy``, as for shapes larger than the GPU host has weights of): to
+    the router and the directory each is one holder; a killed one comes back with both
+    ranks (its engine starts only once every rank has joined) and no request is lost."""
     out = tmp_path / "runs.json"
-    args = ["--model", str(tiny_qwen3), "--workers", "2", "--gpus-per-worker", "0",
-            "--tensor-parallel-size", "2", "--pages", "300", "--docs", "8",
-            "--system-tokens", "32", "--doc-tokens", "96", "--max-tokens", "3",
+    model = make_model(tmp_path / "model", preset="tiny", weights=False)
+    args = ["--model", str(model), "--load-format", "dummy", "--workers", "2",
+            "--gpus-per-worker", "0", "--tensor-parallel-size", "2", "--pages", "300",
+            "--docs", "8", "--system-tokens", "32", "--doc-tokens", "96", "--max-tokens", "3",
             "--requests-per-worker", "12", "--concurrency", "2", "--engine", "thread",
             "--policies", "chunk_aware", "--kill", "--kill-at", "0.3",
             "--json", str(out)]  # fmt: skip
