@@ -13,7 +13,11 @@
 #                                   # Llama 3 70B's shapes on 2 ranks through the HTTP app,
 #                                   # then a 2-rank worker killed mid-load (cluster_rag --kill)
 #   bash bench/gpu_run.sh bench     # benchmarks, tables printed last
-#   bash bench/gpu_run.sh cluster   # bench/cluster_rag.py on Ray (needs both ray halves)
+#   bash bench/gpu_run.sh cluster   # bench/cluster_rag.py on Ray (needs both ray halves);
+#                                   # CLUSTER_ARGS adds arguments, PRESET=qwen3-8b serves that
+#                                   # preset's shapes with dummy weights (cluster and http), e.g.
+#                                   # WORKERS=2 PRESET=qwen3-8b CLUSTER_ARGS="--reuse exact
+#                                   # approximate --docs-per-request 4 --host-kv-gib 0 32 ..."
 #   bash bench/gpu_run.sh approx    # approximate reuse: speed, its profile, reuse quality
 #   bash bench/gpu_run.sh ab        # approximate TTFT, an older tree against this one, in
 #                                   # turns (ROUNDS, TRIALS): the older tree unpacked here
@@ -79,6 +83,17 @@ save_jit() {
 model=/tmp/chunkserve-bench/qwen3-0.6b
 [ -f $model/config.json ] || python3 -m cluster.ops.cli make-model $model --preset qwen3-0.6b >/dev/null
 export CHUNKSERVE_QWEN3_06B=$model CHUNKSERVE_RESULTS_DIR=$out
+# The cluster and http modes serve qwen3-0.6b, or PRESET's shapes with random weights
+# made in place (e.g. PRESET=qwen3-8b: a miss there costs what it costs users)
+shapes_only() {  # a preset's config and tokenizer, no weights (engine.load_format dummy)
+  local family=qwen3; [[ $1 == llama* ]] && family=llama
+  [ -f /tmp/chunkserve-bench/$1/config.json ] || python3 -m cluster.ops.cli make-model \
+    /tmp/chunkserve-bench/$1 --preset $1 --family $family --no-weights >/dev/null
+}
+cluster_model=(--model $model)
+if [ -n "${PRESET:-}" ] && [ "$PRESET" != qwen3-0.6b ]; then
+  shapes_only $PRESET && cluster_model=(--model /tmp/chunkserve-bench/$PRESET --load-format dummy)
+fi
 case "${1:-all}" in
   savejit) save_jit ;;
   run) shift; "$@" ;;  # any command, with the wheels, modules and model in place
@@ -87,11 +102,7 @@ case "${1:-all}" in
     # tensor parallelism over the machine's GPUs: decode at batch 1 and 256 on 1 and 2
     # ranks (Qwen3-8B's shapes, dummy weights), Llama 3 70B's shapes (refused on one GPU,
     # served on two), and the TP GPU tests
-    for preset in qwen3-8b llama3-70b; do
-      family=qwen3; [ $preset = llama3-70b ] && family=llama
-      [ -f /tmp/chunkserve-bench/$preset/config.json ] || python3 -m cluster.ops.cli make-model \
-        /tmp/chunkserve-bench/$preset --preset $preset --family $family --no-weights >/dev/null
-    done
+    shapes_only qwen3-8b && shapes_only llama3-70b
     parts=" ${TP_PARTS:-qwen3 llama tests} "
     [[ $parts == *" qwen3 "* ]] && python3 bench/tensor_parallel.py \
       --model /tmp/chunkserve-bench/qwen3-8b --sizes 1 2 2>&1 | grep -v Warning \
@@ -102,8 +113,7 @@ case "${1:-all}" in
     [[ $parts == *" tests "* ]] && python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py \
       -q -p no:cacheprovider 2>&1 | tee "$out/tp_tests.txt" ;;
   tpserve)
-    [ -f /tmp/chunkserve-bench/llama3-70b/config.json ] || python3 -m cluster.ops.cli make-model \
-      /tmp/chunkserve-bench/llama3-70b --preset llama3-70b --family llama --no-weights >/dev/null
+    shapes_only llama3-70b
     PATH="/tmp/site/.redis/bin:$PATH" RAY_AUTH_MODE=disabled python3 bench/http_rag.py \
       --model /tmp/chunkserve-bench/llama3-70b --load-format dummy --workers 1 \
       --gpus-per-worker 1 --tensor-parallel-size 2 --replicas 1 --client-processes 1 \
@@ -146,14 +156,14 @@ case "${1:-all}" in
       | tee "$out/skinny_ab.txt" ;;
   cluster)
     # A private, single-user machine: Ray's token auth is not needed.
-    RAY_AUTH_MODE=disabled python3 bench/cluster_rag.py --model $model \
+    RAY_AUTH_MODE=disabled python3 bench/cluster_rag.py "${cluster_model[@]}" \
       --workers "${WORKERS:-1,2,4}" --gpus-per-worker "${GPUS_PER_WORKER:-1}" --kill \
       ${CLUSTER_ARGS:-} 2>&1 | grep -v -e Warning -e '^(' | tee "$out/cluster_rag.txt" ;;
   http)
     # Same workload shape and KV cap as cluster's defaults (bench/cluster_rag.py
     # default_pages); redis-server comes from .whl-http.
     PATH="/tmp/site/.redis/bin:$PATH" RAY_AUTH_MODE=disabled python3 bench/http_rag.py \
-      --model $model --workers "${WORKERS:-4}" --gpus-per-worker 1 --pages 13312 --zipf 0.8 \
+      "${cluster_model[@]}" --workers "${WORKERS:-4}" --gpus-per-worker 1 --pages 13312 --zipf 0.8 \
       --json "$out/http_rag.json" --serve-log "$out/http_rag_serve.log" ${HTTP_ARGS:-} 2>&1 \
       | grep -v -e Warning -e '^(' | tee "$out/http_rag.txt" ;;
 esac
