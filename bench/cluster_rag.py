@@ -29,9 +29,16 @@ document's first sight on a worker, which routing saves only partly.) Zipf 0.8 a
 requests per worker keep first sights a small share of a run.
 
 Every (workers, policy) run uses fresh texts (nothing cached from earlier runs) over the
-same sequence of document indices, so runs start equally cold and see the same
-workload. The workers start once (the most asked for); a run with fewer uses the
-first ones only.
+same sequence of document indices, so every run sees the same workload, cold. The
+workers start once (the most asked for); a run with fewer uses the first ones only.
+Their pools still hold what earlier runs left, and under approximate reuse that
+matters: entries placed at least once keep up to ``engine.entry_reserve`` of a pool
+against new ones (``KVPool.sparing_entries``), so a run after an approximate one finds
+that reserve taken by entries nobody will place again. On CPU workers (tiny model,
+``--docs 256 --docs-per-request 4 --concurrency 16 --pages 768``) chunk-aware +
+approximate found 61.8% of its prompts placed or cached as a first run and 49.5-50.3%
+after another approximate run. ``--cluster-per-run`` starts a cluster for each (policy,
+reuse) run, so each starts from empty pools (the comparisons of reuse modes need it).
 
 Host-memory KV tier (``--host-kv-gib 0 G``): the whole comparison runs once per value,
 each on a cluster of its own whose workers have a host tier of that many GiB
@@ -55,7 +62,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import dataclasses
 import io
+import itertools
 import json
 import pstats
 import random
@@ -619,7 +628,10 @@ def main() -> None:
         for gib in args.host_kv_gib
         for write in (args.host_kv_write if gib else ["all"])
     ]
-    for host_kv_gib, host_write in tiers:
+    pairs = [(policy, reuse) for policy in args.policies for reuse in args.reuse]
+    groups = [[pair] for pair in pairs] if args.cluster_per_run else [pairs]
+    for (host_kv_gib, host_write), group in itertools.product(tiers, groups):
+        group_args = argparse.Namespace(**vars(args), pairs=group)  # the runs on this cluster
         cfg = cluster_config(args, max(counts), host_kv_gib, host_write)
         started = time.perf_counter()
         actors = ensure_cluster(cfg, args.model, detached=False)
@@ -634,7 +646,7 @@ def main() -> None:
                 "graphs): " + ", ".join(f"{info.startup_s:.1f} s" for info in infos),
                 flush=True,
             )
-            measured = asyncio.run(measure(args, cfg, actors, shape, counts, maker))
+            measured = asyncio.run(measure(group_args, cfg, actors, shape, counts, maker))
         finally:
             kill_cluster(cfg)
         if len(tiers) > 1:
@@ -649,13 +661,15 @@ def main() -> None:
 
 
 async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
+    """The runs of ``args.pairs`` (policy, reuse) at each worker count on one cluster,
+    then the kill test if asked."""
     sequence = retrieval_sequence(shape, args.requests_per_worker * max(counts), args.seed)
     warm = make_bodies(maker, shape, sequence[: 4 * max(counts)], seed=10**6, stream=True)
     warm_service = subset_service(cfg, args.model, actors, max(counts), "round_robin")
     await run_workload(warm_service, warm, max(counts) * 2, "warm-up")  # kernels, graphs
     await warm_service.router.pool.close()
     runs: list[RunResult] = []
-    plan = [(c, p, m, None) for c in counts for p in args.policies for m in args.reuse]
+    plan = [(c, p, m, None) for c in counts for p, m in args.pairs]
     while plan:
         count, policy, reuse, open_rate = plan.pop(0)
         routers = max(1, round(count * args.routers_per_worker))
@@ -694,11 +708,10 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
         print("  CPU ms a request: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
         runs.append(run)
         closed = [r for r in runs if r.workers == count and r.open_rate is None]
-        pairs = [(p, m) for p in args.policies for m in args.reuse]
-        if args.rate_share > 0 and open_rate is None and len(closed) == len(pairs):
+        if args.rate_share > 0 and open_rate is None and len(closed) == len(args.pairs):
             rate = args.rate_share * min(r.requests_per_s() for r in closed)
             if rate > 0:  # a policy that answered nothing leaves no rate to offer
-                plan[:0] = [(count, p, m, rate) for p, m in pairs]
+                plan[:0] = [(count, p, m, rate) for p, m in args.pairs]
             else:
                 print(f"{count} workers: no open-loop runs (a closed-loop run answered nothing)")
     if args.kill:
@@ -732,8 +745,9 @@ def policy_name(policy: str, reuse: str, args: argparse.Namespace) -> str:
 
 
 async def step_tallies(workers: dict[str, ActorHandle]) -> dict[str, dict | None]:
-    """Each worker's step tally now: its steps by kind and "busy" (None: it did not
-    answer, e.g. restarting after the kill)."""
+    """Each worker's step tally now: its steps by kind, "busy", its host tier's pages
+    written and loaded, and its engine's workload tally (None: it did not answer, e.g.
+    restarting after the kill)."""
     statuses = await asyncio.gather(
         *(w.status.remote() for w in workers.values()), return_exceptions=True
     )
@@ -746,14 +760,15 @@ async def step_tallies(workers: dict[str, ActorHandle]) -> dict[str, dict | None
             "host": (s.host_tier.pages_written, s.host_tier.pages_loaded)
             if s.host_tier
             else (0, 0),
+            "work": dataclasses.asdict(s.step_tally.workload),
         }
         for wid, s in zip(workers, statuses, strict=True)
     }
 
 
 def tally_difference(before: dict[str, dict | None], after: dict[str, dict | None]) -> dict:
-    """Per worker that answered both times, its steps by kind and busy seconds between
-    the two tallies."""
+    """Per worker that answered both times, its steps by kind, busy seconds, host pages
+    moved and workload counts between the two tallies."""
     out = {}
     for wid, now in after.items():
         then = before.get(wid)
@@ -765,7 +780,9 @@ def tally_difference(before: dict[str, dict | None], after: dict[str, dict | Non
             if n > n0:
                 kinds[kind] = (n - n0, seconds - s0)
         host = tuple(a - b for a, b in zip(now["host"], then["host"], strict=True))
+        work = {name: count - then["work"][name] for name, count in now["work"].items()}
         out[wid] = {"kinds": kinds, "busy": now["busy"] - then["busy"], "host": host}
+        out[wid]["work"] = work
     return out
 
 
@@ -922,6 +939,24 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
         ["workers", "policy", "worker", "busy", "step kind", "steps", "device ms", "of run"],
         rows,
     )
+    rows = [
+        [run.workers, run.policy, worker, *work_row(tally["work"], served[worker])]
+        for run in runs
+        for served in [Counter(r.worker for r in run.results)]
+        for worker, tally in run.steps.items()
+        if any(tally["work"].values())
+    ]
+    if rows:
+        print_table(
+            "What each worker's engine computed during the run: prompt positions through "
+            "every layer (fills and admission forwards included) a request it served, and "
+            "positions only through the selection layers; approximate requests' placeable "
+            "documents found as entries, missed (computed in context), the missed ones taken "
+            "as entries or filled, and entries evicted for room",
+            ["workers", "policy", "worker", "positions a request", "selection-only",
+             "entry hits", "misses", "taken", "fills", "evicted"],
+            rows,
+        )  # fmt: skip
     by_key = {(r.workers, r.policy, r.open_rate): r for r in runs if r.kill is None}
     for count, rate in sorted({(k[0], k[2]) for k in by_key}, key=lambda k: (k[0], k[1] or 0)):
         aware = by_key.get((count, "chunk_aware", rate))
@@ -940,6 +975,21 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
             f"{aware.ttft_ms(0.5):.0f} vs {rr.ttft_ms(0.5):.0f} ms, p90 "
             f"{aware.ttft_ms(0.9):.0f} vs {rr.ttft_ms(0.9):.0f} ms"
         )
+
+
+def work_row(work: dict[str, int], served: int) -> list:
+    """A worker's workload counts over a run (``WorkloadTally``) as a report row;
+    ``served``: the requests it answered."""
+    hits, misses = work["entry_hits"], work["entry_misses"]
+    return [
+        round(work["prompt_positions"] / served) if served else "—",
+        work["selection_only_positions"],
+        f"{hits} ({hits / (hits + misses):.0%})" if hits + misses else "0",
+        misses,
+        work["entries_taken"],
+        work["fills_queued"],
+        work["entry_evictions"],
+    ]
 
 
 def add_worker_gpu_arguments(ap: argparse.ArgumentParser) -> None:
@@ -1042,6 +1092,12 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kill", action="store_true", help="also run the kill test")
+    ap.add_argument(
+        "--cluster-per-run",
+        action="store_true",
+        help="start a cluster for each (policy, reuse) run, so each starts from empty pools "
+        "(not with --kill or --rate-share)",
+    )
     ap.add_argument("--json", type=Path, help="also write each run's summary here")
     ap.add_argument(
         "--profile-routers",
@@ -1053,6 +1109,8 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--kill-at", type=float, default=0.3, help="share answered before the kill")
     args = ap.parse_args()
+    if args.cluster_per_run and (args.kill or args.rate_share > 0):
+        ap.error("--cluster-per-run runs each pair alone: not with --kill or --rate-share")
     if args.pages is None:
         args.pages = default_pages(args.docs, args.doc_tokens)
     check_worker_gpu_arguments(ap, args)

@@ -122,18 +122,22 @@ def test_cluster_bench_compares_reuse_modes_over_ranked_documents(
     ray_cluster, tiny_qwen3, tmp_path
 ):
     """``--reuse exact approximate`` runs each policy in both modes over requests of
-    several ranked documents after one of several system prompts: every request is
-    answered, each run says its mode, and approximate reuse serves more of the prompts
-    from cached KV than exact reuse does (it places a document after any system prompt
-    and documents; exact reuse needs the same ones before it)."""
+    several ranked documents after one of several system prompts, each run on a cluster
+    of its own (``--cluster-per-run``: empty pools): every request is answered, each run
+    says its mode, and approximate reuse serves more of the prompts from cached KV than
+    exact reuse does (it places a document after any system prompt and documents; exact
+    reuse needs the same ones before it). The workers' engines count the entries the
+    approximate runs placed and took, and none in the exact runs."""
     out = tmp_path / "runs.json"
     args = ["--model", str(tiny_qwen3), "--workers", "2", "--gpus-per-worker", "0",
             "--pages", "600", "--docs", "10", "--docs-per-request", "3", "--systems", "4",
             "--system-tokens", "24", "--doc-tokens", "64", "--max-tokens", "2",
             "--requests-per-worker", "16", "--concurrency", "2", "--engine", "thread",
-            "--reuse", "exact", "approximate", "--json", str(out)]  # fmt: skip
+            "--reuse", "exact", "approximate", "--cluster-per-run",
+            "--json", str(out)]  # fmt: skip
     done = _run_bench(ray_cluster, args)
     assert "3 x document 64 (of 10" in done.stdout
+    assert done.stdout.count("2 workers ready in") == 4
     runs = {r["policy"]: r for r in json.loads(out.read_text())}
     assert set(runs) == {
         f"{policy}, {mode}"
@@ -146,6 +150,12 @@ def test_cluster_bench_compares_reuse_modes_over_ranked_documents(
     for policy in ("chunk_aware", "round_robin"):
         exact, approximate = runs[f"{policy}, exact"], runs[f"{policy}, approximate"]
         assert approximate["hit_rate"] > exact["hit_rate"], (policy, exact, approximate)
+        work = {mode: [w["work"] for w in runs[f"{policy}, {mode}"]["steps_by_kind"].values()]
+                for mode in ("exact", "approximate")}  # fmt: skip
+        assert sum(w["entry_hits"] for w in work["approximate"]) > 0
+        assert sum(w["entries_taken"] for w in work["approximate"]) > 0
+        assert all(w["entry_hits"] == w["entries_taken"] == 0 for w in work["exact"])
+        assert all(sum(w["prompt_positions"] for w in work[mode]) > 0 for mode in work)
 
 
 def test_cluster_bench_runs_with_the_host_tier_off_and_on(ray_cluster, tiny_qwen3, tmp_path):

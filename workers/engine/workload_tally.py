@@ -58,6 +58,9 @@ class StepTally:
     # kind -> (steps, their seconds)
     steps_by_kind: dict[str, tuple[int, float]] = field(default_factory=dict)
     busy_s: float = 0.0  # wall time inside Engine.step
+    # the engine's work as of the last step (a copy of ``Engine.tally``): what the time
+    # above was spent on, and how approximate reuse's entries fared
+    workload: WorkloadTally = field(default_factory=WorkloadTally)
 
     def add(self, call_s: float, resolved: list[tuple[str, float]]) -> None:
         """One ``Engine.step`` call of ``call_s`` seconds that read back ``resolved``."""

@@ -38,9 +38,10 @@ Invariants:
   (totals since start; differences of two snapshots give a window): every step read
   back, by its kind (``ModelRunner.last_run_kind``: graph or eager, and the attention
   kind), with its time (``Engine.last_resolved_steps``: on CUDA, its span on the
-  device), and the wall time spent inside ``Engine.step`` (busy). With overlapped
-  steps a call's wall time is mostly the wait for the step before, so only the
-  device spans say what each kind of step costs.
+  device), the wall time spent inside ``Engine.step`` (busy), and the engine's
+  ``WorkloadTally`` as of the last step (positions computed, entries hit, missed,
+  taken, filled and evicted). With overlapped steps a call's wall time is mostly the
+  wait for the step before, so only the device spans say what each kind of step costs.
 """
 
 from __future__ import annotations
@@ -259,7 +260,7 @@ class EngineLoop:
         """Steps by kind and busy time since the loop started (a copy)."""
         with self._lock:
             tally = self._counters.tally
-            return StepTally(dict(tally.steps_by_kind), tally.busy_s)
+            return StepTally(dict(tally.steps_by_kind), tally.busy_s, tally.workload.copy())
 
     def kv_pages(self) -> KVPages:
         """Read from another thread without stopping the loop: a snapshot that may be
@@ -319,6 +320,7 @@ class EngineLoop:
                 c.speed.fold(step_s, prompt_tokens)
             if step_s is not None:
                 c.tally.add(step_s, engine.last_resolved_steps)
+                c.tally.workload = engine.tally.copy()
             c.prefill_backlog_tokens = shape.prefill_backlog_tokens
             c.decode_seqs = shape.decode_seqs
             c.host_tier = host
