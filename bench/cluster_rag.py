@@ -781,8 +781,7 @@ def tally_difference(before: dict[str, dict | None], after: dict[str, dict | Non
                 kinds[kind] = (n - n0, seconds - s0)
         host = tuple(a - b for a, b in zip(now["host"], then["host"], strict=True))
         work = {name: count - then["work"][name] for name, count in now["work"].items()}
-        out[wid] = {"kinds": kinds, "busy": now["busy"] - then["busy"], "host": host}
-        out[wid]["work"] = work
+        out[wid] = {"kinds": kinds, "busy": now["busy"] - then["busy"], "host": host, "work": work}
     return out
 
 
@@ -939,13 +938,14 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
         ["workers", "policy", "worker", "busy", "step kind", "steps", "device ms", "of run"],
         rows,
     )
-    rows = [
-        [run.workers, run.policy, worker, *work_row(tally["work"], served[worker])]
-        for run in runs
-        for served in [Counter(r.worker for r in run.results)]
-        for worker, tally in run.steps.items()
-        if any(tally["work"].values())
-    ]
+    rows = []
+    for run in runs:
+        served = Counter(r.worker for r in run.results)
+        rows += [
+            [run.workers, run.policy, worker, *work_row(tally["work"], served[worker])]
+            for worker, tally in run.steps.items()
+            if any(tally["work"].values())
+        ]
     if rows:
         print_table(
             "What each worker's engine computed during the run: prompt positions through "

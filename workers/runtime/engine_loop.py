@@ -257,10 +257,11 @@ class EngineLoop:
             )
 
     def step_tally(self) -> StepTally:
-        """Steps by kind and busy time since the loop started (a copy)."""
+        """Steps by kind, busy time and the engine's workload since the loop started (a
+        copy; the workload snapshot is shared: each step replaces it, never changes it)."""
         with self._lock:
             tally = self._counters.tally
-            return StepTally(dict(tally.steps_by_kind), tally.busy_s, tally.workload.copy())
+            return StepTally(dict(tally.steps_by_kind), tally.busy_s, tally.workload)
 
     def kv_pages(self) -> KVPages:
         """Read from another thread without stopping the loop: a snapshot that may be

@@ -65,10 +65,6 @@ def wire_dumps(message) -> bytes:
     return out.getvalue()
 
 
-def _tensor_from_numpy(array) -> torch.Tensor:
-    return torch.from_numpy(array)
-
-
 class _WirePickler(pickle.Pickler):
     def reducer_override(self, obj):
         # numpy has no bfloat16, and a tensor on a device or needing grad keeps
@@ -79,7 +75,7 @@ class _WirePickler(pickle.Pickler):
             and obj.dtype != torch.bfloat16
             and not obj.requires_grad
         ):
-            return _tensor_from_numpy, (obj.numpy(),)
+            return torch.from_numpy, (obj.numpy(),)
         return NotImplemented
 
 
