@@ -38,7 +38,8 @@ that reserve taken by entries nobody will place again. On CPU workers (tiny mode
 ``--docs 256 --docs-per-request 4 --concurrency 16 --pages 768``) chunk-aware +
 approximate found 61.8% of its prompts placed or cached as a first run and 49.5-50.3%
 after another approximate run. ``--cluster-per-run`` starts a cluster for each (policy,
-reuse) run, so each starts from empty pools (the comparisons of reuse modes need it).
+reuse) run, so each starts from empty pools (the comparisons of reuse modes need it);
+with ``--rate-share`` each pair then runs open-loop on a fresh cluster again.
 
 Host-memory KV tier (``--host-kv-gib 0 G``): the whole comparison runs once per value,
 each on a cluster of its own whose workers have a host tier of that many GiB
@@ -63,8 +64,8 @@ import argparse
 import asyncio
 import cProfile
 import dataclasses
+import functools
 import io
-import itertools
 import json
 import pstats
 import random
@@ -567,6 +568,19 @@ async def wait_back(victim: ActorHandle, events: dict, timeout_s: float = 600) -
 
 # -- main ------------------------------------------------------------------------------
 PAGE_SIZE = 16
+# config keys this bench sets from its own flags (--set refuses them)
+OWN_FLAGS = {
+    "engine.num_pages": "--pages",
+    "engine.host_kv_gib": "--host-kv-gib",
+    "engine.host_kv_write": "--host-kv-write",
+    "engine.load_format": "--load-format",
+    "workers.count": "--workers",
+    "workers.num_gpus": "--gpus-per-worker",
+    "workers.tensor_parallel_size": "--tensor-parallel-size",
+    "workers.engine_process": "--engine",
+    "router.policy": "--policies",
+    "server.default_max_tokens": "--max-tokens",
+}
 HEADROOM_PAGES = 1024  # system prompts and the unique tails of the requests in flight
 
 
@@ -586,25 +600,26 @@ def cluster_config(
         engine |= {"gpu_memory_utilization": 0.9 * args.gpus_per_worker}
     else:
         engine |= {"device": "cpu", "dtype": "float32"}
-    return ClusterConfig.model_validate(
-        {
-            "name": f"bench-{random.randrange(16**6):06x}",
-            "model": {"name": MODEL_NAME, "path": str(args.model)},
-            "engine": engine,
-            "workers": {
-                "count": count,
-                "num_gpus": args.gpus_per_worker * args.tensor_parallel_size,
-                "tensor_parallel_size": args.tensor_parallel_size,
-                "num_cpus": 1,
-                "max_restarts": 3,
-                "startup_timeout_s": 600,
-                "engine_process": {"auto": None, "process": True, "thread": False}[args.engine],
-            },
-            "directory": {"kind": "embedded"},
-            "router": {"max_requests_per_worker": 4096},
-            "server": {"default_max_tokens": args.max_tokens},
-        }
-    )
+    raw = {
+        "name": f"bench-{random.randrange(16**6):06x}",
+        "model": {"name": MODEL_NAME, "path": str(args.model)},
+        "engine": engine,
+        "workers": {
+            "count": count,
+            "num_gpus": args.gpus_per_worker * args.tensor_parallel_size,
+            "tensor_parallel_size": args.tensor_parallel_size,
+            "num_cpus": 1,
+            "max_restarts": 3,
+            "startup_timeout_s": 600,
+            "engine_process": {"auto": None, "process": True, "thread": False}[args.engine],
+        },
+        "directory": {"kind": "embedded"},
+        "router": {"max_requests_per_worker": 4096},
+        "server": {"default_max_tokens": args.max_tokens},
+    }
+    for override in args.set:
+        apply_override(raw, override)
+    return parse_config(raw, source="--set")
 
 
 def main() -> None:
@@ -629,26 +644,16 @@ def main() -> None:
         for write in (args.host_kv_write if gib else ["all"])
     ]
     pairs = [(policy, reuse) for policy in args.policies for reuse in args.reuse]
-    groups = [[pair] for pair in pairs] if args.cluster_per_run else [pairs]
-    for (host_kv_gib, host_write), group in itertools.product(tiers, groups):
-        group_args = argparse.Namespace(**vars(args), pairs=group)  # the runs on this cluster
-        cfg = cluster_config(args, max(counts), host_kv_gib, host_write)
-        started = time.perf_counter()
-        actors = ensure_cluster(cfg, args.model, detached=False)
-        try:
-            infos = wait_ready(actors, cfg.workers.startup_timeout_s)
-            ranks = args.tensor_parallel_size
-            print(
-                f"{max(counts)} workers"
-                + (f" of {ranks} ranks" if ranks > 1 else "")
-                + f" ready in {time.perf_counter() - started:.1f} s "
-                f"(host KV tier {host_kv_gib:g} GiB); each worker's own start (engine, "
-                "graphs): " + ", ".join(f"{info.startup_s:.1f} s" for info in infos),
-                flush=True,
-            )
-            measured = asyncio.run(measure(group_args, cfg, actors, shape, counts, maker))
-        finally:
-            kill_cluster(cfg)
+    for host_kv_gib, host_write in tiers:
+        on_tier = functools.partial(
+            runs_on_cluster, args, shape, counts, maker, host_kv_gib, host_write
+        )
+        if not args.cluster_per_run:
+            measured = on_tier(pairs)
+        else:  # each pair alone; then, at one offered rate, each again on a fresh cluster
+            measured = [run for pair in pairs for run in on_tier([pair])]
+            if rates := open_rates(args.rate_share, measured, counts):
+                measured += [run for pair in pairs for run in on_tier([pair], rates)]
         if len(tiers) > 1:
             several = len(args.host_kv_write) > 1 or host_write != "all"
             writes = f", {host_write} writes" if host_kv_gib and several else ""
@@ -660,16 +665,57 @@ def main() -> None:
         args.json.write_text(json.dumps([run.summary() for run in runs], indent=1))
 
 
+def runs_on_cluster(
+    args, shape, counts, maker, host_kv_gib, host_write, pairs, rates=None
+) -> list[RunResult]:
+    """The runs of ``pairs`` (policy, reuse) on a cluster started for them and stopped
+    after; ``rates``: open-loop only, at these offered requests/s by worker count."""
+    cfg = cluster_config(args, max(counts), host_kv_gib, host_write)
+    started = time.perf_counter()
+    actors = ensure_cluster(cfg, args.model, detached=False)
+    try:
+        infos = wait_ready(actors, cfg.workers.startup_timeout_s)
+        ranks = args.tensor_parallel_size
+        print(
+            f"{max(counts)} workers"
+            + (f" of {ranks} ranks" if ranks > 1 else "")
+            + f" ready in {time.perf_counter() - started:.1f} s "
+            f"(host KV tier {host_kv_gib:g} GiB); each worker's own start (engine, "
+            "graphs): " + ", ".join(f"{info.startup_s:.1f} s" for info in infos),
+            flush=True,
+        )
+        run_args = argparse.Namespace(**vars(args), pairs=pairs, rates=rates)
+        return asyncio.run(measure(run_args, cfg, actors, shape, counts, maker))
+    finally:
+        kill_cluster(cfg)
+
+
+def open_rates(share: float, closed: list[RunResult], counts: list[int]) -> dict[int, float]:
+    """The open-loop rate of each worker count: ``share`` of the lowest closed-loop
+    requests/s among its runs. Empty where there is no share, or where a run answered
+    nothing (it leaves no rate to offer), which is said."""
+    if share <= 0:
+        return {}
+    rates = {count: share * min(r.requests_per_s() for r in closed if r.workers == count)
+             for count in counts}  # fmt: skip
+    if not all(rates.values()):
+        print("no open-loop runs: a closed-loop run answered nothing")
+        return {}
+    return rates
+
+
 async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
     """The runs of ``args.pairs`` (policy, reuse) at each worker count on one cluster,
-    then the kill test if asked."""
+    closed-loop (then open-loop at ``--rate-share``, unless each pair has a cluster of
+    its own), or open-loop only at ``args.rates``; then the kill test if asked."""
     sequence = retrieval_sequence(shape, args.requests_per_worker * max(counts), args.seed)
     warm = make_bodies(maker, shape, sequence[: 4 * max(counts)], seed=10**6, stream=True)
     warm_service = subset_service(cfg, args.model, actors, max(counts), "round_robin")
     await run_workload(warm_service, warm, max(counts) * 2, "warm-up")  # kernels, graphs
     await warm_service.router.pool.close()
     runs: list[RunResult] = []
-    plan = [(c, p, m, None) for c in counts for p, m in args.pairs]
+    rates = args.rates or {}
+    plan = [(c, p, m, rates.get(c)) for c in counts for p, m in args.pairs]
     while plan:
         count, policy, reuse, open_rate = plan.pop(0)
         routers = max(1, round(count * args.routers_per_worker))
@@ -708,12 +754,10 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
         print("  CPU ms a request: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
         runs.append(run)
         closed = [r for r in runs if r.workers == count and r.open_rate is None]
-        if args.rate_share > 0 and open_rate is None and len(closed) == len(args.pairs):
-            rate = args.rate_share * min(r.requests_per_s() for r in closed)
-            if rate > 0:  # a policy that answered nothing leaves no rate to offer
+        if not args.cluster_per_run and open_rate is None and len(closed) == len(args.pairs):
+            rate = open_rates(args.rate_share, closed, [count]).get(count)
+            if rate:
                 plan[:0] = [(count, p, m, rate) for p, m in args.pairs]
-            else:
-                print(f"{count} workers: no open-loop runs (a closed-loop run answered nothing)")
     if args.kill:
         count = max(counts)
         service = subset_service(cfg, args.model, actors, count, "chunk_aware")
@@ -850,7 +894,8 @@ def report(args, shape: Shape, runs: list[RunResult]) -> None:
         f"{shape.docs_per_request} x document {shape.doc_tokens} (of {shape.docs}, Zipf "
         f"{shape.zipf}, in relevance order) + question {shape.question_tokens} tokens, "
         f"{shape.max_tokens} output tokens; {args.pages} KV pages per worker; "
-        f"{args.concurrency} clients per worker",
+        f"{args.concurrency} clients per worker"
+        + "".join(f"; {override}" for override in args.set),
         [
             "workers",
             "policy",
@@ -1095,9 +1140,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--cluster-per-run",
         action="store_true",
-        help="start a cluster for each (policy, reuse) run, so each starts from empty pools "
-        "(not with --kill or --rate-share)",
+        help="start a cluster for each (policy, reuse) run, so each starts from empty pools, "
+        "and with --rate-share another for each open-loop run (not with --kill)",
     )
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="a config override for every run's cluster, e.g. engine.entry_reserve=0.25 "
+        "(repeatable; not for what this bench's own flags set)",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path, help="also write each run's summary here")
     ap.add_argument(
         "--profile-routers",
@@ -1109,8 +1159,16 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--kill-at", type=float, default=0.3, help="share answered before the kill")
     args = ap.parse_args()
-    if args.cluster_per_run and (args.kill or args.rate_share > 0):
-        ap.error("--cluster-per-run runs each pair alone: not with --kill or --rate-share")
+    if args.cluster_per_run and args.kill:
+        ap.error("--cluster-per-run runs each pair alone: not with --kill")
+    for override in args.set:
+        key = override.partition("=")[0]
+        if key in OWN_FLAGS:
+            ap.error(f"--set {key}: use {OWN_FLAGS[key]}")
+    try:  # the overrides meet the config's checks before anything starts
+        cluster_config(args, 1)
+    except ValueError as error:
+        ap.error(str(error))
     if args.pages is None:
         args.pages = default_pages(args.docs, args.doc_tokens)
     check_worker_gpu_arguments(ap, args)

@@ -18,6 +18,8 @@
 #                                   # preset's shapes with dummy weights (cluster and http), e.g.
 #                                   # WORKERS=2 PRESET=qwen3-8b CLUSTER_ARGS="--reuse exact
 #                                   # approximate --docs-per-request 4 --host-kv-gib 0 32 ..."
+#                                   # (KILL=0 leaves out the kill test: --cluster-per-run
+#                                   # refuses it)
 #   bash bench/gpu_run.sh approx    # approximate reuse: speed, its profile, reuse quality
 #   bash bench/gpu_run.sh ab        # approximate TTFT, an older tree against this one, in
 #                                   # turns (ROUNDS, TRIALS): the older tree unpacked here
@@ -156,8 +158,9 @@ case "${1:-all}" in
       | tee "$out/skinny_ab.txt" ;;
   cluster)
     # A private, single-user machine: Ray's token auth is not needed.
+    kill=(--kill); [ "${KILL:-1}" = 0 ] && kill=()  # KILL=0: no kill test (--cluster-per-run)
     RAY_AUTH_MODE=disabled python3 bench/cluster_rag.py "${cluster_model[@]}" \
-      --workers "${WORKERS:-1,2,4}" --gpus-per-worker "${GPUS_PER_WORKER:-1}" --kill \
+      --workers "${WORKERS:-1,2,4}" --gpus-per-worker "${GPUS_PER_WORKER:-1}" "${kill[@]}" \
       ${CLUSTER_ARGS:-} 2>&1 | grep -v -e Warning -e '^(' | tee "$out/cluster_rag.txt" ;;
   http)
     # Same workload shape and KV cap as cluster's defaults (bench/cluster_rag.py

@@ -127,18 +127,27 @@ def test_cluster_bench_compares_reuse_modes_over_ranked_documents(
     says its mode, and approximate reuse serves more of the prompts from cached KV than
     exact reuse does (it places a document after any system prompt and documents; exact
     reuse needs the same ones before it). The workers' engines count the entries the
-    approximate runs placed and took, and none in the exact runs."""
+    approximate runs placed and took, and none in the exact runs. With ``--rate-share``
+    each pair then runs open-loop on a fresh cluster of its own at half the slowest
+    closed-loop rate, and answers everything there too."""
     out = tmp_path / "runs.json"
     args = ["--model", str(tiny_qwen3), "--workers", "2", "--gpus-per-worker", "0",
             "--pages", "600", "--docs", "10", "--docs-per-request", "3", "--systems", "4",
             "--system-tokens", "24", "--doc-tokens", "64", "--max-tokens", "2",
             "--requests-per-worker", "16", "--concurrency", "2", "--engine", "thread",
-            "--reuse", "exact", "approximate", "--cluster-per-run",
+            "--reuse", "exact", "approximate", "--cluster-per-run", "--rate-share", "0.5",
             "--json", str(out)]  # fmt: skip
     done = _run_bench(ray_cluster, args)
     assert "3 x document 64 (of 10" in done.stdout
-    assert done.stdout.count("2 workers ready in") == 4
-    runs = {r["policy"]: r for r in json.loads(out.read_text())}
+    assert done.stdout.count("2 workers ready in") == 8  # a cluster for each run
+    everything = json.loads(out.read_text())
+    runs = {r["policy"]: r for r in everything if r["open_rate"] is None}
+    open_runs = {r["policy"]: r for r in everything if r["open_rate"] is not None}
+    assert set(open_runs) == set(runs)
+    slowest = min(run["requests_per_s"] for run in runs.values())
+    for run in open_runs.values():
+        assert run["open_rate"] == pytest.approx(0.5 * slowest)
+        assert run["answered"] == 32 and run["errors"] == []
     assert set(runs) == {
         f"{policy}, {mode}"
         for policy in ("chunk_aware", "round_robin")
