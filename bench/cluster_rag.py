@@ -568,6 +568,7 @@ async def wait_back(victim: ActorHandle, events: dict, timeout_s: float = 600) -
 
 # -- main ------------------------------------------------------------------------------
 PAGE_SIZE = 16
+REUSE_MODES = ("exact", "approximate")
 # config keys this bench sets from its own flags (--set refuses them)
 OWN_FLAGS = {
     "engine.num_pages": "--pages",
@@ -643,7 +644,7 @@ def main() -> None:
         for gib in args.host_kv_gib
         for write in (args.host_kv_write if gib else ["all"])
     ]
-    pairs = [(policy, reuse) for policy in args.policies for reuse in args.reuse]
+    pairs = args.pair_list
     for host_kv_gib, host_write in tiers:
         on_tier = functools.partial(
             runs_on_cluster, args, shape, counts, maker, host_kv_gib, host_write
@@ -1070,9 +1071,15 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--policies",
         nargs="+",
-        default=list(POLICIES),
         help="router policies to compare, each optionally with router settings: "
-        "chunk_aware,recent_route_lease_s=0",
+        "chunk_aware,recent_route_lease_s=0 (default: " + " ".join(POLICIES) + ")",
+    )
+    ap.add_argument(
+        "--pairs",
+        nargs="+",
+        metavar="POLICY:REUSE",
+        help="the (policy, reuse) runs to compare, instead of every policy with every reuse "
+        "mode: e.g. round_robin:exact chunk_aware:approximate",
     )
     add_worker_gpu_arguments(ap)
     ap.add_argument(
@@ -1098,9 +1105,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--reuse",
         nargs="+",
-        choices=("exact", "approximate"),
-        default=["exact"],
-        help="reuse modes to compare, each with every policy (the kill test takes the first)",
+        choices=REUSE_MODES,
+        help="reuse modes to compare, each with every policy (the kill test takes the first; "
+        "default: exact)",
     )
     ap.add_argument(
         "--host-kv-gib",
@@ -1159,6 +1166,18 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--kill-at", type=float, default=0.3, help="share answered before the kill")
     args = ap.parse_args()
+    if args.pairs and (args.policies or args.reuse):
+        ap.error("--pairs names the runs: not with --policies or --reuse")
+    if args.pairs:
+        args.pair_list = [text.rpartition(":")[::2] for text in args.pairs]
+        for text, (policy, reuse) in zip(args.pairs, args.pair_list, strict=True):
+            if not policy or reuse not in REUSE_MODES:
+                ap.error(f"--pairs {text}: expected POLICY:REUSE, REUSE one of {REUSE_MODES}")
+        args.policies = list(dict.fromkeys(policy for policy, _ in args.pair_list))
+        args.reuse = list(dict.fromkeys(reuse for _, reuse in args.pair_list))
+    else:
+        args.policies, args.reuse = args.policies or list(POLICIES), args.reuse or ["exact"]
+        args.pair_list = [(p, r) for p in args.policies for r in args.reuse]
     if args.cluster_per_run and args.kill:
         ap.error("--cluster-per-run runs each pair alone: not with --kill")
     for override in args.set:

@@ -1,7 +1,8 @@
 """``bench/cluster_rag.py``'s own arguments, without a cluster: ``--set`` overrides
 reach every run's cluster config and are refused where a flag of the bench's own sets
-the key or the config's checks fail; ``open_rates`` gives each worker count its share of
-the slowest closed-loop run. (Runs through real clusters: tests/cluster.)"""
+the key or the config's checks fail; ``--pairs`` names the (policy, reuse) runs instead
+of every policy with every mode; ``open_rates`` gives each worker count its share of the
+slowest closed-loop run. (Runs through real clusters: tests/cluster.)"""
 
 from __future__ import annotations
 
@@ -52,6 +53,40 @@ def test_bad_overrides_are_refused_before_anything_starts(
     with pytest.raises(SystemExit) as refused:
         parse(monkeypatch, "--model", str(model), "--set", override)
     assert refused.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_pairs_name_the_runs(monkeypatch, model):
+    args = parse(monkeypatch, "--model", str(model),
+                 "--pairs", "round_robin:exact", "chunk_aware,recent_route_lease_s=0:approximate")  # fmt: skip
+    assert args.pair_list == [
+        ("round_robin", "exact"),
+        ("chunk_aware,recent_route_lease_s=0", "approximate"),
+    ]
+    assert cluster_rag.policy_name("round_robin", "exact", args) == "round_robin, exact"
+    every = parse(monkeypatch, "--model", str(model), "--reuse", "exact", "approximate")
+    assert every.pair_list == [
+        (policy, mode)
+        for policy in ("chunk_aware", "round_robin")
+        for mode in ("exact", "approximate")
+    ]
+    assert parse(monkeypatch, "--model", str(model)).pair_list == [
+        ("chunk_aware", "exact"),
+        ("round_robin", "exact"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--pairs", "round_robin:exact", "--reuse", "exact"], "not with --policies or --reuse"),
+        (["--pairs", "round_robin:approx"], "--pairs round_robin:approx: expected POLICY:REUSE"),
+        (["--pairs", "round_robin"], "--pairs round_robin: expected POLICY:REUSE"),
+    ],
+)
+def test_bad_pairs_are_refused(monkeypatch, model, capsys, argv, said):
+    with pytest.raises(SystemExit):
+        parse(monkeypatch, "--model", str(model), *argv)
     assert said in capsys.readouterr().err
 
 
