@@ -56,6 +56,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.cluster_rag import (  # noqa: E402
     MODEL_NAME,
+    OWN_FLAGS,
     TextMaker,
     add_worker_gpu_arguments,
     check_worker_gpu_arguments,
@@ -748,6 +749,13 @@ def measure_ingress(
     return run, metrics, status, cpu
 
 
+def engine_override(item: str) -> bool:
+    """Whether a ``--set`` item is an engine setting that ``bench/cluster_rag.py`` takes
+    too (not one its own flags set)."""
+    key = item.partition("=")[0]
+    return key.startswith("engine.") and key not in OWN_FLAGS
+
+
 def run_router_path(args, env: dict) -> dict:
     """``bench/cluster_rag.py`` on this workload (chunk-aware, the same workers, pages,
     requests, clients per worker and router replicas), in a process of its own: its
@@ -768,6 +776,12 @@ def run_router_path(args, env: dict) -> dict:
             "--concurrency", str(max(1, args.concurrency // args.workers)),
             "--routers-per-worker", str(args.replicas / args.workers), "--json", str(out),
         ]  # fmt: skip
+        # the engine's overrides hold on both paths; the rest configure the HTTP app only
+        engine = [item for item in args.set if engine_override(item)]
+        cmd += [arg for item in engine for arg in ("--set", item)]
+        if len(engine) < len(args.set):
+            log("not on the router path (HTTP app only): "
+                + " ".join(item for item in args.set if item not in engine))  # fmt: skip
         log("the router path: " + " ".join(cmd[1:]))
         done = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
         log("router path output:\n" + done.stdout[-6000:])
@@ -864,7 +878,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--startup-timeout-s", type=float, default=1200, help="workers' start")
     ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
-        help="extra config override for chunkserve serve (repeatable)",
+        help="extra config override for chunkserve serve (repeatable); with --router-path "
+        "the engine's (engine.*) hold there too",
     )  # fmt: skip
     ap.add_argument("--serve-log", type=Path, help="chunkserve serve's output (default: /tmp)")
     ap.add_argument("--json", type=Path, help="also write the JSON summary here")

@@ -2,7 +2,8 @@
 reach every run's cluster config and are refused where a flag of the bench's own sets
 the key or the config's checks fail; ``--pairs`` names the (policy, reuse) runs instead
 of every policy with every mode; ``open_rates`` gives each worker count its share of the
-slowest closed-loop run. (Runs through real clusters: tests/cluster.)"""
+slowest closed-loop run; ``bench/http_rag.py`` takes its engine overrides to the router
+path. (Runs through real clusters: tests/cluster.)"""
 
 from __future__ import annotations
 
@@ -102,3 +103,11 @@ def test_open_rates_take_a_share_of_the_slowest_run_at_each_worker_count(capsys)
     silent = _run(2, 0, 2.0)  # a run that answered nothing leaves no rate, which is said
     assert cluster_rag.open_rates(0.5, [*closed, silent], [1, 2]) == {}
     assert "no open-loop runs" in capsys.readouterr().out
+
+
+def test_the_http_bench_takes_its_engine_overrides_to_the_router_path():
+    from bench.http_rag import engine_override
+
+    assert engine_override("engine.entry_reserve=0")
+    assert not engine_override("engine.num_pages=512")  # the router path's --pages sets it
+    assert not engine_override("server.stream_interval_s=0")  # the HTTP app's alone
