@@ -685,8 +685,7 @@ def runs_on_cluster(
             "graphs): " + ", ".join(f"{info.startup_s:.1f} s" for info in infos),
             flush=True,
         )
-        run_args = argparse.Namespace(**(vars(args) | {"pair_list": pairs, "rates": rates}))
-        return asyncio.run(measure(run_args, cfg, actors, shape, counts, maker))
+        return asyncio.run(measure(args, cfg, actors, shape, counts, maker, pairs, rates))
     finally:
         kill_cluster(cfg)
 
@@ -705,18 +704,18 @@ def open_rates(share: float, closed: list[RunResult], counts: list[int]) -> dict
     return rates
 
 
-async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
-    """The runs of ``args.pair_list`` (policy, reuse) at each worker count on one cluster,
+async def measure(args, cfg, actors, shape, counts, maker, pairs, rates=None) -> list[RunResult]:
+    """The runs of ``pairs`` (policy, reuse) at each worker count on one cluster,
     closed-loop (then open-loop at ``--rate-share``, unless each pair has a cluster of
-    its own), or open-loop only at ``args.rates``; then the kill test if asked."""
+    its own), or open-loop only at ``rates`` (offered requests/s by worker count); then
+    the kill test if asked."""
     sequence = retrieval_sequence(shape, args.requests_per_worker * max(counts), args.seed)
     warm = make_bodies(maker, shape, sequence[: 4 * max(counts)], seed=10**6, stream=True)
     warm_service = subset_service(cfg, args.model, actors, max(counts), "round_robin")
     await run_workload(warm_service, warm, max(counts) * 2, "warm-up")  # kernels, graphs
     await warm_service.router.pool.close()
     runs: list[RunResult] = []
-    rates = args.rates or {}
-    plan = [(c, p, m, rates.get(c)) for c in counts for p, m in args.pair_list]
+    plan = [(c, p, m, (rates or {}).get(c)) for c in counts for p, m in pairs]
     while plan:
         count, policy, reuse, open_rate = plan.pop(0)
         routers = max(1, round(count * args.routers_per_worker))
@@ -755,10 +754,10 @@ async def measure(args, cfg, actors, shape, counts, maker) -> list[RunResult]:
         print("  CPU ms a request: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
         runs.append(run)
         closed = [r for r in runs if r.workers == count and r.open_rate is None]
-        if not args.cluster_per_run and open_rate is None and len(closed) == len(args.pair_list):
+        if not args.cluster_per_run and open_rate is None and len(closed) == len(pairs):
             rate = open_rates(args.rate_share, closed, [count]).get(count)
             if rate:
-                plan[:0] = [(count, p, m, rate) for p, m in args.pair_list]
+                plan[:0] = [(count, p, m, rate) for p, m in pairs]
     if args.kill:
         count = max(counts)
         service = subset_service(cfg, args.model, actors, count, "chunk_aware")
