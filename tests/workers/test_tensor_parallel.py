@@ -7,6 +7,8 @@ sending every operation to the other rank are all on the path."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -233,3 +235,57 @@ def test_a_rank_that_fails_to_start_fails_the_engine_with_its_reason(tiny_qwen3)
     raises what went wrong (not a secondary error from closing) and leaves no rank."""
     with pytest.raises(ValueError, match="not enough memory for the KV cache"):
         _engine(tiny_qwen3, 2, cpu_kv_cache_bytes=1)
+
+
+def _wait_for(path, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _rank_that_aborts_with_rank_0(conn, rank: int, folder) -> None:
+    """A rank other than 0 as closing sees it: on its pipe's EOF it aborts its end of
+    the group, which (as NCCL's abort does within a node) returns once rank 0 aborts
+    too; exit code 0 if it did, 3 if it waited in vain. (Files say who aborts: a rank
+    terminated while it waits leaves nothing half-held.)"""
+    try:
+        conn.recv_bytes()
+    except EOFError:
+        pass
+    (folder / f"aborting{rank}").touch()
+    raise SystemExit(0 if _wait_for(folder / "aborting0", 30) else 3)
+
+
+@pytest.mark.integration  # ranks are processes
+def test_closing_aborts_rank_0_while_the_other_ranks_abort(tmp_path):
+    """NCCL's abort waits for every rank of a node, so ``Followers.close`` must run rank
+    0's abort after the others start theirs (their pipes closed) and before it waits
+    for them to exit: otherwise each waits for the other until the others are
+    terminated, and rank 0's abort then waits for ranks that are gone."""
+    import multiprocessing
+
+    from workers.engine.tp.group import Followers
+
+    context = multiprocessing.get_context("spawn")
+    conns, processes = [], []
+    for rank in (1, 2):
+        mine, theirs = context.Pipe()
+        process = context.Process(
+            target=_rank_that_aborts_with_rank_0, args=(theirs, rank, tmp_path)
+        )
+        process.start()
+        theirs.close()
+        conns.append(mine)
+        processes.append(process)
+    met = []
+
+    def rank_0_abort() -> None:  # returns once every other rank aborts as well
+        (tmp_path / "aborting0").touch()
+        met.append(all(_wait_for(tmp_path / f"aborting{rank}", 60) for rank in (1, 2)))
+
+    Followers(conns, processes, store=None).close(while_they_stop=rank_0_abort)
+    assert met == [True]
+    assert [p.exitcode for p in processes] == [0, 0]

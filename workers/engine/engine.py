@@ -720,10 +720,10 @@ class Engine:
         """Stop a tensor-parallel worker's other ranks (nothing for one rank); the
         engine serves nothing after."""
         if self.followers is not None:
-            self.followers.close()
-            # rank 0's end of the group: aborted, so that neither this nor the
+            # rank 0's end of the group is aborted while the others abort theirs (NCCL's
+            # abort waits for every rank of a node), so that neither this nor the
             # interpreter's exit waits on NCCL for ranks that are gone
-            self._shard.close()
+            self.followers.close(while_they_stop=self._shard.close)
 
     def _check_weights_fit(self, shard: Shard) -> None:
         """ValueError, before anything is allocated, when one rank's weights leave no

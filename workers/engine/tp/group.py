@@ -16,7 +16,8 @@ fails while starting fails the engine with its traceback.
 
 Lifetime: the other ranks exit when rank 0 closes their pipes (``Followers.close``) or
 when its process is gone (their pipe's end reads EOF), and they are daemonic children;
-each aborts its end of an NCCL group on the way out. A rank that fails later reports
+each aborts its end of an NCCL group on the way out, and rank 0 aborts its own while
+they do (NCCL's abort returns once every rank of a node has aborted). A rank that fails later reports
 why on its pipe and exits; rank 0's next send or collective then fails (the group's
 timeout, ``GROUP_TIMEOUT``, bounds it), so the worker fails as a whole and is
 restarted with all its ranks.
@@ -49,6 +50,9 @@ GROUP_TIMEOUT = datetime.timedelta(seconds=120)
 START_TIMEOUT_S = 300.0
 # ... and to load their shards (a 70B model's half from disk) and build their runners
 LOAD_TIMEOUT_S = 1800.0
+# ... and, once closed, to exit (after rank 0's own abort, which theirs meet) before
+# they are terminated
+STOP_TIMEOUT_S = 10.0
 # What a rank other than 0 says on its pipe, in order: started (about to join the
 # group), loaded (its shard), built (its runner, after rank 0's ``build``); or, at any
 # point, FAILED followed by its traceback, before it exits.
@@ -190,8 +194,11 @@ class Followers:
         self.expect(LOADED)
         self.call("__build__", shape)
 
-    def close(self) -> None:
-        """Stop the other ranks (idempotent)."""
+    def close(self, while_they_stop: Callable[[], None] | None = None) -> None:
+        """Stop the other ranks (idempotent): close their pipes, run
+        ``while_they_stop`` (rank 0's end of the group: ``Shard.close``, whose NCCL
+        abort returns once the others abort theirs, which they do on the way out), then
+        wait for them to exit."""
         if self.closed:
             return
         self.closed = True
@@ -200,8 +207,10 @@ class Followers:
                 conn.close()
             except OSError:
                 pass
+        if while_they_stop is not None:
+            while_they_stop()
         for process in self._processes:
-            process.join(timeout=10)
+            process.join(timeout=STOP_TIMEOUT_S)
             if process.is_alive():
                 process.terminate()
 

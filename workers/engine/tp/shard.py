@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,9 @@ import torch
 from workers.engine.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
+
+# how long closing waits for the other ranks to abort a group with this one (Shard.close)
+ABORT_WAIT_S = 30.0
 
 
 def check_divisible(config: ModelConfig, world: int) -> None:
@@ -120,14 +124,32 @@ class Shard:
         return by_rank.reshape(rows, self.world * per)[:, :vocab_size]
 
     def close(self) -> None:
-        """Release the group once every rank is done with it (NCCL's ``abort``, so no
-        destructor waits for ranks that exited; gloo's needs nothing)."""
+        """Release the group (NCCL's ``abort``, so no destructor waits for ranks that
+        exited; gloo's needs nothing).
+
+        NCCL's abort frees memory the ranks of a node share, so it returns once every
+        rank of the node aborts: each rank calls this while the others do
+        (``Followers.close``). Where a rank is gone and never will, the abort is left
+        behind after ``ABORT_WAIT_S`` with a warning, so that closing ends."""
         if not self.parallel or self.group.name() != "nccl":
             return
-        try:
-            self.group.abort()
-        except Exception:  # noqa: BLE001 - closing: say so, and go on closing
-            logger.warning("aborting rank %d's NCCL group failed", self.rank, exc_info=True)
+        done = threading.Event()
+
+        def abort() -> None:
+            try:
+                self.group.abort()
+            except Exception:  # noqa: BLE001 - closing: say so, and go on closing
+                logger.warning("aborting rank %d's NCCL group failed", self.rank, exc_info=True)
+            done.set()
+
+        threading.Thread(target=abort, name=f"tp-abort-rank{self.rank}", daemon=True).start()
+        if not done.wait(ABORT_WAIT_S):
+            logger.warning(
+                "rank %d's NCCL group has not aborted after %.0f s (a rank that did not "
+                "abort with it?): left behind",
+                self.rank,
+                ABORT_WAIT_S,
+            )
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``tensor`` on every rank (in place)."""
