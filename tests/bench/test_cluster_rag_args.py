@@ -35,7 +35,7 @@ def test_overrides_reach_the_cluster_config(monkeypatch, model):
     assert cfg.engine.num_pages == 300 and cfg.engine.host_kv_gib == 0.5
     assert cfg.workers.count == 2 and cfg.engine.device == "cpu"
     plain = cluster_rag.cluster_config(parse(monkeypatch, "--model", str(model)), 2)
-    assert plain.engine.entry_reserve == 0.5  # the engine's default
+    assert plain.engine.entry_reserve is None  # the engine's default (resolved_entry_reserve)
 
 
 @pytest.mark.parametrize(

@@ -405,3 +405,18 @@ def test_reused_writes_keep_exact_reuse_through_host_memory_equal_to_plain_gener
         assert list(again.token_ids) == list(off.generate([used_twice], GREEDY)[0].token_ids)
     # "all" also wrote the other prompt's pages (4 full ones, and its output's)
     assert 5 <= written["reused"] <= written["all"] - 4, written
+
+
+def test_the_entry_reserve_defaults_to_none_beside_a_host_tier(tiny_qwen3):
+    """Without a tier, proven entries keep half the pool against new requests; with
+    one, an evicted entry comes back from host memory, so by default they keep none; a
+    reserve given is kept either way."""
+    config = dict(model_dir=str(tiny_qwen3), page_size=PAGE, num_pages=40, device="cpu")
+    reserved = {
+        (tier, reserve): Engine(
+            EngineConfig(**config, host_kv_gib=tier, entry_reserve=reserve)
+        ).pool.entry_reserve_pages
+        for tier in (0.0, TIER_GIB)
+        for reserve in (None, 0.25)
+    }
+    assert reserved == {(0.0, None): 20, (TIER_GIB, None): 0, (0.0, 0.25): 10, (TIER_GIB, 0.25): 10}

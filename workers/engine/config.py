@@ -114,11 +114,13 @@ class EngineConfig:
         "context, moved to position 0 (no second forward; repaired like any entry where "
         "it is placed); false: computed again after the entry context, in the background",
     )
-    entry_reserve: float = setting(
-        0.5,
+    entry_reserve: float | None = setting(
+        None,
         "approximate reuse: the share of the KV pool that entries placed at least once "
         "keep against new requests while others run (such a request waits for their "
-        "pages instead of evicting what saves most); 0: entries give way to any request",
+        "pages instead of evicting what saves most); 0: entries give way to any request; "
+        "null: 0.5 without a host KV tier, 0 with one (an entry evicted there comes back "
+        "from host memory, so holding it costs more than it saves)",
         ge=0,
         le=1,
     )
@@ -197,7 +199,7 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.pin_quota_tokens is not None and self.pin_quota_tokens < 0:
             raise ValueError(f"pin_quota_tokens must be >= 0, got {self.pin_quota_tokens}")
-        if not 0 <= self.entry_reserve <= 1:
+        if self.entry_reserve is not None and not 0 <= self.entry_reserve <= 1:
             raise ValueError(f"entry_reserve must be in [0, 1], got {self.entry_reserve}")
         if self.min_entry_tokens < 1:
             raise ValueError(f"min_entry_tokens must be >= 1, got {self.min_entry_tokens}")
@@ -215,6 +217,13 @@ class EngineConfig:
         if self.overlap_scheduling is None:
             return device.type == "cuda"
         return self.overlap_scheduling
+
+    def resolved_entry_reserve(self) -> float:
+        """``entry_reserve``, or where null its default: 0.5 of the pool without a host
+        tier, 0 with one (``bench/RESULTS.md``, "The entry reserve beside a host tier")."""
+        if self.entry_reserve is not None:
+            return self.entry_reserve
+        return 0.0 if self.host_kv_gib > 0 else 0.5
 
     def resolved_device(self) -> torch.device:
         if self.device is not None:

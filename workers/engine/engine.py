@@ -219,7 +219,8 @@ class Engine:
             )  # fmt: skip
         local = model.config  # this rank's heads and MLP columns
         num_pages = config.num_pages or self._auto_num_pages(local)
-        self.pool = KVPool(num_pages, config.page_size, int(config.entry_reserve * num_pages))
+        reserve = int(config.resolved_entry_reserve() * num_pages)
+        self.pool = KVPool(num_pages, config.page_size, reserve)
         self._tally = WorkloadTally()  # the pool counts entry evictions (``tally``)
         mc = self.model_config
         shape = AttentionShape(
