@@ -82,7 +82,7 @@ def measure(args: argparse.Namespace, world: int) -> dict:
         print(f"{world} rank(s): batch-1 step {one:.3f} ms", flush=True)
         many = decode_step_ms(engine, args.batch, args.context, args.steps)
     except BaseException:
-        traceback.print_exc()  # now: closing a broken group can take minutes
+        traceback.print_exc()  # now: closing a broken group can take ABORT_WAIT_S
         raise
     finally:
         engine.close()

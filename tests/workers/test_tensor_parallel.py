@@ -7,6 +7,7 @@ sending every operation to the other rank are all on the path."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -289,3 +290,32 @@ def test_closing_aborts_rank_0_while_the_other_ranks_abort(tmp_path):
     Followers(conns, processes, store=None).close(while_they_stop=rank_0_abort)
     assert met == [True]
     assert [p.exitcode for p in processes] == [0, 0]
+
+
+class _NcclGroupAsClosingSeesIt:
+    """Only what ``Shard.close`` uses of an NCCL group: its name, and an abort that
+    returns once ``others_aborted`` is set (the other ranks of the node)."""
+
+    def __init__(self) -> None:
+        self.others_aborted = threading.Event()
+
+    def name(self) -> str:
+        return "nccl"
+
+    def abort(self) -> None:
+        self.others_aborted.wait()
+
+
+def test_an_abort_no_other_rank_meets_is_left_behind_and_closing_ends(monkeypatch, caplog):
+    import workers.engine.tp.shard as shard_module
+
+    monkeypatch.setattr(shard_module, "ABORT_WAIT_S", 0.2)
+    met, alone = _NcclGroupAsClosingSeesIt(), _NcclGroupAsClosingSeesIt()
+    met.others_aborted.set()
+    try:
+        assert Shard(0, 2, met).close() is True
+        assert "left behind" not in caplog.text
+        assert Shard(0, 2, alone).close() is False
+        assert "rank 0's NCCL group has not aborted" in caplog.text
+    finally:
+        alone.others_aborted.set()  # the thread left behind ends

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import pickle
 import signal
 import traceback
@@ -67,8 +68,11 @@ def follow(conn: Connection, config, rank: int, world: int, port: int, threads: 
             pass  # rank 0 is gone: the log has it
         raise SystemExit(1) from None
     finally:
-        if runner is not None:
-            runner.shard.close()
+        if runner is not None and not runner.shard.close():
+            # its abort is still running: an interpreter teardown beside it could
+            # hang, and with rank 0 gone nothing would end this process
+            logging.shutdown()
+            os._exit(1)
 
 
 class _Follower:

@@ -17,10 +17,10 @@ fails while starting fails the engine with its traceback.
 Lifetime: the other ranks exit when rank 0 closes their pipes (``Followers.close``) or
 when its process is gone (their pipe's end reads EOF), and they are daemonic children;
 each aborts its end of an NCCL group on the way out, and rank 0 aborts its own while
-they do (NCCL's abort returns once every rank of a node has aborted). A rank that fails later reports
-why on its pipe and exits; rank 0's next send or collective then fails (the group's
-timeout, ``GROUP_TIMEOUT``, bounds it), so the worker fails as a whole and is
-restarted with all its ranks.
+they do (NCCL's abort returns once every rank of a node has aborted). A rank that fails
+later reports why on its pipe and exits; rank 0's next send or collective then fails
+(the group's timeout, ``GROUP_TIMEOUT``, bounds it), so the worker fails as a whole and
+is restarted with all its ranks.
 """
 
 from __future__ import annotations
@@ -207,12 +207,14 @@ class Followers:
                 conn.close()
             except OSError:
                 pass
-        if while_they_stop is not None:
-            while_they_stop()
-        for process in self._processes:
-            process.join(timeout=STOP_TIMEOUT_S)
-            if process.is_alive():
-                process.terminate()
+        try:
+            if while_they_stop is not None:
+                while_they_stop()
+        finally:
+            for process in self._processes:
+                process.join(timeout=STOP_TIMEOUT_S)
+                if process.is_alive():
+                    process.terminate()
 
 
 class MirroredCopier:

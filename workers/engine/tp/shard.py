@@ -123,16 +123,18 @@ class Shard:
         by_rank = gathered.view(self.world, rows, per).permute(1, 0, 2)
         return by_rank.reshape(rows, self.world * per)[:, :vocab_size]
 
-    def close(self) -> None:
+    def close(self) -> bool:
         """Release the group (NCCL's ``abort``, so no destructor waits for ranks that
-        exited; gloo's needs nothing).
+        exited; gloo's needs nothing); False where the abort was left behind.
 
         NCCL's abort frees memory the ranks of a node share, so it returns once every
         rank of the node aborts: each rank calls this while the others do
         (``Followers.close``). Where a rank is gone and never will, the abort is left
-        behind after ``ABORT_WAIT_S`` with a warning, so that closing ends."""
+        behind after ``ABORT_WAIT_S`` with a warning, so that closing ends; the group's
+        heartbeat monitor may then end the process minutes later, so a process left so
+        should be restarted (the other ranks exit at once: ``tp.follower``)."""
         if not self.parallel or self.group.name() != "nccl":
-            return
+            return True
         done = threading.Event()
 
         def abort() -> None:
@@ -140,16 +142,20 @@ class Shard:
                 self.group.abort()
             except Exception:  # noqa: BLE001 - closing: say so, and go on closing
                 logger.warning("aborting rank %d's NCCL group failed", self.rank, exc_info=True)
-            done.set()
+            finally:
+                done.set()
 
         threading.Thread(target=abort, name=f"tp-abort-rank{self.rank}", daemon=True).start()
-        if not done.wait(ABORT_WAIT_S):
-            logger.warning(
-                "rank %d's NCCL group has not aborted after %.0f s (a rank that did not "
-                "abort with it?): left behind",
-                self.rank,
-                ABORT_WAIT_S,
-            )
+        if done.wait(ABORT_WAIT_S):
+            return True
+        logger.warning(
+            "rank %d's NCCL group has not aborted after %.0f s (a rank that did not abort "
+            "with it?): left behind; NCCL's heartbeat monitor may end this process within "
+            "minutes, so restart it",
+            self.rank,
+            ABORT_WAIT_S,
+        )
+        return False
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``tensor`` on every rank (in place)."""
