@@ -407,7 +407,7 @@ def test_reused_writes_keep_exact_reuse_through_host_memory_equal_to_plain_gener
     assert 5 <= written["reused"] <= written["all"] - 4, written
 
 
-def test_the_entry_reserve_defaults_to_none_beside_a_host_tier(tiny_qwen3):
+def test_the_entry_reserve_defaults_to_0_beside_a_host_tier(tiny_qwen3):
     """Without a tier, proven entries keep half the pool against new requests; with
     one, an evicted entry comes back from host memory, so by default they keep none; a
     reserve given is kept either way."""

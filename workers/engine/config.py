@@ -120,7 +120,8 @@ class EngineConfig:
         "keep against new requests while others run (such a request waits for their "
         "pages instead of evicting what saves most); 0: entries give way to any request; "
         "null: 0.5 without a host KV tier, 0 with one (an entry evicted there comes back "
-        "from host memory, so holding it costs more than it saves)",
+        "from host memory, so holding it costs more than it saves; with a tier far "
+        "smaller than the entries in use, set it)",
         ge=0,
         le=1,
     )
