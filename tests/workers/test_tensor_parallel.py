@@ -8,12 +8,12 @@ sending every operation to the other rank are all on the path."""
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
 import torch
 
+from tests.chunkstore.testkit import wait_until
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.models.config import ModelConfig
@@ -238,15 +238,6 @@ def test_a_rank_that_fails_to_start_fails_the_engine_with_its_reason(tiny_qwen3)
         _engine(tiny_qwen3, 2, cpu_kv_cache_bytes=1)
 
 
-def _wait_for(path, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def _rank_that_aborts_with_rank_0(conn, rank: int, folder) -> None:
     """A rank other than 0 as closing sees it: on its pipe's EOF it aborts its end of
     the group, which (as NCCL's abort does within a node) returns once rank 0 aborts
@@ -257,7 +248,7 @@ def _rank_that_aborts_with_rank_0(conn, rank: int, folder) -> None:
     except EOFError:
         pass
     (folder / f"aborting{rank}").touch()
-    raise SystemExit(0 if _wait_for(folder / "aborting0", 30) else 3)
+    raise SystemExit(0 if wait_until((folder / "aborting0").exists, 30) else 3)
 
 
 @pytest.mark.integration  # ranks are processes
@@ -285,7 +276,7 @@ def test_closing_aborts_rank_0_while_the_other_ranks_abort(tmp_path):
 
     def rank_0_abort() -> None:  # returns once every other rank aborts as well
         (tmp_path / "aborting0").touch()
-        met.append(all(_wait_for(tmp_path / f"aborting{rank}", 60) for rank in (1, 2)))
+        met.append(all(wait_until((tmp_path / f"aborting{rank}").exists, 60) for rank in (1, 2)))
 
     Followers(conns, processes, store=None).close(while_they_stop=rank_0_abort)
     assert met == [True]
